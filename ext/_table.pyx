@@ -1,0 +1,1040 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The shared IP → pod → credentials table: one writer, many lock-free readers.
+
+The control process is the only writer; server workers (other processes) read it on every
+request.  Each IP slot and each credential/aux blob has its own 64-bit seqlock (see
+ext/kf_atomics.h for the ordering).  Readers copy, then validate; they never follow an offset
+or length they have not clamped, never block the writer and give up after a bounded number
+of tries (BUSY).  The layout lives in ext/kf_table.h; docs/architecture.md describes it.
+
+This module must never allocate on the reader's success path beyond the result tuple, and
+never take a lock or make a syscall there.
+"""
+
+from libc.stdint cimport uint8_t, uint32_t, int32_t, uint64_t
+from libc.string cimport memcpy, memset, memcmp
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAILED
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_CheckExact
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
+
+import os
+import socket
+
+cdef extern from "kf_atomics.h" nogil:
+    uint64_t kf_load_acquire_u64(const uint64_t *p)
+    uint64_t kf_load_relaxed_u64(const uint64_t *p)
+    void kf_store_release_u64(uint64_t *p, uint64_t v)
+    void kf_store_relaxed_u64(uint64_t *p, uint64_t v)
+    uint64_t kf_add_relaxed_u64(uint64_t *p, uint64_t v)
+    uint64_t kf_add_release_u64(uint64_t *p, uint64_t v)
+    uint32_t kf_load_acquire_u32(const uint32_t *p)
+    void kf_store_release_u32(uint32_t *p, uint32_t v)
+    int32_t kf_load_acquire_i32(const int32_t *p)
+    void kf_store_release_i32(int32_t *p, int32_t v)
+    void kf_fence_acquire()
+    void kf_fence_release()
+    void kf_cpu_relax()
+    double kf_now()
+    uint64_t kf_now_ns_monotonic()
+    uint64_t kf_mix64(uint64_t x)
+
+cdef extern from "kf_table.h" nogil:
+    uint64_t KF_MAGIC
+    uint32_t KF_LAYOUT_VERSION
+    int KF_UID_MAX
+    int KF_MAX_PARTS
+    int KF_COUNTERS_PER_WORKER
+    int KF_SLOT_EMPTY, KF_SLOT_LIVE, KF_SLOT_TOMBSTONE
+
+    ctypedef struct kf_header:
+        uint64_t magic
+        uint32_t layout_version
+        uint32_t ip_capacity
+        uint32_t cred_capacity
+        uint32_t value_size
+        uint32_t aux_count
+        uint32_t aux_size
+        uint32_t max_workers
+        uint32_t counters_per_worker
+        uint64_t ip_offset, cred_offset, aux_offset, counters_offset, total_size
+        uint64_t generation
+        uint64_t index_seq
+        uint32_t synced, ready
+        uint32_t pending_pods
+        int32_t default_cred_slot
+        uint64_t writer_pid
+        uint64_t heartbeat_ns
+        uint32_t ip_live, ip_tombstones
+
+    ctypedef struct kf_ip_slot:
+        uint64_t seq
+        uint64_t key[2]
+        uint32_t used
+        uint32_t pod_state
+        int32_t cred_slot
+        uint32_t uid_len
+        uint8_t uid[64]
+
+    ctypedef struct kf_blob_head:
+        uint64_t seq
+        uint32_t state
+        uint32_t value_len
+        double serve_until
+        uint64_t writes
+
+
+# ---- public constants (re-exported by kiamfast.table) -------------------------------------
+
+# lookup() statuses
+cpdef enum:
+    MISS = 0
+    BUSY = 1
+    NO_ROLE = 2
+    DENIED = 3
+    PENDING = 4
+    READY = 5
+    EXPIRED = 6
+    ERROR = 7
+    MISMATCH = 8
+    TOO_SMALL = 9
+
+STATUS_NAMES = ("MISS", "BUSY", "NO_ROLE", "DENIED", "PENDING", "READY", "EXPIRED", "ERROR",
+                "MISMATCH", "TOO_SMALL")
+
+# pod states stored in an IP slot
+cpdef enum:
+    POD_ROLE = 1
+    POD_NO_ROLE = 2
+    POD_DENIED = 3
+
+# credential slot states
+cpdef enum:
+    CRED_EMPTY = 0
+    CRED_PENDING = 1
+    CRED_READY = 2
+    CRED_ERROR = 3
+
+# credential value parts (docs/architecture.md)
+PART_NAMES = 0
+PART_LISTING = 1
+PART_DOCUMENT = 2
+PART_EXT_DOCUMENT = 3
+PART_INFO = 4
+
+LAYOUT_VERSION = KF_LAYOUT_VERSION
+COUNTERS_PER_WORKER = KF_COUNTERS_PER_WORKER
+UID_MAX = KF_UID_MAX
+MAX_PARTS = KF_MAX_PARTS
+
+DEF READ_TRIES = 64          # bounded reader retries before BUSY
+DEF NAME_BUF = 1024          # accepted-names part copied for `match`
+DEF MAX_LOAD_NUM = 3         # live + tombstones <= 3/4 of capacity
+DEF MAX_LOAD_DEN = 4
+
+
+class TableError(Exception):
+    """Base class of every table error."""
+
+
+class TableLayoutError(TableError):
+    """The file is not a kiamfast table of this layout version (or is truncated)."""
+
+
+class TableFull(TableError):
+    """No free IP slot (the table holds at most 3/4 of its capacity)."""
+
+
+class ValueTooLarge(TableError):
+    """The parts do not fit in a credential or aux slot."""
+
+
+cdef inline bint key_eq(const uint64_t *a, const uint64_t *b) noexcept nogil:
+    return a[0] == b[0] and a[1] == b[1]
+
+
+cdef inline uint64_t key_hash(const uint64_t *k) noexcept nogil:
+    return kf_mix64(k[0] ^ kf_mix64(k[1]))
+
+
+cdef inline uint64_t round64(uint64_t n) noexcept nogil:
+    return (n + 63) & ~(<uint64_t>63)
+
+
+def ip_key(ip):
+    """The 16-byte table key of an address: IPv6 as is, IPv4 as ::ffff:a.b.c.d."""
+    if isinstance(ip, bytes):
+        if len(ip) == 16:
+            return ip
+        if len(ip) == 4:
+            return b"\x00" * 10 + b"\xff\xff" + ip
+        raise ValueError(f"a packed address has 4 or 16 bytes, not {len(ip)}")
+    if not isinstance(ip, str):
+        raise TypeError(f"address must be str or bytes, not {type(ip).__name__}")
+    try:
+        if ":" in ip:
+            return socket.inet_pton(socket.AF_INET6, ip.split("%", 1)[0])
+        return b"\x00" * 10 + b"\xff\xff" + socket.inet_pton(socket.AF_INET, ip)
+    except OSError:
+        raise ValueError(f"not an IP address: {ip!r}") from None
+
+
+def key_ip(key):
+    """The text form of a 16-byte key (IPv4-mapped keys as dotted quads)."""
+    if len(key) != 16:
+        raise ValueError("a key has 16 bytes")
+    if key[:12] == b"\x00" * 10 + b"\xff\xff":
+        return socket.inet_ntop(socket.AF_INET, key[12:])
+    return socket.inet_ntop(socket.AF_INET6, key)
+
+
+cdef class Table:
+    """A mapped table.  Create it once (supervisor), attach from every process."""
+
+    cdef uint8_t *base
+    cdef size_t size
+    cdef kf_header *hdr
+    cdef kf_ip_slot *ips
+    cdef uint8_t *creds
+    cdef uint8_t *aux
+    cdef uint64_t *counters
+    cdef uint32_t ip_mask
+    cdef uint64_t cred_stride
+    cdef uint64_t aux_stride
+    cdef readonly str path
+    cdef readonly bint writer
+    cdef public int repaired
+
+    def __cinit__(self):
+        self.base = NULL
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+    # ---- creation and attachment ------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path, *, ip_capacity=1024, cred_capacity=512, value_size=16384,
+               aux_count=4, aux_size=1 << 20, max_workers=64):
+        """Create (or replace) the table file at `path` and map it as the writer."""
+        if ip_capacity < 8 or ip_capacity & (ip_capacity - 1):
+            raise ValueError("ip_capacity must be a power of two >= 8")
+        if cred_capacity < 1 or aux_count < 0 or max_workers < 1:
+            raise ValueError("cred_capacity and max_workers must be >= 1, aux_count >= 0")
+        if value_size < 256 or aux_size < 64:
+            raise ValueError("value_size must be >= 256 and aux_size >= 64")
+        cdef uint64_t vsize = round64(value_size), asize = round64(aux_size)
+        cdef uint64_t ip_off = 4096
+        cdef uint64_t cred_off = ip_off + <uint64_t>ip_capacity * sizeof(kf_ip_slot)
+        cdef uint64_t aux_off = round64(cred_off + <uint64_t>cred_capacity * (64 + vsize))
+        cdef uint64_t cnt_off = round64(aux_off + <uint64_t>aux_count * (64 + asize))
+        cdef uint64_t total = cnt_off + <uint64_t>max_workers * KF_COUNTERS_PER_WORKER * 8
+        total = (total + 4095) & ~(<uint64_t>4095)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            t = cls._map(fd, total, tmp, True)
+        finally:
+            os.close(fd)
+        cdef Table tt = t
+        cdef kf_header *h = tt.hdr
+        h.layout_version = KF_LAYOUT_VERSION
+        h.ip_capacity = ip_capacity
+        h.cred_capacity = cred_capacity
+        h.value_size = vsize
+        h.aux_count = aux_count
+        h.aux_size = asize
+        h.max_workers = max_workers
+        h.counters_per_worker = KF_COUNTERS_PER_WORKER
+        h.ip_offset, h.cred_offset, h.aux_offset, h.counters_offset = ip_off, cred_off, aux_off, cnt_off
+        h.total_size = total
+        h.default_cred_slot = -1
+        h.writer_pid = os.getpid()
+        kf_store_release_u64(&h.magic, KF_MAGIC)     # last: a half-made file never validates
+        tt._bind()
+        os.rename(tmp, path)                         # readers never see a half-made table
+        tt.path = os.fspath(path)
+        return tt
+
+    @classmethod
+    def attach(cls, path, *, writer=False):
+        """Map an existing table; `writer=True` repairs slots a dead writer left half-written."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise TableLayoutError(f"no table at {path}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 4096:
+                raise TableLayoutError(f"{path} is too small to be a kiamfast table ({size} bytes)")
+            t = cls._map(fd, size, path, writer)
+        finally:
+            os.close(fd)
+        cdef Table tt = t
+        cdef kf_header *h = tt.hdr
+        if kf_load_acquire_u64(&h.magic) != KF_MAGIC:
+            raise TableLayoutError(f"{path} is not a kiamfast table (bad magic)")
+        if h.layout_version != KF_LAYOUT_VERSION:
+            raise TableLayoutError(
+                f"{path} has table layout {h.layout_version}, this kiamfast reads {KF_LAYOUT_VERSION}")
+        if h.total_size != size or h.counters_offset + <uint64_t>h.max_workers * KF_COUNTERS_PER_WORKER * 8 > size:
+            raise TableLayoutError(f"{path} is truncated or inconsistent")
+        if h.ip_capacity < 8 or h.ip_capacity & (h.ip_capacity - 1):
+            raise TableLayoutError(f"{path} has a bad IP capacity")
+        tt._bind()
+        if writer:
+            tt._repair()
+            h.writer_pid = os.getpid()
+        return tt
+
+    @classmethod
+    def _map(cls, fd, size, path, writer):
+        cdef Table t = cls.__new__(cls)
+        cdef void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(f"mmap of {path} failed")
+        t.base = <uint8_t *>p
+        t.size = size
+        t.hdr = <kf_header *>p
+        t.path = os.fspath(path)
+        t.writer = writer
+        return t
+
+    cdef _bind(self):
+        cdef kf_header *h = self.hdr
+        self.ips = <kf_ip_slot *>(self.base + h.ip_offset)
+        self.creds = self.base + h.cred_offset
+        self.aux = self.base + h.aux_offset
+        self.counters = <uint64_t *>(self.base + h.counters_offset)
+        self.ip_mask = h.ip_capacity - 1
+        self.cred_stride = 64 + h.value_size
+        self.aux_stride = 64 + h.aux_size
+
+    def close(self):
+        if self.base != NULL:
+            munmap(self.base, self.size)
+            self.base = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    cdef inline void _check_open(self) except *:
+        if self.base == NULL:
+            raise TableError("table is closed")
+
+    cdef inline void _check_writer(self) except *:
+        if self.base == NULL:
+            raise TableError("table is closed")
+        if not self.writer:
+            raise TableError("this process attached the table read-only")
+
+    # ---- header --------------------------------------------------------------------------
+
+    @property
+    def generation(self):
+        self._check_open()
+        return kf_load_acquire_u64(&self.hdr.generation)
+
+    @property
+    def synced(self):
+        self._check_open()
+        return bool(kf_load_acquire_u32(&self.hdr.synced))
+
+    @property
+    def ready(self):
+        self._check_open()
+        return bool(kf_load_acquire_u32(&self.hdr.ready))
+
+    @property
+    def pending_pods(self):
+        self._check_open()
+        return kf_load_acquire_u32(&self.hdr.pending_pods)
+
+    @property
+    def default_cred_slot(self):
+        self._check_open()
+        return kf_load_acquire_i32(&self.hdr.default_cred_slot)
+
+    @property
+    def writer_pid(self):
+        self._check_open()
+        return self.hdr.writer_pid
+
+    @property
+    def heartbeat_age(self):
+        """Seconds since the writer's last heartbeat (monotonic clock; None if never)."""
+        self._check_open()
+        cdef uint64_t hb = kf_load_acquire_u64(&self.hdr.heartbeat_ns)
+        if hb == 0:
+            return None
+        return (kf_now_ns_monotonic() - hb) / 1e9
+
+    @property
+    def layout(self):
+        self._check_open()
+        h = self.hdr
+        return {"ip_capacity": h.ip_capacity, "cred_capacity": h.cred_capacity,
+                "value_size": h.value_size, "aux_count": h.aux_count, "aux_size": h.aux_size,
+                "max_workers": h.max_workers, "counters_per_worker": h.counters_per_worker,
+                "total_size": h.total_size}
+
+    cdef inline void _commit(self) noexcept nogil:
+        kf_add_release_u64(&self.hdr.generation, 1)
+
+    def set_status(self, *, synced=None, ready=None, pending_pods=None, default_cred_slot=None):
+        """Publish the control process's status words, then bump the generation."""
+        self._check_writer()
+        if default_cred_slot is not None:
+            if default_cred_slot != -1 and not 0 <= default_cred_slot < self.hdr.cred_capacity:
+                raise IndexError(f"credential slot {default_cred_slot} out of range")
+            kf_store_release_i32(&self.hdr.default_cred_slot, default_cred_slot)
+        if pending_pods is not None:
+            kf_store_release_u32(&self.hdr.pending_pods, max(0, min(int(pending_pods), 0xFFFFFFFF)))
+        if synced is not None:
+            kf_store_release_u32(&self.hdr.synced, 1 if synced else 0)
+        if ready is not None:
+            kf_store_release_u32(&self.hdr.ready, 1 if ready else 0)
+        self._commit()
+
+    def heartbeat(self):
+        self._check_writer()
+        kf_store_release_u64(&self.hdr.heartbeat_ns, kf_now_ns_monotonic())
+
+    def bump(self):
+        """Bump the generation without a change (wakes waiters that re-check the clock)."""
+        self._check_writer()
+        self._commit()
+
+    # ---- IP slots: writer ------------------------------------------------------------------
+
+    cdef inline void _slot_begin(self, uint64_t *seq) noexcept nogil:
+        cdef uint64_t s = kf_load_relaxed_u64(seq)
+        kf_store_relaxed_u64(seq, s + 1)
+        kf_fence_release()
+
+    cdef inline void _slot_end(self, uint64_t *seq) noexcept nogil:
+        cdef uint64_t s = kf_load_relaxed_u64(seq)
+        kf_store_release_u64(seq, s + 1)
+
+    cdef int _find(self, const uint64_t *key, int *free_at) noexcept nogil:
+        """Writer-side probe: index of the live slot holding `key`, or -1 (free_at = first
+        reusable slot on the probe path, or -1 when the table has no room)."""
+        cdef uint32_t i = <uint32_t>(key_hash(key) & self.ip_mask)
+        cdef uint32_t n
+        cdef kf_ip_slot *s
+        free_at[0] = -1
+        for n in range(self.hdr.ip_capacity):
+            s = &self.ips[i]
+            if s.used == KF_SLOT_EMPTY:
+                if free_at[0] < 0:
+                    free_at[0] = i
+                return -1
+            if s.used == KF_SLOT_LIVE and key_eq(s.key, key):
+                return i
+            if s.used == KF_SLOT_TOMBSTONE and free_at[0] < 0:
+                free_at[0] = i
+            i = (i + 1) & self.ip_mask
+        return -1
+
+    cdef _compact(self):
+        """Rebuild the index without tombstones.  Readers see index_seq odd and retry."""
+        cdef kf_header *h = self.hdr
+        cdef uint32_t cap = h.ip_capacity, i, j
+        live = []
+        for i in range(cap):
+            if self.ips[i].used == KF_SLOT_LIVE:
+                live.append(PyBytes_FromStringAndSize(<char *>&self.ips[i], sizeof(kf_ip_slot)))
+        self._slot_begin(&h.index_seq)
+        for i in range(cap):
+            self._slot_begin(&self.ips[i].seq)
+            self.ips[i].used = KF_SLOT_EMPTY
+            self._slot_end(&self.ips[i].seq)
+        cdef const kf_ip_slot *src
+        for raw in live:
+            src = <const kf_ip_slot *>PyBytes_AS_STRING(raw)
+            j = <uint32_t>(key_hash(src.key) & self.ip_mask)
+            while self.ips[j].used != KF_SLOT_EMPTY:
+                j = (j + 1) & self.ip_mask
+            self._slot_begin(&self.ips[j].seq)
+            self.ips[j].key[0] = src.key[0]
+            self.ips[j].key[1] = src.key[1]
+            self.ips[j].pod_state = src.pod_state
+            self.ips[j].cred_slot = src.cred_slot
+            self.ips[j].uid_len = src.uid_len
+            memcpy(self.ips[j].uid, src.uid, KF_UID_MAX)
+            self.ips[j].used = KF_SLOT_LIVE
+            self._slot_end(&self.ips[j].seq)
+        h.ip_live = len(live)
+        h.ip_tombstones = 0
+        self._slot_end(&h.index_seq)
+
+    def claim_ip(self, ip, pod_uid, int pod_state, int cred_slot=-1):
+        """Make `pod_uid` the owner of `ip` (moving it from any previous owner in one write)."""
+        self._check_writer()
+        key_b = ip_key(ip)
+        uid_b = pod_uid.encode() if isinstance(pod_uid, str) else bytes(pod_uid)
+        if not 0 < len(uid_b) <= KF_UID_MAX:
+            raise ValueError(f"pod UID must be 1..{KF_UID_MAX} bytes")
+        if pod_state not in (POD_ROLE, POD_NO_ROLE, POD_DENIED):
+            raise ValueError(f"bad pod state {pod_state}")
+        if pod_state == POD_ROLE and not 0 <= cred_slot < self.hdr.cred_capacity:
+            raise IndexError(f"credential slot {cred_slot} out of range")
+        if pod_state != POD_ROLE:
+            cred_slot = -1
+        cdef const uint64_t *key = <const uint64_t *>PyBytes_AS_STRING(key_b)
+        cdef int free_at
+        cdef int at = self._find(key, &free_at)
+        cdef kf_header *h = self.hdr
+        cdef bint fresh = at < 0
+        if fresh:
+            if (h.ip_live + h.ip_tombstones + 1) * MAX_LOAD_DEN > h.ip_capacity * MAX_LOAD_NUM:
+                if (h.ip_live + 1) * MAX_LOAD_DEN > h.ip_capacity * MAX_LOAD_NUM:
+                    raise TableFull(f"the table holds at most {h.ip_capacity * 3 // 4} addresses")
+                self._compact()
+                self._find(key, &free_at)
+            at = free_at
+        cdef kf_ip_slot *s = &self.ips[at]
+        if fresh and s.used == KF_SLOT_TOMBSTONE:
+            h.ip_tombstones -= 1
+        self._slot_begin(&s.seq)
+        s.key[0] = key[0]
+        s.key[1] = key[1]
+        s.pod_state = pod_state
+        s.cred_slot = cred_slot
+        memset(s.uid, 0, KF_UID_MAX)
+        memcpy(s.uid, PyBytes_AS_STRING(uid_b), len(uid_b))
+        s.uid_len = len(uid_b)
+        s.used = KF_SLOT_LIVE
+        self._slot_end(&s.seq)
+        if fresh:
+            h.ip_live += 1
+        self._commit()
+
+    def release_ip(self, ip, pod_uid):
+        """Forget `ip` only if its slot still names `pod_uid` (a late delete never removes a
+        newer owner).  Returns whether anything was released."""
+        self._check_writer()
+        key_b = ip_key(ip)
+        uid_b = pod_uid.encode() if isinstance(pod_uid, str) else bytes(pod_uid)
+        cdef const uint64_t *key = <const uint64_t *>PyBytes_AS_STRING(key_b)
+        cdef int free_at
+        cdef int at = self._find(key, &free_at)
+        if at < 0:
+            return False
+        cdef kf_ip_slot *s = &self.ips[at]
+        if s.uid_len != len(uid_b) or memcmp(s.uid, PyBytes_AS_STRING(uid_b), s.uid_len) != 0:
+            return False
+        self._slot_begin(&s.seq)
+        s.used = KF_SLOT_TOMBSTONE
+        self._slot_end(&s.seq)
+        self.hdr.ip_live -= 1
+        self.hdr.ip_tombstones += 1
+        self._commit()
+        return True
+
+    # ---- blobs (credential slots and aux): writer ---------------------------------------------
+
+    cdef inline kf_blob_head *_cred(self, uint32_t slot) noexcept nogil:
+        return <kf_blob_head *>(self.creds + <uint64_t>slot * self.cred_stride)
+
+    cdef inline kf_blob_head *_aux(self, uint32_t index) noexcept nogil:
+        return <kf_blob_head *>(self.aux + <uint64_t>index * self.aux_stride)
+
+    cdef void _write_blob(self, kf_blob_head *b, uint32_t capacity, list parts, uint32_t state,
+                          double serve_until) except *:
+        cdef Py_ssize_t n = len(parts)
+        if n > KF_MAX_PARTS:
+            raise ValueError(f"at most {KF_MAX_PARTS} parts")
+        cdef uint64_t total = 4 + 8 * n
+        for p in parts:
+            if not isinstance(p, bytes):
+                raise TypeError("parts must be bytes")
+            total += PyBytes_GET_SIZE(p)
+        if total > capacity:
+            raise ValueTooLarge(f"{total} bytes do not fit in a slot of {capacity}")
+        cdef uint8_t *v = <uint8_t *>b + 64
+        cdef uint32_t off = 4 + 8 * n, ln
+        cdef Py_ssize_t i
+        self._slot_begin(&b.seq)
+        (<uint32_t *>v)[0] = n
+        for i in range(n):
+            p = parts[i]
+            ln = PyBytes_GET_SIZE(p)
+            (<uint32_t *>(v + 4 + 8 * i))[0] = off
+            (<uint32_t *>(v + 8 + 8 * i))[0] = ln
+            memcpy(v + off, PyBytes_AS_STRING(p), ln)
+            off += ln
+        b.value_len = off
+        b.state = state
+        b.serve_until = serve_until
+        b.writes += 1
+        self._slot_end(&b.seq)
+        self._commit()
+
+    cdef inline uint32_t _check_slot(self, slot) except? 0:
+        if not 0 <= slot < self.hdr.cred_capacity:
+            raise IndexError(f"credential slot {slot} out of range 0..{self.hdr.cred_capacity - 1}")
+        return slot
+
+    def write_cred(self, slot, parts, *, double serve_until, int state=CRED_READY):
+        """Publish a credential slot's parts (a list of bytes; see PART_*)."""
+        self._check_writer()
+        if state not in (CRED_EMPTY, CRED_PENDING, CRED_READY, CRED_ERROR):
+            raise ValueError(f"bad credential state {state}")
+        self._check_slot(slot)
+        self._write_blob(self._cred(slot), self.hdr.value_size, list(parts), state, serve_until)
+
+    def set_cred_state(self, slot, int state, serve_until=None):
+        """Change a slot's state (and optionally its deadline), keeping its parts."""
+        self._check_writer()
+        if state not in (CRED_EMPTY, CRED_PENDING, CRED_READY, CRED_ERROR):
+            raise ValueError(f"bad credential state {state}")
+        cdef kf_blob_head *b = self._cred(self._check_slot(slot))
+        self._slot_begin(&b.seq)
+        b.state = state
+        if serve_until is not None:
+            b.serve_until = serve_until
+        self._slot_end(&b.seq)
+        self._commit()
+
+    def clear_cred(self, slot):
+        self._check_writer()
+        cdef kf_blob_head *b = self._cred(self._check_slot(slot))
+        self._slot_begin(&b.seq)
+        b.state = CRED_EMPTY
+        b.value_len = 0
+        b.serve_until = 0
+        (<uint32_t *>(<uint8_t *>b + 64))[0] = 0
+        self._slot_end(&b.seq)
+        self._commit()
+
+    def write_aux(self, index, data):
+        """Publish an aux blob (metrics text, debug JSON, health result)."""
+        self._check_writer()
+        if not 0 <= index < self.hdr.aux_count:
+            raise IndexError(f"aux index {index} out of range")
+        self._write_blob(self._aux(index), self.hdr.aux_size, [bytes(data)], CRED_READY, 0.0)
+
+    # ---- readers -------------------------------------------------------------------------------
+
+    cdef int _read_ip(self, const uint64_t *key, kf_ip_slot *out, uint32_t *index) noexcept nogil:
+        """Consistent copy of the live slot for `key` (its seq in out.seq, its position in
+        `index`): READY, MISS or BUSY."""
+        cdef uint64_t g0, g1, s0, s1
+        cdef uint32_t i, n, used
+        cdef int tries = 0
+        cdef kf_ip_slot *s
+        cdef uint64_t k0, k1
+        while tries < READ_TRIES:
+            tries += 1
+            g0 = kf_load_acquire_u64(&self.hdr.index_seq)
+            if g0 & 1:
+                kf_cpu_relax()
+                continue
+            i = <uint32_t>(key_hash(key) & self.ip_mask)
+            for n in range(self.hdr.ip_capacity):
+                s = &self.ips[i]
+                while True:
+                    s0 = kf_load_acquire_u64(&s.seq)
+                    if s0 & 1:
+                        if tries >= READ_TRIES:
+                            return BUSY
+                        tries += 1
+                        kf_cpu_relax()
+                        continue
+                    used = s.used
+                    k0 = s.key[0]
+                    k1 = s.key[1]
+                    if used == KF_SLOT_LIVE and k0 == key[0] and k1 == key[1]:
+                        memcpy(out, s, sizeof(kf_ip_slot))
+                    kf_fence_acquire()
+                    s1 = kf_load_relaxed_u64(&s.seq)
+                    if s0 == s1:
+                        break
+                    if tries >= READ_TRIES:
+                        return BUSY
+                    tries += 1
+                if used == KF_SLOT_EMPTY:
+                    break
+                if used == KF_SLOT_LIVE and k0 == key[0] and k1 == key[1]:
+                    out.seq = s0
+                    index[0] = i
+                    return READY
+                i = (i + 1) & self.ip_mask
+            # A miss is only trusted if the index was not compacted under us.
+            kf_fence_acquire()
+            g1 = kf_load_relaxed_u64(&self.hdr.index_seq)
+            if g0 == g1:
+                return MISS
+        return BUSY
+
+    cdef int _read_blob(self, kf_blob_head *b, uint32_t capacity, int part, char *out,
+                        Py_ssize_t out_len, const char *match, Py_ssize_t match_len,
+                        Py_ssize_t *n_out, uint32_t *state_out, double *until_out) noexcept nogil:
+        """Consistent copy of one part of a blob: READY (copied), MISMATCH, TOO_SMALL or BUSY;
+        state_out/until_out receive the slot's state and deadline."""
+        cdef uint64_t s0, s1
+        cdef uint8_t *v = <uint8_t *>b + 64
+        cdef uint32_t nparts, off, ln, noff, nln, state
+        cdef double until
+        cdef int tries, result
+        cdef char names[NAME_BUF]
+        cdef Py_ssize_t k, start
+        for tries in range(READ_TRIES):
+            s0 = kf_load_acquire_u64(&b.seq)
+            if s0 & 1:
+                kf_cpu_relax()
+                continue
+            result = READY
+            state = b.state
+            until = b.serve_until
+            nparts = (<uint32_t *>v)[0]
+            if nparts > <uint32_t>KF_MAX_PARTS:
+                nparts = 0
+            ln = 0
+            off = 0
+            nln = 0
+            if <uint32_t>part < nparts:
+                off = (<uint32_t *>(v + 4 + 8 * part))[0]
+                ln = (<uint32_t *>(v + 8 + 8 * part))[0]
+                # clamp before use: the copy is not validated yet
+                if off > capacity:
+                    off = capacity
+                if ln > capacity - off:
+                    ln = capacity - off
+                if ln > out_len:
+                    result = TOO_SMALL
+                else:
+                    memcpy(out, v + off, ln)
+            if match != NULL and nparts > 0:
+                noff = (<uint32_t *>(v + 4))[0]
+                nln = (<uint32_t *>(v + 8))[0]
+                if noff > capacity:
+                    noff = capacity
+                if nln > capacity - noff:
+                    nln = capacity - noff
+                if nln > NAME_BUF:
+                    nln = NAME_BUF
+                memcpy(names, v + noff, nln)
+            kf_fence_acquire()
+            s1 = kf_load_relaxed_u64(&b.seq)
+            if s0 != s1:
+                continue
+            # the copy is consistent from here on
+            state_out[0] = state
+            until_out[0] = until
+            if <uint32_t>part >= nparts:
+                n_out[0] = 0
+                return MISMATCH if state == CRED_READY else READY
+            if match != NULL:
+                if nparts == 0:
+                    return MISMATCH
+                start = 0
+                result = MISMATCH if result == READY else result
+                for k in range(nln + 1):
+                    if k == nln or names[k] == b'\n':
+                        if k - start == match_len and memcmp(names + start, match, match_len) == 0:
+                            if result == MISMATCH:
+                                result = READY
+                            break
+                        start = k + 1
+            n_out[0] = ln
+            return result
+        return BUSY
+
+    cdef int lookup_c(self, const char *key16, int part, char *out, Py_ssize_t out_len,
+                      const char *match, Py_ssize_t match_len, Py_ssize_t *n_out,
+                      int *slot_out) noexcept nogil:
+        """The request path: IP → pod → credential part, in one consistent snapshot."""
+        cdef kf_ip_slot ip
+        cdef int r, slot, attempt
+        cdef uint32_t state, index
+        cdef double until
+        n_out[0] = 0
+        slot_out[0] = -1
+        for attempt in range(READ_TRIES):
+            r = self._read_ip(<const uint64_t *>key16, &ip, &index)
+            if r != READY:
+                return r
+            if ip.pod_state == POD_NO_ROLE:
+                return NO_ROLE
+            if ip.pod_state == POD_DENIED:
+                return DENIED
+            slot = ip.cred_slot
+            if slot < 0 or <uint32_t>slot >= self.hdr.cred_capacity:
+                return BUSY
+            slot_out[0] = slot
+            r = self._read_blob(self._cred(slot), self.hdr.value_size, part, out, out_len,
+                                match, match_len, n_out, &state, &until)
+            # The IP slot must be unchanged: otherwise the pod may be gone and its credential
+            # slot already reused for another key.
+            kf_fence_acquire()
+            if kf_load_relaxed_u64(&self.ips[index].seq) != ip.seq:
+                continue
+            return self._finish(r, state, until)
+        return BUSY
+
+    cdef int lookup_slot_c(self, int slot, int part, char *out, Py_ssize_t out_len,
+                           const char *match, Py_ssize_t match_len, Py_ssize_t *n_out) noexcept nogil:
+        """Like lookup_c for a credential slot named directly (the default role)."""
+        cdef uint32_t state
+        cdef double until
+        n_out[0] = 0
+        if slot < 0 or <uint32_t>slot >= self.hdr.cred_capacity:
+            return MISS
+        cdef int r = self._read_blob(self._cred(slot), self.hdr.value_size, part, out, out_len,
+                                     match, match_len, n_out, &state, &until)
+        return self._finish(r, state, until)
+
+    cdef inline int _finish(self, int r, uint32_t state, double until) noexcept nogil:
+        if r == BUSY or r == TOO_SMALL:
+            return r
+        if state == CRED_READY:
+            if kf_now() >= until:
+                return EXPIRED
+            return r
+        if state == CRED_ERROR:
+            return ERROR
+        return PENDING
+
+    def lookup(self, key, int part, out, match=None):
+        """Copy `part` of the credentials of the pod owning `key` (16 bytes, see ip_key) into
+        `out` (a bytearray or writable buffer).  With `match`, the part is only READY if
+        `match` is one of the slot's accepted role names.  Returns (status, nbytes)."""
+        return self._lookup(key, -1, part, out, match)
+
+    def lookup_slot(self, int slot, int part, out, match=None):
+        """lookup() for a credential slot named directly (e.g. default_cred_slot)."""
+        return self._lookup(None, slot, part, out, match)
+
+    def lookup_with_slot(self, key, int part, out, match=None):
+        """lookup() that also returns the credential slot consulted (or -1):
+        (status, nbytes, slot) -- workers use the slot to ask the control process for it."""
+        cdef Py_ssize_t n = 0
+        cdef int r, slot = -1
+        cdef const char *m = NULL
+        cdef Py_ssize_t mlen = 0
+        cdef char *dst
+        cdef Py_ssize_t dst_len
+        if self.base == NULL:
+            raise TableError("table is closed")
+        if not isinstance(key, bytes) or PyBytes_GET_SIZE(key) != 16:
+            key = ip_key(key)
+        if match is not None:
+            m = PyBytes_AS_STRING(match)
+            mlen = PyBytes_GET_SIZE(match)
+        if not PyByteArray_CheckExact(out):
+            raise TypeError("out must be a bytearray")
+        dst = PyByteArray_AS_STRING(out)
+        dst_len = PyByteArray_GET_SIZE(out)
+        cdef const char *k = PyBytes_AS_STRING(key)
+        with nogil:
+            r = self.lookup_c(k, part, dst, dst_len, m, mlen, &n, &slot)
+        return r, n, slot
+
+    cdef _lookup(self, key, int slot, int part, out, match):
+        cdef Py_buffer view
+        cdef char *dst
+        cdef Py_ssize_t dst_len, n = 0
+        cdef const char *m = NULL
+        cdef const char *k = NULL
+        cdef Py_ssize_t mlen = 0
+        cdef int r, used_slot
+        cdef bint release = False
+        if self.base == NULL:
+            raise TableError("table is closed")
+        if key is not None:
+            if not isinstance(key, bytes) or PyBytes_GET_SIZE(key) != 16:
+                key = ip_key(key)
+            k = PyBytes_AS_STRING(key)
+        if match is not None:
+            if not isinstance(match, bytes):
+                raise TypeError("match must be bytes")
+            m = PyBytes_AS_STRING(match)
+            mlen = PyBytes_GET_SIZE(match)
+        if PyByteArray_CheckExact(out):
+            dst = PyByteArray_AS_STRING(out)
+            dst_len = PyByteArray_GET_SIZE(out)
+        else:
+            PyObject_GetBuffer(out, &view, PyBUF_WRITABLE | PyBUF_SIMPLE)
+            release = True
+            dst = <char *>view.buf
+            dst_len = view.len
+        try:
+            # The copy runs without the GIL: other threads of a worker keep running.
+            with nogil:
+                if k != NULL:
+                    r = self.lookup_c(k, part, dst, dst_len, m, mlen, &n, &used_slot)
+                else:
+                    r = self.lookup_slot_c(slot, part, dst, dst_len, m, mlen, &n)
+        finally:
+            if release:
+                PyBuffer_Release(&view)
+        return r, n
+
+    def lookup_pod(self, key):
+        """(pod_uid, pod_state, cred_slot) of the pod owning `key`, or None.  Not for the hot
+        path: it allocates."""
+        self._check_open()
+        key = ip_key(key)
+        cdef kf_ip_slot ip
+        cdef uint32_t index
+        cdef int r = self._read_ip(<const uint64_t *>PyBytes_AS_STRING(key), &ip, &index)
+        if r == MISS:
+            return None
+        if r == BUSY:
+            raise TableError("table busy (a writer is mid-write or died mid-write)")
+        return (PyBytes_FromStringAndSize(<char *>ip.uid, min(ip.uid_len, KF_UID_MAX)).decode(),
+                ip.pod_state, ip.cred_slot)
+
+    cdef _read_all_parts(self, kf_blob_head *b, uint32_t capacity):
+        cdef uint64_t s0, s1
+        cdef uint32_t vlen
+        for _ in range(READ_TRIES):
+            s0 = kf_load_acquire_u64(&b.seq)
+            if s0 & 1:
+                kf_cpu_relax()
+                continue
+            vlen = b.value_len
+            if vlen > capacity:
+                vlen = capacity
+            raw = PyBytes_FromStringAndSize(<char *>b + 64, vlen)
+            state = b.state
+            until = b.serve_until
+            kf_fence_acquire()
+            s1 = kf_load_relaxed_u64(&b.seq)
+            if s0 != s1:
+                continue
+            return state, until, _split_parts(raw)
+        raise TableError("slot busy (a writer is mid-write or died mid-write)")
+
+    def read_cred(self, slot):
+        """(state, serve_until, parts) of a credential slot.  Tests and debugging only."""
+        self._check_open()
+        return self._read_all_parts(self._cred(self._check_slot(slot)), self.hdr.value_size)
+
+    def read_aux(self, index):
+        """The bytes of an aux blob (b"" if never written)."""
+        self._check_open()
+        if not 0 <= index < self.hdr.aux_count:
+            raise IndexError(f"aux index {index} out of range")
+        state, until, parts = self._read_all_parts(self._aux(index), self.hdr.aux_size)
+        return parts[0] if parts else b""
+
+    def snapshot(self):
+        """Every live IP slot as a dict (consistent per slot, not across slots).  Debug/tests."""
+        self._check_open()
+        out = []
+        cdef uint32_t i
+        cdef kf_ip_slot copy
+        cdef uint64_t s0, s1
+        for i in range(self.hdr.ip_capacity):
+            for _ in range(READ_TRIES):
+                s0 = kf_load_acquire_u64(&self.ips[i].seq)
+                if s0 & 1:
+                    continue
+                memcpy(&copy, &self.ips[i], sizeof(kf_ip_slot))
+                kf_fence_acquire()
+                s1 = kf_load_relaxed_u64(&self.ips[i].seq)
+                if s0 == s1:
+                    break
+            else:
+                continue
+            if copy.used == KF_SLOT_LIVE:
+                out.append({
+                    "ip": key_ip(PyBytes_FromStringAndSize(<char *>copy.key, 16)),
+                    "pod_uid": PyBytes_FromStringAndSize(<char *>copy.uid, min(copy.uid_len, KF_UID_MAX)).decode(),
+                    "pod_state": copy.pod_state,
+                    "cred_slot": copy.cred_slot,
+                })
+        return out
+
+    # ---- worker counters -----------------------------------------------------------------------
+
+    def counter_add(self, int worker, int counter, uint64_t n=1):
+        """Add to a worker's own counter row (each row has exactly one writer)."""
+        if self.base == NULL:
+            raise TableError("table is closed")
+        if not (0 <= worker < <int>self.hdr.max_workers and 0 <= counter < KF_COUNTERS_PER_WORKER):
+            raise IndexError("counter out of range")
+        kf_add_relaxed_u64(&self.counters[worker * KF_COUNTERS_PER_WORKER + counter], n)
+
+    cdef void counter_add_c(self, int worker, int counter, uint64_t n) noexcept nogil:
+        kf_add_relaxed_u64(&self.counters[(worker * KF_COUNTERS_PER_WORKER + counter)], n)
+
+    def counters_sum(self):
+        """Every counter summed over all worker rows."""
+        self._check_open()
+        cdef int w, c
+        cdef uint64_t total
+        out = []
+        for c in range(KF_COUNTERS_PER_WORKER):
+            total = 0
+            for w in range(self.hdr.max_workers):
+                total += kf_load_relaxed_u64(&self.counters[w * KF_COUNTERS_PER_WORKER + c])
+            out.append(total)
+        return out
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    cdef _repair(self):
+        """A writer killed mid-write leaves odd sequences.  The new writer clears such slots
+        (their content is unknown) and makes the sequence even again before serving."""
+        cdef kf_header *h = self.hdr
+        cdef uint32_t i
+        cdef kf_blob_head *b
+        cdef uint32_t live = 0, tomb = 0
+        repaired = 0
+        if kf_load_relaxed_u64(&h.index_seq) & 1:
+            kf_store_release_u64(&h.index_seq, kf_load_relaxed_u64(&h.index_seq) + 1)
+            repaired += 1
+        for i in range(h.ip_capacity):
+            if kf_load_relaxed_u64(&self.ips[i].seq) & 1:
+                self.ips[i].used = KF_SLOT_TOMBSTONE
+                kf_store_release_u64(&self.ips[i].seq, kf_load_relaxed_u64(&self.ips[i].seq) + 1)
+                repaired += 1
+            if self.ips[i].used == KF_SLOT_LIVE:
+                live += 1
+            elif self.ips[i].used == KF_SLOT_TOMBSTONE:
+                tomb += 1
+        h.ip_live = live
+        h.ip_tombstones = tomb
+        for i in range(h.cred_capacity):
+            b = self._cred(i)
+            if kf_load_relaxed_u64(&b.seq) & 1:
+                b.state = CRED_EMPTY
+                b.value_len = 0
+                (<uint32_t *>(<uint8_t *>b + 64))[0] = 0
+                kf_store_release_u64(&b.seq, kf_load_relaxed_u64(&b.seq) + 1)
+                repaired += 1
+        for i in range(h.aux_count):
+            b = self._aux(i)
+            if kf_load_relaxed_u64(&b.seq) & 1:
+                b.value_len = 0
+                (<uint32_t *>(<uint8_t *>b + 64))[0] = 0
+                kf_store_release_u64(&b.seq, kf_load_relaxed_u64(&b.seq) + 1)
+                repaired += 1
+        self.repaired = repaired
+        self._commit()
+
+
+
+def _split_parts(raw):
+    """Parse a value (validated copy) into its list of parts."""
+    if len(raw) < 4:
+        return []
+    n = int.from_bytes(raw[0:4], "little")
+    if n > MAX_PARTS:
+        return []
+    parts = []
+    for i in range(n):
+        off = int.from_bytes(raw[4 + 8 * i:8 + 8 * i], "little")
+        ln = int.from_bytes(raw[8 + 8 * i:12 + 8 * i], "little")
+        parts.append(bytes(raw[off:off + ln]))
+    return parts

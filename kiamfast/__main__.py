@@ -1,0 +1,3 @@
+from kiamfast.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The shared IP → pod → credentials table (public API).
+
+The implementation is Cython (ext/_table.pyx); this module is the only name the rest of
+kiamfast and its tests import.  One process writes (the control process), any number read
+(the server workers).  See docs/architecture.md for the layout and the statuses.
+"""
+
+from kiamfast._table import (  # noqa: F401  (re-exported API)
+    BUSY,
+    COUNTERS_PER_WORKER,
+    CRED_EMPTY,
+    CRED_ERROR,
+    CRED_PENDING,
+    CRED_READY,
+    DENIED,
+    ERROR,
+    EXPIRED,
+    LAYOUT_VERSION,
+    MAX_PARTS,
+    MISMATCH,
+    MISS,
+    NO_ROLE,
+    PART_DOCUMENT,
+    PART_EXT_DOCUMENT,
+    PART_INFO,
+    PART_LISTING,
+    PART_NAMES,
+    PENDING,
+    POD_DENIED,
+    POD_NO_ROLE,
+    POD_ROLE,
+    READY,
+    STATUS_NAMES,
+    TOO_SMALL,
+    UID_MAX,
+    Table,
+    TableError,
+    TableFull,
+    TableLayoutError,
+    ValueTooLarge,
+    ip_key,
+    key_ip,
+)
+
+# Aux blob indices the control process publishes for the workers.
+AUX_METRICS = 0       # Prometheus text of the control process
+AUX_DEBUG_STORE = 1   # /debug/store JSON
+AUX_HEALTH = 2        # /healthz JSON ({"hostIP":..,"instanceId":..}); empty = unhealthy
+AUX_HEALTH_ERROR = 3  # last health-check error text
+
+DEFAULT_PATH = "/dev/shm/kiamfast-table"
