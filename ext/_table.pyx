@@ -750,7 +750,7 @@ cdef class Table:
 
     cdef int lookup_c(self, const char *key16, int part, char *out, Py_ssize_t out_len,
                       const char *match, Py_ssize_t match_len, Py_ssize_t *n_out,
-                      int *slot_out) noexcept nogil:
+                      int *slot_out, kf_ip_slot *ip_out=NULL) noexcept nogil:
         """The request path: IP → pod → credential part, in one consistent snapshot."""
         cdef kf_ip_slot ip
         cdef int r, slot, attempt
@@ -762,6 +762,8 @@ cdef class Table:
             r = self._read_ip(<const uint64_t *>key16, &ip, &index)
             if r != READY:
                 return r
+            if ip_out != NULL:
+                memcpy(ip_out, &ip, sizeof(kf_ip_slot))
             if ip.pod_state == POD_NO_ROLE:
                 return NO_ROLE
             if ip.pod_state == POD_DENIED:
@@ -777,6 +779,8 @@ cdef class Table:
             kf_fence_acquire()
             if kf_load_relaxed_u64(&self.ips[index].seq) != ip.seq:
                 continue
+            if ip_out != NULL:
+                memcpy(ip_out, &ip, sizeof(kf_ip_slot))
             return self._finish(r, state, until)
         return BUSY
 
@@ -877,6 +881,25 @@ cdef class Table:
             if release:
                 PyBuffer_Release(&view)
         return r, n
+
+    def read(self, key, int part, out):
+        """lookup() that also returns the owning pod from the same snapshot:
+        (status, nbytes, pod_uid or None, cred_slot).  Allocates: tests and debugging."""
+        if not isinstance(out, bytearray):
+            raise TypeError("out must be a bytearray")
+        key = ip_key(key)
+        cdef kf_ip_slot ip
+        cdef Py_ssize_t n = 0
+        cdef int slot = -1
+        ip.uid_len = 0
+        ip.used = KF_SLOT_EMPTY
+        self._check_open()
+        cdef int r = self.lookup_c(PyBytes_AS_STRING(key), part, PyByteArray_AS_STRING(out),
+                                   PyByteArray_GET_SIZE(out), NULL, 0, &n, &slot, &ip)
+        uid = None
+        if ip.used == KF_SLOT_LIVE and r not in (MISS, BUSY):
+            uid = PyBytes_FromStringAndSize(<char *>ip.uid, min(ip.uid_len, KF_UID_MAX)).decode()
+        return r, n, uid, ip.cred_slot if uid is not None else -1
 
     def lookup_pod(self, key):
         """(pod_uid, pod_state, cred_slot) of the pod owning `key`, or None.  Not for the hot
