@@ -1,0 +1,651 @@
+"""Every setting of the agent, in one frozen value.
+
+kiamfast is a drop-in replacement for kube2iam 0.15, so its settings start from kube2iam's
+command-line flags: same names (snake_case here), same defaults, same meaning where kube2iam's
+meaning is sound. Our own settings follow them. The single table :data:`FLAGS` describes every
+flag once (name, type, default, help, whether kube2iam has it); the command-line parser
+(:mod:`kiamfast.cli`), ``--help``, the README's configuration reference and the defaults of
+:class:`Config` are all derived from it, so they can never disagree.
+
+:class:`Config` is what the rest of the program receives. Building one validates and
+normalises it (a trailing ``/`` on the base role ARN, the session duration derived from
+kube2iam's ``--iam-role-session-ttl``, the kubelet URL derived from the host IP, ...), and a
+setting that makes no sense raises :class:`ConfigError` naming the flag, so a misconfigured
+DaemonSet fails at once with one clear line instead of serving wrong credentials later.
+
+This module must never touch the network, the file system or the environment: it is pure
+data. Environment fallbacks (``HOST_IP``, ``NODE_NAME``, ``AWS_ENDPOINT_URL_STS``) are applied
+by the parser, which passes them in explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "BASE_ARN_REGEXP",
+    "Config",
+    "ConfigError",
+    "DEFAULT_STARTUP_TAINT",
+    "DurationError",
+    "FLAGS",
+    "FLAGS_BY_NAME",
+    "Flag",
+    "LOG_LEVELS",
+    "format_go_duration",
+    "parse_go_duration",
+    "split_host_port",
+]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. ``flag`` is the flag's name without dashes (e.g. ``app-port``)."""
+
+    def __init__(self, flag: str, message: str, *, value: Any = None) -> None:
+        self.flag = flag
+        self.value = value
+        self.message = message
+        if value is None:
+            text = f"invalid flag --{flag}: {message}"
+        else:
+            text = f'invalid value "{value}" for flag --{flag}: {message}'
+        super().__init__(text)
+
+
+class DurationError(ValueError):
+    """A string is not a Go duration (time.ParseDuration syntax)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Go durations
+# ---------------------------------------------------------------------------------------------
+
+_UNIT_NS = {
+    "ns": 1,
+    "us": 1_000,
+    "\u00b5s": 1_000,  # MICRO SIGN, accepted by Go
+    "\u03bcs": 1_000,  # GREEK SMALL LETTER MU, accepted by Go
+    "ms": 1_000_000,
+    "s": 1_000_000_000,
+    "m": 60 * 1_000_000_000,
+    "h": 3600 * 1_000_000_000,
+}
+_MAX_NS = (1 << 63) - 1
+
+
+def parse_go_duration(text: str) -> float:
+    """Parse a Go duration (``15m``, ``1h30m``, ``500ms``, ``1.5h``, ``300us``, ``0``) to seconds.
+
+    Follows Go's ``time.ParseDuration``: an optional sign, then one or more decimal numbers
+    each followed by a unit (ns, us/µs, ms, s, m, h); ``0`` alone needs no unit. The value is
+    computed in integer nanoseconds like Go (fractions below a nanosecond are dropped) and
+    must fit in an int64. Raises :class:`DurationError`.
+    """
+    if not isinstance(text, str):
+        raise DurationError(f"not a string: {text!r}")
+    s = text
+    negative = False
+    if s[:1] in ("-", "+"):
+        negative = s[0] == "-"
+        s = s[1:]
+    if s == "0":
+        return 0.0
+    if s == "":
+        raise DurationError(f'invalid duration "{text}"')
+    total = 0
+    while s:
+        i = 0
+        while i < len(s) and s[i].isascii() and s[i].isdigit():
+            i += 1
+        whole = s[:i]
+        s = s[i:]
+        frac = ""
+        if s[:1] == ".":
+            s = s[1:]
+            i = 0
+            while i < len(s) and s[i].isascii() and s[i].isdigit():
+                i += 1
+            frac = s[:i]
+            s = s[i:]
+            if not whole and not frac:
+                raise DurationError(f'invalid duration "{text}"')
+        elif not whole:
+            raise DurationError(f'invalid duration "{text}"')
+        i = 0
+        while i < len(s) and s[i] != "." and not (s[i].isascii() and s[i].isdigit()):
+            i += 1
+        unit = s[:i]
+        s = s[i:]
+        if unit == "":
+            raise DurationError(f'missing unit in duration "{text}"')
+        scale = _UNIT_NS.get(unit)
+        if scale is None:
+            raise DurationError(f'unknown unit "{unit}" in duration "{text}"')
+        value = int(whole or "0") * scale
+        if frac:
+            value += int(frac) * scale // (10 ** len(frac))
+        total += value
+        if total > _MAX_NS + (1 if negative else 0):
+            raise DurationError(f'invalid duration "{text}"')
+    if negative:
+        total = -total
+    return total / 1e9
+
+
+def format_go_duration(seconds: float) -> str:
+    """Format seconds the way Go's ``time.Duration.String`` does (``15m0s``, ``350ms``, ``0s``)."""
+    ns = round(seconds * 1e9)
+    if ns == 0:
+        return "0s"
+    sign = "-" if ns < 0 else ""
+    ns = abs(ns)
+    if ns < 1_000_000_000:
+        for unit, scale in (("ms", 1_000_000), ("\u00b5s", 1_000), ("ns", 1)):
+            if ns >= scale:
+                return sign + _fixed(ns, scale) + unit
+    hours, rest = divmod(ns, 3600 * 1_000_000_000)
+    minutes, rest = divmod(rest, 60 * 1_000_000_000)
+    out = sign
+    if hours:
+        out += f"{hours}h"
+    if hours or minutes:
+        out += f"{minutes}m"
+    return out + _fixed(rest, 1_000_000_000) + "s"
+
+
+def _fixed(ns: int, scale: int) -> str:
+    whole, frac = divmod(ns, scale)
+    if not frac:
+        return str(whole)
+    digits = str(frac).rjust(len(str(scale)) - 1, "0").rstrip("0")
+    return f"{whole}.{digits}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The flag table
+# ---------------------------------------------------------------------------------------------
+
+#: kube2iam's base ARN check (iam/arn.go), with Go's ASCII-only ``\w`` and ``\d``.
+BASE_ARN_REGEXP = re.compile(r"^arn:(\w|-)*:iam::\d+:role\/?(\w+|-|\/|\.)*$", re.ASCII)
+
+#: logrus level names (case-insensitive) -> canonical name.
+LOG_LEVELS = {
+    "panic": "panic",
+    "fatal": "fatal",
+    "error": "error",
+    "warn": "warn",
+    "warning": "warn",
+    "info": "info",
+    "debug": "debug",
+    "trace": "trace",
+}
+
+#: Taint keys are qualified names: optional DNS-subdomain prefix and "/", then a name.
+_QUALIFIED_NAME = re.compile(
+    r"^(?:(?=.{1,253}/)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"(?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+    re.ASCII,
+)
+_INTERFACE = re.compile(r"^!?[^\s/!:]{1,15}$")
+
+DEFAULT_STARTUP_TAINT = "kiamfast.io/agent-not-ready"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag.
+
+    ``kind`` is one of ``str``, ``int``, ``float``, ``bool``, ``duration`` (Go syntax, stored
+    as float seconds) or ``choice`` (one of ``choices``, compared case-insensitively and
+    stored lower-case). ``default`` is the parsed value; ``shown_default`` overrides how it is
+    displayed when the real default is derived from other settings.
+    """
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    kube2iam: bool = False
+    choices: tuple[str, ...] = ()
+    shown_default: str | None = None
+    env: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        return self.name.replace("-", "_")
+
+    def display_default(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.kind == "duration":
+            return format_go_duration(self.default)
+        if self.kind == "bool":
+            return "true" if self.default else "false"
+        if self.kind in ("str", "choice"):
+            return f'"{self.default}"'
+        return str(self.default)
+
+
+def _f(name: str, kind: str, default: Any, help: str, **kw: Any) -> Flag:
+    return Flag(name, kind, default, help, **kw)
+
+
+FLAGS: tuple[Flag, ...] = (
+    # ---- kube2iam 0.15 flags, same names and defaults --------------------------------------
+    _f("kubeconfig", "str", "", "Path to a kubeconfig file; when set it wins over every other "
+       "way of reaching the API server (otherwise in-cluster configuration).", kube2iam=True),
+    _f("api-server", "str", "", "Kubernetes API server URL; used only together with "
+       "--api-token.", kube2iam=True),
+    _f("api-token", "str", "", "Bearer token for --api-server.", kube2iam=True),
+    _f("app-port", "int", 8181, "HTTP port the agent listens on (the DNAT target port).",
+       kube2iam=True),
+    _f("metrics-port", "int", 8181, "Port for /metrics; when equal to --app-port, /metrics is "
+       "served on the main listener, otherwise on a second listener serving only /metrics.",
+       kube2iam=True),
+    _f("base-role-arn", "str", "", "Prefix for role names that are not full ARNs, e.g. "
+       "arn:aws:iam::123456789012:role/ (a trailing / is added if missing). Must match "
+       "kube2iam's pattern " + BASE_ARN_REGEXP.pattern + ".", kube2iam=True),
+    _f("debug", "bool", False, "Serve /debug/store (the IP -> role/namespace view).",
+       kube2iam=True),
+    _f("default-role", "str", "", "Role for pods without a role annotation (relative to "
+       "--base-role-arn unless a full ARN).", kube2iam=True),
+    _f("iam-role-key", "str", "iam.amazonaws.com/role", "Pod annotation key holding the role.",
+       kube2iam=True),
+    _f("iam-external-id", "str", "iam.amazonaws.com/external-id", "Pod annotation key holding "
+       "the STS ExternalId.", kube2iam=True),
+    _f("iam-role-session-ttl", "duration", 900.0, "kube2iam's credential cache TTL. kiamfast "
+       "refreshes ahead instead of caching for a TTL; when this flag is given explicitly the "
+       "STS session duration is 2x this value, as in kube2iam (see --session-duration).",
+       kube2iam=True),
+    _f("iam-role-error-ttl", "duration", 0.0, "How long a failed AssumeRole is remembered "
+       "before STS is asked again (0 = not cached beyond the rate limiter's backoff).",
+       kube2iam=True),
+    _f("insecure", "bool", False, "Skip TLS verification of the Kubernetes API server.",
+       kube2iam=True),
+    _f("metadata-addr", "str", "169.254.169.254", "Address (host[:port]) of the real instance "
+       "metadata service: upstream of the passthrough, and (its host part) the -d of the DNAT "
+       "rule.", kube2iam=True),
+    _f("iptables", "bool", False, "Install the DNAT rule that sends pods' metadata traffic "
+       "(tcp to --metadata-addr:80 arriving on --host-interface) to --host-ip:--app-port. "
+       "Needs --host-ip.", kube2iam=True),
+    _f("auto-discover-base-arn", "bool", False, "Derive --base-role-arn from the instance's "
+       "own role (metadata iam/info). Cannot be combined with --base-role-arn.", kube2iam=True),
+    _f("auto-discover-default-role", "bool", False, "Use the instance's own role as "
+       "--default-role (and derive --base-role-arn from it). Cannot be combined with "
+       "--default-role.", kube2iam=True),
+    _f("host-interface", "str", "docker0", "-i of the DNAT rule: the interface pods' traffic "
+       "arrives on (docker0, cali+, cni0, eni+ for the EKS VPC CNI, lxc+ for Cilium, ...). A "
+       "trailing + is a wildcard; a leading ! (kiam's !eth0) means every interface but this "
+       "one. Must exist unless it has a + or a !.", kube2iam=True),
+    _f("namespace-restrictions", "bool", False, "Only allow roles listed in the pod's "
+       "namespace annotation (--namespace-key).", kube2iam=True),
+    _f("namespace-restriction-format", "choice", "glob", "How --namespace-key entries match "
+       "role ARNs: glob (only * is special) or regexp (unanchored, as in kube2iam).",
+       kube2iam=True, choices=("glob", "regexp")),
+    _f("namespace-key", "str", "iam.amazonaws.com/allowed-roles", "Namespace annotation key "
+       "holding a JSON array of allowed roles.", kube2iam=True),
+    _f("cache-resync-period", "duration", 1800.0, "Full relist period of the pod and "
+       "namespace watches (0 = never).", kube2iam=True),
+    _f("resolve-duplicate-cache-ips", "bool", False, "When two known pods claim one IP, ask "
+       "the API server which one is running. kiamfast resolves IP reuse by itself; accepted "
+       "for compatibility.", kube2iam=True),
+    _f("host-ip", "str", "", "The node's IP: DNAT target and /healthz hostIP. Falls back to "
+       "$HOST_IP.", kube2iam=True, env=("HOST_IP",)),
+    _f("node", "str", "", "Only watch pods scheduled on this node (spec.nodeName). Falls back "
+       "to $NODE_NAME.", kube2iam=True, env=("NODE_NAME",)),
+    _f("backoff-max-interval", "duration", 1.0, "kube2iam's lookup retry interval cap. "
+       "kiamfast waits for the pod instead of retrying (see --wait-budget); accepted for "
+       "compatibility.", kube2iam=True),
+    _f("backoff-max-elapsed-time", "duration", 2.0, "kube2iam's lookup retry budget. kiamfast "
+       "waits at most --wait-budget instead; accepted for compatibility.", kube2iam=True),
+    _f("log-format", "choice", "text", "Log format: text or json.", kube2iam=True,
+       choices=("text", "json")),
+    _f("log-level", "choice", "info", "Log level: panic, fatal, error, warn, info, debug or "
+       "trace.", kube2iam=True, choices=tuple(LOG_LEVELS)),
+    _f("use-regional-sts-endpoint", "bool", False, "Accepted for compatibility; no effect "
+       "(as in kube2iam 0.15). Use --sts-region / --sts-endpoint.", kube2iam=True),
+    _f("verbose", "bool", False, "Log at debug level (overrides --log-level).", kube2iam=True),
+    _f("version", "bool", False, "Print the version and exit.", kube2iam=True),
+    # ---- kiamfast's own flags ------------------------------------------------------------
+    _f("workers", "int", 1, "Number of HTTP worker processes (SO_REUSEPORT on --app-port), "
+       "1-64."),
+    _f("wait-budget", "duration", 0.35, "How long a credential request may wait for an "
+       "unknown pod or for pending credentials before the agent answers 503 (keep it under "
+       "the SDKs' 1s metadata timeout)."),
+    _f("imdsv2", "choice", "optional", "optional: token-less (IMDSv1) credential requests "
+       "are answered; required: they get 401, like an instance with HttpTokens=required.",
+       choices=("optional", "required")),
+    _f("token-key-file", "str", "/dev/shm/kiamfast-token-key", "File holding the HMAC key "
+       "that signs IMDSv2 tokens, created (random, mode 0600) if missing, so tokens survive "
+       "agent restarts; \"\" = a new random key at every start."),
+    _f("kubelet-url", "str", "", "Kubelet base URL, asked for /pods when a request comes from "
+       "an IP the API server has not reported yet. \"\" disables.",
+       shown_default='"https://<host-ip>:10250" when --host-ip is set, else ""'),
+    _f("kubelet-insecure", "bool", True, "Skip TLS verification of the kubelet (its serving "
+       "certificate is usually self-signed)."),
+    _f("sts-endpoint", "str", "", "STS endpoint URL; falls back to $AWS_ENDPOINT_URL_STS, "
+       "then botocore's regional endpoint.", env=("AWS_ENDPOINT_URL_STS",)),
+    _f("sts-region", "str", "", "Region of the STS client (\"\" = botocore's default chain: "
+       "$AWS_REGION, $AWS_DEFAULT_REGION, config file)."),
+    _f("sts-qps", "float", 5.0, "Sustained rate limit of STS calls per second."),
+    _f("sts-burst", "int", 20, "Burst size of the STS rate limit."),
+    _f("session-duration", "duration", 3600.0, "DurationSeconds of AssumeRole (15m-12h; "
+       "sessions chained from an instance role are capped at 1h by AWS).",
+       shown_default="1h0m0s, or 2x --iam-role-session-ttl when that is given"),
+    _f("min-credential-lifetime", "duration", 900.0, "Never serve credentials with less than "
+       "this left; they are refreshed before (SDKs misbehave below 15m)."),
+    _f("session-name-policy", "choice", "node-role", "RoleSessionName: node-role = "
+       "<node>-<role name> (one session per role and node); pod = <namespace>-<pod> (one "
+       "session per pod, best CloudTrail attribution, more STS calls); kube2iam = "
+       "<fnv32a of pod IP>-<role name> as kube2iam does.",
+       choices=("node-role", "pod", "kube2iam")),
+    _f("session-tags", "bool", False, "Pass session tags (pod namespace, name, "
+       "service account, node) to AssumeRole; the role's trust policy must allow "
+       "sts:TagSession."),
+    _f("node-startup-taint", "str", DEFAULT_STARTUP_TAINT, "Taint key removed from this "
+       "node once the agent is ready (register nodes with it so no pod starts before the "
+       "agent). \"\" disables."),
+    _f("iptables-remove-on-exit", "bool", False, "Remove the DNAT rule on shutdown. By "
+       "default it stays, so pods without an agent get a refused connection, never the "
+       "node's role."),
+    _f("iptables-backend", "choice", "auto", "iptables backend: auto (the one the node's "
+       "kube-proxy uses, detected like kubernetes-sigs/iptables-wrappers), nft or legacy.",
+       choices=("auto", "nft", "legacy")),
+    _f("namespace-permitted-key", "str", "", "Namespace annotation key holding a regexp of "
+       "permitted role ARNs, anchored (^...$), like kiam's iam.amazonaws.com/permitted; when "
+       "set it is checked in addition to --namespace-restrictions, and a namespace without "
+       "the annotation permits no role (as in kiam). \"\" disables."),
+    _f("table-path", "str", "/dev/shm/kiamfast-table", "File on tmpfs holding the shared "
+       "table between the control process and the workers."),
+    _f("ready-prefetch-timeout", "duration", 10.0, "At startup, how long to wait for the "
+       "credentials of this node's pods before reporting ready anyway."),
+    _f("metadata-ipv6", "bool", False, "Also redirect the IPv6 metadata address "
+       "fd00:ec2::254 (ip6tables; needs an IPv6 --host-ip or --host-ipv6)."),
+    _f("host-ipv6", "str", "", "The node's IPv6 address, DNAT target of the IPv6 rule; "
+       "falls back to an IPv6 --host-ip, then $HOST_IPV6, then the IPv6 entry of $HOST_IPS "
+       "(downward API status.hostIPs).", env=("HOST_IPV6",)),
+    _f("listen-host", "str", "", "Address to listen on (\"\" = all interfaces, IPv4 and "
+       "IPv6)."),
+)
+
+FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+def _default(name: str) -> Any:
+    return field(default=FLAGS_BY_NAME[name].default)
+
+
+@dataclass(frozen=True)
+class Config:
+    """All settings, validated and normalised. Durations are float seconds.
+
+    Construct it directly in tests (``Config(node="n1", host_ip="10.0.0.1")``) or from the
+    command line with :func:`kiamfast.cli.parse_args`. ``explicit`` holds the names of the
+    flags the user gave (``{"iam-role-session-ttl", ...}``); it only matters for settings
+    whose default depends on whether another flag was given.
+    """
+
+    # kube2iam flags
+    kubeconfig: str = _default("kubeconfig")
+    api_server: str = _default("api-server")
+    api_token: str = _default("api-token")
+    app_port: int = _default("app-port")
+    metrics_port: int = _default("metrics-port")
+    base_role_arn: str = _default("base-role-arn")
+    debug: bool = _default("debug")
+    default_role: str = _default("default-role")
+    iam_role_key: str = _default("iam-role-key")
+    iam_external_id: str = _default("iam-external-id")
+    iam_role_session_ttl: float = _default("iam-role-session-ttl")
+    iam_role_error_ttl: float = _default("iam-role-error-ttl")
+    insecure: bool = _default("insecure")
+    metadata_addr: str = _default("metadata-addr")
+    iptables: bool = _default("iptables")
+    auto_discover_base_arn: bool = _default("auto-discover-base-arn")
+    auto_discover_default_role: bool = _default("auto-discover-default-role")
+    host_interface: str = _default("host-interface")
+    namespace_restrictions: bool = _default("namespace-restrictions")
+    namespace_restriction_format: str = _default("namespace-restriction-format")
+    namespace_key: str = _default("namespace-key")
+    cache_resync_period: float = _default("cache-resync-period")
+    resolve_duplicate_cache_ips: bool = _default("resolve-duplicate-cache-ips")
+    host_ip: str = _default("host-ip")
+    node: str = _default("node")
+    backoff_max_interval: float = _default("backoff-max-interval")
+    backoff_max_elapsed_time: float = _default("backoff-max-elapsed-time")
+    log_format: str = _default("log-format")
+    log_level: str = _default("log-level")
+    use_regional_sts_endpoint: bool = _default("use-regional-sts-endpoint")
+    verbose: bool = _default("verbose")
+    version: bool = _default("version")
+    # kiamfast flags
+    workers: int = _default("workers")
+    wait_budget: float = _default("wait-budget")
+    imdsv2: str = _default("imdsv2")
+    token_key_file: str = _default("token-key-file")
+    kubelet_url: str | None = None  # None = derived from host_ip
+    kubelet_insecure: bool = _default("kubelet-insecure")
+    sts_endpoint: str = _default("sts-endpoint")
+    sts_region: str = _default("sts-region")
+    sts_qps: float = _default("sts-qps")
+    sts_burst: int = _default("sts-burst")
+    session_duration: float | None = None  # None = 1h, or 2x an explicit session TTL
+    min_credential_lifetime: float = _default("min-credential-lifetime")
+    session_name_policy: str = _default("session-name-policy")
+    session_tags: bool = _default("session-tags")
+    node_startup_taint: str = _default("node-startup-taint")
+    iptables_remove_on_exit: bool = _default("iptables-remove-on-exit")
+    iptables_backend: str = _default("iptables-backend")
+    namespace_permitted_key: str = _default("namespace-permitted-key")
+    table_path: str = _default("table-path")
+    ready_prefetch_timeout: float = _default("ready-prefetch-timeout")
+    metadata_ipv6: bool = _default("metadata-ipv6")
+    host_ipv6: str = _default("host-ipv6")
+    listen_host: str = _default("listen-host")
+    # bookkeeping
+    explicit: frozenset[str] = frozenset()
+    #: Fields whose value was derived from others (so replace() derives them again).
+    derived: frozenset[str] = field(init=False, repr=False, compare=False,
+                                    default=frozenset())
+
+    def __post_init__(self) -> None:
+        _normalise_and_validate(self)
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def effective_log_level(self) -> str:
+        """The logrus level name in force: ``debug`` when --verbose, else --log-level."""
+        return "debug" if self.verbose else self.log_level
+
+    @property
+    def metadata_host(self) -> str:
+        """The host part of --metadata-addr (the -d of the DNAT rule)."""
+        return split_host_port(self.metadata_addr)[0]
+
+    @property
+    def metrics_on_app_port(self) -> bool:
+        return self.metrics_port == self.app_port
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some fields changed, validated again; derived settings (kubelet URL,
+        session duration, IPv6 host address) are derived again unless given."""
+        for name in self.derived:
+            changes.setdefault(name, None if name != "host_ipv6" else "")
+        return dataclasses.replace(self, **changes)
+
+
+def split_host_port(addr: str) -> tuple[str, int | None]:
+    """``"1.2.3.4:80"`` -> ("1.2.3.4", 80); ``"[fd00::1]:80"``; ``"1.2.3.4"`` -> (.., None)."""
+    if addr.startswith("["):
+        end = addr.find("]")
+        if end < 0:
+            raise ValueError(f"unclosed [ in {addr!r}")
+        host, rest = addr[1:end], addr[end + 1:]
+        if not rest:
+            return host, None
+        if not rest.startswith(":"):
+            raise ValueError(f"junk after ] in {addr!r}")
+        return host, _port(rest[1:], addr)
+    if addr.count(":") == 1:
+        host, port = addr.split(":")
+        return host, _port(port, addr)
+    return addr, None
+
+
+def _port(text: str, addr: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port in {addr!r}")
+    return int(text)
+
+
+def _set(cfg: Config, name: str, value: Any) -> None:
+    object.__setattr__(cfg, name, value)
+
+
+def _ip(value: str, flag: str, *, version: int | None = None) -> ipaddress._BaseAddress:
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        why = "not an IP address"
+        if value.startswith("$("):
+            why += (f"; Kubernetes did not expand {value}: define {value[2:-1]} in the "
+                    f"container's env")
+        raise ConfigError(flag, why, value=value) from None
+    if version is not None and ip.version != version:
+        raise ConfigError(flag, f"not an IPv{version} address", value=value)
+    return ip
+
+
+def _url(value: str, flag: str) -> None:
+    if not re.match(r"^https?://[^/\s]+", value):
+        raise ConfigError(flag, "must be an http:// or https:// URL", value=value)
+
+
+def _normalise_and_validate(c: Config) -> None:
+    derived: set[str] = set()
+    # Ports and counts.
+    for name in ("app-port", "metrics-port"):
+        port = getattr(c, name.replace("-", "_"))
+        if not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigError(name, "must be a port number 1-65535", value=port)
+    if not 1 <= c.workers <= 64:
+        raise ConfigError("workers", "must be between 1 and 64", value=c.workers)
+    if not c.sts_qps > 0:
+        raise ConfigError("sts-qps", "must be greater than 0", value=c.sts_qps)
+    if c.sts_burst < 1:
+        raise ConfigError("sts-burst", "must be at least 1", value=c.sts_burst)
+
+    # Durations are never negative.
+    for flag in FLAGS:
+        if flag.kind == "duration":
+            value = getattr(c, flag.field)
+            if value is not None and value < 0:
+                raise ConfigError(flag.name, "must not be negative",
+                                  value=format_go_duration(value))
+
+    # Choices, case-insensitive like kube2iam's comparisons.
+    for flag in FLAGS:
+        if flag.kind == "choice":
+            value = str(getattr(c, flag.field)).lower()
+            if value not in flag.choices:
+                raise ConfigError(flag.name, "must be one of " + ", ".join(
+                    dict.fromkeys(LOG_LEVELS.values()) if flag.name == "log-level"
+                    else flag.choices), value=getattr(c, flag.field))
+            if flag.name == "log-level":
+                value = LOG_LEVELS[value]
+            _set(c, flag.field, value)
+
+    # Base ARN and the auto-discovery combinations (fatal in kube2iam).
+    if c.base_role_arn:
+        if not BASE_ARN_REGEXP.match(c.base_role_arn):
+            raise ConfigError("base-role-arn", "expected " + BASE_ARN_REGEXP.pattern,
+                              value=c.base_role_arn)
+        if not c.base_role_arn.endswith("/"):
+            _set(c, "base_role_arn", c.base_role_arn + "/")
+        if c.auto_discover_base_arn:
+            raise ConfigError("auto-discover-base-arn",
+                              "cannot be used if --base-role-arn is specified")
+    if c.auto_discover_default_role and c.default_role:
+        raise ConfigError("auto-discover-default-role",
+                          "cannot be used together with --default-role")
+    if not c.iam_role_key:
+        raise ConfigError("iam-role-key", "must not be empty", value="")
+
+    # Addresses.
+    if c.host_ip:
+        _ip(c.host_ip, "host-ip")
+    if c.host_ipv6:
+        _ip(c.host_ipv6, "host-ipv6", version=6)
+    elif c.host_ip and ipaddress.ip_address(c.host_ip).version == 6:
+        _set(c, "host_ipv6", c.host_ip)
+        derived.add("host_ipv6")
+    if c.iptables and not c.host_ip:
+        raise ConfigError("host-ip", "must be set when --iptables is enabled")
+    try:
+        host, _ = split_host_port(c.metadata_addr)
+    except ValueError as e:
+        raise ConfigError("metadata-addr", str(e), value=c.metadata_addr) from None
+    if not host:
+        raise ConfigError("metadata-addr", "must not be empty", value=c.metadata_addr)
+    if c.iptables or c.metadata_ipv6:
+        if not _INTERFACE.match(c.host_interface):
+            raise ConfigError("host-interface", "not an interface name (at most 15 "
+                              "characters, optionally !-negated)", value=c.host_interface)
+        if c.iptables:
+            _ip(host, "metadata-addr", version=4)
+
+    # URLs.
+    if c.kubelet_url is None:
+        derived.add("kubelet_url")
+        if c.host_ip:
+            ip = ipaddress.ip_address(c.host_ip)
+            h = f"[{ip}]" if ip.version == 6 else str(ip)
+            _set(c, "kubelet_url", f"https://{h}:10250")
+        else:
+            _set(c, "kubelet_url", "")
+    elif c.kubelet_url:
+        _url(c.kubelet_url, "kubelet-url")
+        _set(c, "kubelet_url", c.kubelet_url.rstrip("/"))
+    if c.sts_endpoint:
+        _url(c.sts_endpoint, "sts-endpoint")
+    if c.api_server:
+        _url(c.api_server, "api-server")
+
+    # Session duration: 1h, or kube2iam's 2x TTL when the TTL was given.
+    if c.session_duration is None:
+        derived.add("session_duration")
+        ttl_given = ("iam-role-session-ttl" in c.explicit
+                     or c.iam_role_session_ttl != FLAGS_BY_NAME["iam-role-session-ttl"].default)
+        _set(c, "session_duration",
+             2 * c.iam_role_session_ttl if ttl_given
+             else FLAGS_BY_NAME["session-duration"].default)
+        culprit = "iam-role-session-ttl" if ttl_given else "session-duration"
+    else:
+        culprit = "session-duration"
+    if not 900 <= c.session_duration <= 43200:
+        raise ConfigError(culprit, f"the STS session duration "
+                          f"{format_go_duration(c.session_duration)} is outside STS's "
+                          f"range 15m0s-12h0m0s",
+                          value=format_go_duration(getattr(c, culprit.replace("-", "_"))))
+    if c.min_credential_lifetime >= c.session_duration:
+        raise ConfigError("min-credential-lifetime", "must be shorter than the session "
+                          f"duration {format_go_duration(c.session_duration)}",
+                          value=format_go_duration(c.min_credential_lifetime))
+
+    # Keys and paths.
+    if c.node_startup_taint and not _QUALIFIED_NAME.match(c.node_startup_taint):
+        raise ConfigError("node-startup-taint", "not a valid taint key",
+                          value=c.node_startup_taint)
+    if not c.table_path:
+        raise ConfigError("table-path", "must not be empty", value="")
+    if not isinstance(c.explicit, frozenset):
+        _set(c, "explicit", frozenset(c.explicit))
+    _set(c, "derived", frozenset(derived))

@@ -1,0 +1,331 @@
+"""The DNAT rule that sends pods' metadata traffic to the agent.
+
+kube2iam installs exactly one rule, and a node migrating from kube2iam must end up with the
+same one (so the agent recognises a rule kube2iam left behind instead of adding a second)::
+
+    iptables -t nat -A PREROUTING -p tcp -d 169.254.169.254 --dport 80 \\
+        -j DNAT --to-destination <host-ip>:<app-port> -i <host-interface>
+
+Installation is check-then-append (``-C``, then ``-A``), so calling :func:`ensure_rule` any
+number of times leaves one copy. The interface may be a ``+`` wildcard (``eni+``) or kiam's
+negation ``!eth0`` (rendered ``! -i eth0``). With ``--metadata-ipv6`` the same rule is
+installed with ip6tables for the IPv6 metadata address ``fd00:ec2::254``.
+
+The rule is left in place on exit unless ``--iptables-remove-on-exit``: without an agent a
+pod must get a refused connection, never the node's own role from the real metadata service.
+
+This module only runs the iptables binaries (with a timeout, under the xtables lock with
+``-w``), picking the backend (nft or legacy) the node's kube-proxy uses, because a rule in
+the other backend's tables may be evaluated in an order nobody expects. The argv builders
+are pure functions so they can be tested without root. It must never flush or rewrite
+chains: the nat table belongs to kube-proxy and the CNI, we only add and delete our rule.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import shutil
+import socket
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kiamfast.config import Config
+
+__all__ = [
+    "METADATA_IPV4",
+    "METADATA_IPV6",
+    "InterfaceNotFound",
+    "IptablesError",
+    "IptablesNotFound",
+    "IptablesTimeout",
+    "Rule",
+    "check_interface",
+    "command",
+    "detect_backend",
+    "ensure_rule",
+    "install_rules",
+    "remove_rule",
+    "remove_rules",
+    "rule_present",
+    "rule_spec",
+    "rules_for_config",
+    "saved_form",
+]
+
+log = logging.getLogger("kiamfast.iptables")
+
+METADATA_IPV4 = "169.254.169.254"
+METADATA_IPV6 = "fd00:ec2::254"
+CHAIN = "PREROUTING"
+TABLE = "nat"
+DEFAULT_TIMEOUT = 10.0
+LOCK_WAIT_SECONDS = 5
+
+
+class IptablesError(Exception):
+    """Installing, checking or removing the rule failed."""
+
+
+class IptablesNotFound(IptablesError):
+    """The iptables (or ip6tables / ip) binary is not installed."""
+
+
+class IptablesTimeout(IptablesError):
+    """An iptables command did not finish in time (a stuck xtables lock, usually)."""
+
+
+class InterfaceNotFound(IptablesError):
+    """--host-interface names an interface that does not exist (and is no wildcard)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One DNAT rule. ``family`` is 4 (iptables) or 6 (ip6tables)."""
+
+    metadata_addr: str
+    host_ip: str
+    app_port: int
+    host_interface: str
+    family: int = 4
+
+    def spec(self) -> list[str]:
+        return rule_spec(metadata_addr=self.metadata_addr, host_ip=self.host_ip,
+                         app_port=self.app_port, host_interface=self.host_interface)
+
+    def __str__(self) -> str:
+        return " ".join(["ip6tables" if self.family == 6 else "iptables", "-t", TABLE,
+                         "-A", CHAIN, *self.spec()])
+
+
+def _destination(host_ip: str, port: int) -> str:
+    ip = ipaddress.ip_address(host_ip)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _interface_args(host_interface: str) -> list[str]:
+    if host_interface.startswith("!"):
+        return ["!", "-i", host_interface[1:]]
+    return ["-i", host_interface]
+
+
+def rule_spec(*, metadata_addr: str, host_ip: str, app_port: int,
+              host_interface: str) -> list[str]:
+    """The rule body in kube2iam's order (after ``-t nat -A PREROUTING``)."""
+    return ["-p", "tcp", "-d", metadata_addr, "--dport", "80", "-j", "DNAT",
+            "--to-destination", _destination(host_ip, app_port),
+            *_interface_args(host_interface)]
+
+
+def saved_form(rule: Rule) -> str:
+    """The rule as ``iptables -t nat -S PREROUTING`` prints it once installed."""
+    prefix = 128 if rule.family == 6 else 32
+    iface = " ".join(_interface_args(rule.host_interface))
+    return (f"-A {CHAIN} -d {ipaddress.ip_address(rule.metadata_addr)}/{prefix} {iface} "
+            f"-p tcp -m tcp --dport 80 -j DNAT --to-destination "
+            f"{_destination(rule.host_ip, rule.app_port)}")
+
+
+def _binary(family: int, backend: str | None) -> str:
+    base = "ip6tables" if family == 6 else "iptables"
+    return f"{base}-{backend}" if backend in ("nft", "legacy") else base
+
+
+def _prefix(netns: str | None) -> list[str]:
+    return ["ip", "netns", "exec", netns] if netns else []
+
+
+def command(action: str, rule: Rule, *, backend: str | None = None,
+            netns: str | None = None) -> list[str]:
+    """argv of one iptables call: ``action`` is ``-C``, ``-A`` or ``-D``.
+
+    ``backend`` is ``nft``, ``legacy`` or None (the distribution's ``iptables``); ``netns``
+    runs the command in that network namespace (``ip netns exec``), for tests.
+    """
+    if action not in ("-C", "-A", "-D"):
+        raise ValueError(f"unsupported action {action!r}")
+    return [*_prefix(netns), _binary(rule.family, backend), "-w", str(LOCK_WAIT_SECONDS),
+            "-t", TABLE, action, CHAIN, *rule.spec()]
+
+
+def _run(argv: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except FileNotFoundError:
+        raise IptablesNotFound(f"{argv[0]} not found; install the iptables package") from None
+    except subprocess.TimeoutExpired:
+        raise IptablesTimeout(f"{' '.join(argv)} did not finish within {timeout:g}s") from None
+    if list(argv[:3]) == ["ip", "netns", "exec"] and proc.stderr.startswith('exec of "'):
+        # ip netns exec exits 1 (like "rule absent") when the binary is missing.
+        raise IptablesNotFound(f"{' '.join(argv)}: {proc.stderr.strip()}")
+    return proc
+
+
+def _fail(argv: Sequence[str], proc: subprocess.CompletedProcess[str]) -> IptablesError:
+    detail = (proc.stderr or proc.stdout).strip().replace("\n", "; ")
+    if proc.returncode == 127:
+        return IptablesNotFound(f"{' '.join(argv)}: {detail}")
+    return IptablesError(f"{' '.join(argv)} failed (exit {proc.returncode}): {detail}")
+
+
+def rule_present(rule: Rule, *, backend: str | None = None, netns: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Whether the rule is in the nat PREROUTING chain (``iptables -C``)."""
+    argv = command("-C", rule, backend=backend, netns=netns)
+    proc = _run(argv, timeout=timeout)
+    if proc.returncode == 0:
+        return True
+    if proc.returncode == 1:
+        # "Bad rule (does a matching rule exist...)" or, before the nat table exists in a
+        # fresh nft namespace, "No chain/target/match by that name".
+        return False
+    raise _fail(argv, proc)
+
+
+def ensure_rule(rule: Rule, *, backend: str | None = None, netns: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Install the rule unless it is already there. Returns True if it was appended."""
+    if rule_present(rule, backend=backend, netns=netns, timeout=timeout):
+        log.debug("iptables rule already present: %s", rule)
+        return False
+    argv = command("-A", rule, backend=backend, netns=netns)
+    proc = _run(argv, timeout=timeout)
+    if proc.returncode != 0:
+        raise _fail(argv, proc)
+    log.info("installed iptables rule: %s", rule)
+    return True
+
+
+def remove_rule(rule: Rule, *, backend: str | None = None, netns: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Delete every copy of the rule. Returns how many were deleted (0 if absent)."""
+    removed = 0
+    while removed < 1000 and rule_present(rule, backend=backend, netns=netns,
+                                          timeout=timeout):
+        argv = command("-D", rule, backend=backend, netns=netns)
+        proc = _run(argv, timeout=timeout)
+        if proc.returncode != 0:
+            raise _fail(argv, proc)
+        removed += 1
+    if removed:
+        log.info("removed iptables rule (%d cop%s): %s", removed,
+                 "y" if removed == 1 else "ies", rule)
+    return removed
+
+
+def check_interface(host_interface: str, *, netns: str | None = None,
+                    timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Raise :class:`InterfaceNotFound` unless the interface exists.
+
+    Wildcards (``eni+``) and negations (``!eth0``) are not checked, as in kube2iam (which
+    only skips ``+``) and kiam.
+    """
+    if not host_interface or host_interface == "!":
+        raise InterfaceNotFound(f'invalid --host-interface "{host_interface}"')
+    if "+" in host_interface or host_interface.startswith("!"):
+        return
+    if netns is None:
+        try:
+            socket.if_nametoindex(host_interface)
+            return
+        except OSError:
+            pass
+    else:
+        argv = ["ip", "-netns", netns, "-o", "link", "show", "dev", host_interface]
+        proc = _run(argv, timeout=timeout)
+        if proc.returncode == 0:
+            return
+    raise InterfaceNotFound(
+        f'--host-interface "{host_interface}" does not exist on this node; use the '
+        f"interface pods' traffic arrives on (docker0, cni0, cali+, eni+, lxc+, ...)")
+
+
+def detect_backend(*, netns: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> str | None:
+    """The iptables backend kube-proxy uses on this node: ``nft``, ``legacy`` or None.
+
+    Same decision as kubernetes-sigs/iptables-wrappers: kube-proxy and the kubelet leave a
+    ``KUBE-IPTABLES-HINT`` / ``KUBE-KUBELET-CANARY`` chain in the mangle table of the
+    backend they use; without one, the backend holding more rules wins (nft on a tie).
+    None when the image has only one ``iptables`` (no choice to make).
+    """
+    if not (shutil.which("iptables-nft") and shutil.which("iptables-legacy")):
+        return None
+    for backend in ("nft", "legacy"):
+        for chain in ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"):
+            argv = [*_prefix(netns), f"iptables-{backend}", "-w", str(LOCK_WAIT_SECONDS),
+                    "-t", "mangle", "-S", chain]
+            if _run(argv, timeout=timeout).returncode == 0:
+                return backend
+    counts = {}
+    for backend in ("nft", "legacy"):
+        lines = 0
+        for base in ("iptables", "ip6tables"):
+            proc = _run([*_prefix(netns), f"{base}-{backend}-save"], timeout=timeout)
+            lines += sum(1 for line in proc.stdout.splitlines() if line.startswith("-"))
+        counts[backend] = lines
+    return "legacy" if counts["legacy"] > counts["nft"] else "nft"
+
+
+def resolve_backend(setting: str, *, netns: str | None = None,
+                    timeout: float = DEFAULT_TIMEOUT) -> str | None:
+    """``--iptables-backend``: auto -> :func:`detect_backend`; nft / legacy as given."""
+    if setting in ("nft", "legacy"):
+        return setting
+    backend = detect_backend(netns=netns, timeout=timeout)
+    log.info("iptables backend: %s", backend or "default")
+    return backend
+
+
+def rules_for_config(config: Config) -> list[Rule]:
+    """The rules ``config`` asks for: the IPv4 rule, plus the IPv6 one with --metadata-ipv6.
+
+    Raises :class:`IptablesError` when no rule can be built (no --host-ip of the right
+    family); an IPv6 rule that cannot be built is skipped with a warning.
+    """
+    rules: list[Rule] = []
+    if not config.host_ip:
+        raise IptablesError("--iptables needs --host-ip (or $HOST_IP)")
+    metadata_host = config.metadata_host
+    if ipaddress.ip_address(config.host_ip).version == 4:
+        rules.append(Rule(metadata_host, config.host_ip, config.app_port,
+                          config.host_interface, 4))
+    else:
+        log.warning("--host-ip %s is IPv6: no IPv4 DNAT rule for %s", config.host_ip,
+                    metadata_host)
+    if config.metadata_ipv6:
+        if config.host_ipv6:
+            rules.append(Rule(METADATA_IPV6, config.host_ipv6, config.app_port,
+                              config.host_interface, 6))
+        else:
+            log.warning("--metadata-ipv6 is set but the node has no IPv6 address "
+                        "(--host-ipv6, $HOST_IPS): the IPv6 rule for %s is skipped",
+                        METADATA_IPV6)
+    if not rules:
+        raise IptablesError("no DNAT rule can be installed: --host-ip is IPv6 and "
+                            "--metadata-ipv6 is not set")
+    return rules
+
+
+def install_rules(config: Config, *, netns: str | None = None,
+                  timeout: float = DEFAULT_TIMEOUT) -> list[Rule]:
+    """Check the interface, pick the backend and ensure every rule of ``config``."""
+    rules = rules_for_config(config)
+    check_interface(config.host_interface, netns=netns, timeout=timeout)
+    backend = resolve_backend(config.iptables_backend, netns=netns, timeout=timeout)
+    for rule in rules:
+        ensure_rule(rule, backend=backend, netns=netns, timeout=timeout)
+    return rules
+
+
+def remove_rules(config: Config, *, netns: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Remove every rule of ``config`` (``--iptables-remove-on-exit``)."""
+    backend = resolve_backend(config.iptables_backend, netns=netns, timeout=timeout)
+    removed = 0
+    for rule in rules_for_config(config):
+        removed += remove_rule(rule, backend=backend, netns=netns, timeout=timeout)
+    return removed

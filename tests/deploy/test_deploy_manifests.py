@@ -1,0 +1,196 @@
+"""The manifests in deploy/ are what a user applies; check them the way a cluster would.
+
+Every rendered object is validated against the Kubernetes 1.30 OpenAPI schema in strict mode
+(unknown fields are errors), the DaemonSet's args are parsed by our own CLI parser after the
+kubelet's ``$(VAR)`` expansion, the DaemonSet tolerates the startup taint the agent removes,
+and the ClusterRole grants every call the agent makes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from kustomize_lite import apply_json_patch, render
+
+from kiamfast.cli import parse_args
+from kiamfast.config import FLAGS_BY_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+KUSTOMIZATIONS = ["deploy/base", "deploy/overlays/eks"]
+
+# What the downward API would give a pod on a typical EKS node.
+FIELD_VALUES = {
+    "status.hostIP": "10.0.1.23",
+    "status.hostIPs": "10.0.1.23,2600:1f18:abcd::17",
+    "spec.nodeName": "ip-10-0-1-23.ec2.internal",
+    "metadata.namespace": "kube-system",
+    "metadata.name": "kiamfast-x7k2p",
+}
+
+# (apiGroup, resource, verb) of every Kubernetes call the agent makes.
+AGENT_CALLS = [
+    ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"),
+    ("", "namespaces", "list"), ("", "namespaces", "watch"), ("", "namespaces", "get"),
+    ("", "nodes", "get"), ("", "nodes", "patch"),  # the startup taint
+    ("", "nodes/proxy", "get"),  # the kubelet's /pods
+]
+
+
+def objects(kustomization: str) -> list[dict]:
+    return render(REPO / kustomization)
+
+
+def one(objs: list[dict], kind: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, kind
+    return found[0]
+
+
+def container_env(container: dict) -> dict[str, str]:
+    env = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            env[item["name"]] = FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of args ($$ escapes; unknown names stay)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                  text)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_manifest_is_valid_kubernetes_1_30(kustomization):
+    objs = objects(kustomization)
+    assert {o["kind"] for o in objs} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                                         "DaemonSet"}
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_strict_validation_catches_a_typo():
+    ds = one(objects("deploy/base"), "DaemonSet")
+    apply_json_patch(ds, [{"op": "add", "path": "/spec/template/spec/hostNetwrok",
+                           "value": True}])
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, "1.30", strict=True)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_daemonset_args_parse_with_our_parser(kustomization):
+    ds = one(objects(kustomization), "DaemonSet")
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    env = container_env(container)
+    args = [expand(a, env) for a in container["args"]]
+    assert not any("$(" in a for a in args), args
+    # The container environment is what the agent sees too (HOST_IP, NODE_NAME fallbacks).
+    cfg = parse_args(args, environ=env)
+    assert cfg.iptables is True
+    assert cfg.host_ip == "10.0.1.23"
+    assert cfg.node == "ip-10-0-1-23.ec2.internal"
+    assert cfg.host_interface == "eni+"
+    assert cfg.base_role_arn.startswith("arn:aws:iam::") and cfg.base_role_arn.endswith("/")
+    # The same args without the env fallbacks still parse (kube2iam-style explicit args).
+    assert parse_args(args, environ={}).node == cfg.node
+
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert container["image"] == "ghcr.io/kiamfast/kiamfast:0.1.0"
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert ports == {cfg.app_port}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": cfg.app_port}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": cfg.app_port}
+    assert container["resources"]["requests"] == {"cpu": "50m", "memory": "64Mi"}
+    assert "cpu" not in container["resources"].get("limits", {})
+    caps = container["securityContext"]["capabilities"]["add"]
+    assert container["securityContext"].get("privileged") or "NET_ADMIN" in caps
+
+    # The shared table and the token key are on the memory-backed /dev/shm volume.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = volumes[mounts["/dev/shm"]]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert cfg.table_path.startswith("/dev/shm/")
+    assert cfg.token_key_file.startswith("/dev/shm/")
+
+
+def test_eks_overlay_changes_only_what_it_says():
+    base = one(objects("deploy/base"), "DaemonSet")
+    eks = one(objects("deploy/overlays/eks"), "DaemonSet")
+    base_args = base["spec"]["template"]["spec"]["containers"][0]["args"]
+    eks_c = eks["spec"]["template"]["spec"]["containers"][0]
+    assert eks_c["args"][0] == "--base-role-arn=arn:aws:iam::111122223333:role/"
+    assert eks_c["args"][1:len(base_args)] == base_args[1:]
+    cfg = parse_args([expand(a, container_env(eks_c)) for a in eks_c["args"]], environ={})
+    assert cfg.sts_region == "us-east-1"
+    assert cfg.imdsv2 == "required"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_daemonset_tolerates_the_startup_taint(kustomization):
+    ds = one(objects(kustomization), "DaemonSet")
+    tolerations = ds["spec"]["template"]["spec"]["tolerations"]
+    taint_key = FLAGS_BY_NAME["node-startup-taint"].default
+
+    def tolerated(key: str, effect: str) -> bool:
+        for t in tolerations:
+            key_ok = t.get("key") in (None, "", key) if t.get("operator") == "Exists" else (
+                t.get("key") == key)
+            if key_ok and t.get("effect") in (None, "", effect):
+                return True
+        return False
+
+    for effect in ("NoSchedule", "NoExecute"):
+        assert tolerated(taint_key, effect), effect
+        assert tolerated("node.kubernetes.io/not-ready", effect)
+        assert tolerated("node.kubernetes.io/unreachable", effect)
+    assert any(t.get("key") == taint_key for t in tolerations), "explicit toleration"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_rbac_covers_every_call_the_agent_makes(kustomization):
+    objs = objects(kustomization)
+    role = one(objs, "ClusterRole")
+    binding = one(objs, "ClusterRoleBinding")
+    sa = one(objs, "ServiceAccount")
+    ds = one(objs, "DaemonSet")
+
+    def allowed(group: str, resource: str, verb: str) -> bool:
+        return any(group in r.get("apiGroups", []) and
+                   (resource in r["resources"] or "*" in r["resources"]) and
+                   (verb in r["verbs"] or "*" in r["verbs"]) for r in role["rules"])
+
+    for call in AGENT_CALLS:
+        assert allowed(*call), call
+    # Least privilege: nothing that writes pods or reads secrets.
+    assert not allowed("", "secrets", "get")
+    assert not allowed("", "pods", "delete")
+    assert not allowed("", "nodes", "delete")
+
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                  "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert {"kind": "ServiceAccount", "name": sa["metadata"]["name"],
+            "namespace": sa["metadata"]["namespace"]} in binding["subjects"]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert ds["metadata"]["namespace"] == sa["metadata"]["namespace"]
+
+
+def test_dockerfile_builds_a_wheel_and_runs_kiamfast():
+    text = (REPO / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert stages == ["python:3.11-slim", "python:3.11-slim"]
+    assert "pip wheel" in text and "--from=builder" in text
+    assert re.search(r"apt-get install[^\n]*\biptables\b", text)
+    assert 'ENTRYPOINT ["kiamfast"]' in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert "README.md" not in ignored  # pyproject's readme, needed by the wheel build
+    assert ".git" in ignored
