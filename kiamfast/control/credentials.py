@@ -1,0 +1,815 @@
+"""The credential manager: which STS sessions exist, when they are fetched, where they live.
+
+The control process is the only place that talks to STS. This module decides *when*: a pod
+with a role is reported by the watch (often before it has an IP) and the manager starts
+fetching at once (prefetch), so the table holds ready-to-send bytes before the pod's SDK asks.
+While a live pod uses them, credentials are refreshed ahead of time (half-life, jittered), and
+what workers serve always has at least ``min_lifetime`` left (sdk-imds.md §4: SDKs misbehave
+below ~15 min). If STS is down, the old credentials keep flowing until that point; then the
+slot turns to ERROR and workers answer 503.
+
+Credential key. Credentials are shared by every pod whose AssumeRole call would be the same:
+``(role ARN, external ID, session-name policy value, session tags)``. Never the role alone:
+kube2iam keyed by role only and handed one pod's external-ID session to another (#98).
+
+Session-name policies (``session_policy``):
+
+* ``node-role`` (default): ``<node>-<role name>``; one session per role and node, pods are
+  traced to access keys through the audit log (``kiamfast.audit``, one line per issued
+  credential and per pod that joins one).
+* ``pod``: ``<namespace>.<pod>``; one session per pod, CloudTrail names the pod, more calls.
+* ``kube2iam``: ``<fnv32a hex of the pod IP>-<role name>``, kube2iam's format, one session
+  per role as kube2iam (but keyed with the external ID too). Compromise: kube2iam named the
+  session after whichever pod asked first, at request time; kiamfast fetches before a pod
+  asks and often before it has an IP, so the name uses the IP of the first user that has one
+  and otherwise fnv32a of that pod's UID.
+
+Optional session tags (``session_tags``: ``kiamfast-namespace``, ``kiamfast-pod``,
+``kiamfast-serviceaccount``, ``kiamfast-node``, or ``True`` for all) are sent for ABAC and
+become part of the key, so tagging per pod means one session per pod.
+
+Scheduling. One STS call per key at a time (single flight); every call takes a token from a
+global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered exponential,
+it is account-wide); other failures back off per key. Calls are taken from a priority queue:
+a slot a worker says is *wanted* beats prefetching new keys, which beats refresh-ahead.
+Permanent refusals (AccessDenied...) become the real-IMDS error document, cached for
+``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least ``error_ttl_floor`` so a
+misconfigured role cannot hammer STS), retried with growing intervals while pods use them.
+
+What it must never do: serve credentials with less than ``min_lifetime`` left, hand a key's
+credentials to a slot of another key, call STS twice at once for one key, log a secret, or
+block the event loop (STS runs on the client's thread pool).
+
+Time comes from the injected ``clock`` (epoch seconds) and ``sleep``, so tests can live
+through hours of rotation without waiting. The table is any object with ``write_cred``,
+``set_cred_state`` and ``clear_cred`` (``kiamfast.table.Table`` in production).
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Protocol
+
+from kiamfast.control import render
+from kiamfast.control.ratelimit import TokenBucket, backoff
+from kiamfast.control.sts import (Credentials, StsDenied, StsError, StsThrottled,
+                                  StsTransient, classify, sanitize_session_name)
+
+log = logging.getLogger("kiamfast.credentials")
+audit = logging.getLogger("kiamfast.audit")
+
+# Table credential states (the values of kiamfast.table.CRED_*; checked by the tests).
+CRED_EMPTY, CRED_PENDING, CRED_READY, CRED_ERROR = 0, 1, 2, 3
+
+SESSION_POLICIES = ("node-role", "pod", "kube2iam")
+TAG_NAMESPACE = "kiamfast-namespace"
+TAG_POD = "kiamfast-pod"
+TAG_SERVICE_ACCOUNT = "kiamfast-serviceaccount"
+TAG_NODE = "kiamfast-node"
+SESSION_TAGS = (TAG_NAMESPACE, TAG_POD, TAG_SERVICE_ACCOUNT, TAG_NODE)
+
+# Queue priorities (lower first).
+PRIO_WANTED = 0     # a worker has a request waiting for this slot
+PRIO_NEW = 1        # prefetch of a key nobody has credentials for yet, or its retry
+PRIO_REFRESH = 2    # refresh-ahead of credentials still being served
+
+# Far enough that an error document is never reported EXPIRED by the table; it is replaced
+# by the next attempt anyway.
+_ERROR_DOC_LIFETIME = 365 * 86400.0
+_STS_BUCKETS = tuple(0.001 * 2 ** i for i in range(14))  # kube2iam: 1 ms x2, 14 buckets
+
+
+class CredentialSlotsExhausted(Exception):
+    """Every credential slot of the table is used by a live key."""
+
+
+class ManagerClosed(Exception):
+    """The manager was closed; it takes no more work."""
+
+
+class CredentialTable(Protocol):
+    def write_cred(self, slot: int, parts: list[bytes], *, serve_until: float,
+                   state: int) -> None: ...
+    def set_cred_state(self, slot: int, state: int, serve_until: float | None = None) -> None: ...
+    def clear_cred(self, slot: int) -> None: ...
+
+
+class AssumeRole(Protocol):
+    async def assume_role(self, role_arn: str, session_name: str, *,
+                          external_id: str | None = None, duration: int = 3600,
+                          tags: list[tuple[str, str]] | None = None) -> Credentials: ...
+
+
+@dataclass(frozen=True)
+class CredentialRequest:
+    """What the watcher knows about a pod that needs credentials."""
+    role_arn: str
+    external_id: str | None = None
+    namespace: str = ""
+    pod_name: str = ""
+    service_account: str = ""
+    pod_ip: str | None = None
+
+
+@dataclass(frozen=True)
+class CredentialKey:
+    """Everything that makes two AssumeRole calls different. Equal keys share a slot."""
+    role_arn: str
+    external_id: str | None
+    session: str                          # the session-name policy value
+    tags: tuple[tuple[str, str], ...] = ()
+
+
+def fnv32a(data: str | bytes) -> int:
+    """32-bit FNV-1a (Go's hash/fnv New32a), used by kube2iam for session names."""
+    h = 0x811C9DC5
+    for b in data.encode() if isinstance(data, str) else data:
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+# ---- per-key state ------------------------------------------------------------------------------
+
+_PENDING, _READY, _ERROR, _DENIED = "pending", "ready", "error", "denied"
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: CredentialKey
+    slot: int
+    users: dict[str, CredentialRequest] = field(default_factory=dict)  # pod UID -> request
+    state: str = _PENDING
+    creds: Credentials | None = None
+    serve_until: float = 0.0
+    fetched_at: float = 0.0
+    refresh_at: float = 0.0
+    failures: int = 0              # consecutive failed attempts
+    denials: int = 0               # consecutive permanent refusals
+    not_before: float = 0.0        # backoff: no attempt before this (except refresh-ahead)
+    last_error: StsError | None = None
+    inflight: bool = False
+    queued: int | None = None      # priority it is queued with, None if not queued
+    timer: int = 0                 # version of the one live timer; older timers are ignored
+    timer_prio: int = PRIO_NEW     # queue priority when a "fetch" timer fires
+    idle_since: float | None = None
+    freed: bool = False
+    issued: int = 0                # credentials issued for this key so far
+
+
+# ---- the manager --------------------------------------------------------------------------------
+
+class CredentialManager:
+    """Prefetch, refresh and publish STS credentials for the pods of one node."""
+
+    def __init__(self, *, table: CredentialTable, sts: AssumeRole, capacity: int,
+                 notify: Callable[[], Any] = lambda: None,
+                 node_name: str = "", base_role_arn: str | None = None,
+                 session_policy: str = "node-role",
+                 session_tags: bool | Iterable[str] = (),
+                 duration: float = 3600.0, min_lifetime: float = 900.0,
+                 refresh_fraction: float = 0.5, refresh_jitter: float = 0.1,
+                 qps: float = 5.0, burst: int = 20, max_inflight: int = 8,
+                 error_ttl: float = 0.0, error_ttl_floor: float = 5.0,
+                 error_ttl_max: float = 60.0,
+                 backoff_base: float = 1.0, backoff_max: float = 30.0,
+                 throttle_base: float = 1.0, throttle_max: float = 30.0,
+                 release_grace: float = 120.0,
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 registry: Any = None, rng: random.Random | None = None):
+        if session_policy not in SESSION_POLICIES:
+            raise ValueError(f"session_policy must be one of {SESSION_POLICIES}")
+        if min_lifetime >= duration:
+            raise ValueError("min_lifetime must be shorter than the session duration")
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if session_tags is True:
+            tags: tuple[str, ...] = SESSION_TAGS
+        elif session_tags is False or session_tags is None:
+            tags = ()
+        else:
+            tags = tuple(session_tags)
+            unknown = set(tags) - set(SESSION_TAGS)
+            if unknown:
+                raise ValueError(f"unknown session tags {sorted(unknown)}; one of {SESSION_TAGS}")
+        self.table = table
+        self.sts = sts
+        self.capacity = capacity
+        self.notify = notify
+        self.node_name = node_name
+        self.base_role_arn = base_role_arn or None
+        self.session_policy = session_policy
+        self.session_tags = tags
+        self.duration = int(duration)
+        self.min_lifetime = float(min_lifetime)
+        self.refresh_fraction = refresh_fraction
+        self.refresh_jitter = refresh_jitter
+        self.max_inflight = max(1, max_inflight)
+        self.error_ttl = max(float(error_ttl), error_ttl_floor)
+        self.error_ttl_max = max(self.error_ttl, error_ttl_max)
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
+        self.throttle_base, self.throttle_max = throttle_base, throttle_max
+        self.release_grace = release_grace
+        self.clock = clock
+        self.sleep = sleep
+        self.rng = rng or random.Random()
+        self.bucket = TokenBucket(qps, burst, clock=clock, sleep=sleep)
+
+        self._entries: dict[CredentialKey, _Entry] = {}
+        self._by_slot: dict[int, _Entry] = {}
+        self._pods: dict[str, CredentialKey] = {}
+        self._free = list(range(capacity))          # a heap: lowest slot first
+        self._held: set[int] = set()                # see hold_slots()
+        self._ready: list[tuple[int, int, _Entry]] = []
+        self._timers: list[tuple[float, int, int, str, _Entry]] = []
+        self._seq = itertools.count()
+        self._inflight = 0
+        self._queued = 0                    # entries with a live item in the ready queue
+        self._token_wait = False
+        self._throttle_streak = 0
+        self._work = asyncio.Event()        # the ready queue got an item
+        self._timer_wake = asyncio.Event()  # an earlier timer was added
+        self._slot_free = asyncio.Event()   # an in-flight call finished
+        self._stopped = asyncio.Event()
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+        self._fetches: set[asyncio.Task] = set()
+        self._counts = {"sts_success": 0, "sts_throttled": 0, "sts_transient": 0,
+                        "sts_denied": 0, "refreshes": 0, "cache_hits": 0, "issued": 0,
+                        "expired": 0, "evicted": 0}
+        self._metrics = _Metrics(registry)
+
+    # ---- configuration helpers --------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
+                    notify: Callable[[], Any], **overrides: Any) -> "CredentialManager":
+        """Build from a ``kiamfast.config.Config`` and a ``kiamfast.table.Table``."""
+        kwargs: dict[str, Any] = dict(
+            table=table, sts=sts, notify=notify,
+            capacity=table.layout["cred_capacity"],
+            node_name=config.node, base_role_arn=config.base_role_arn or None,
+            session_policy=config.session_name_policy,
+            session_tags=config.session_tags,
+            duration=config.session_duration,
+            min_lifetime=config.min_credential_lifetime,
+            qps=config.sts_qps, burst=config.sts_burst,
+            error_ttl=config.iam_role_error_ttl)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def key_for(self, req: CredentialRequest) -> CredentialKey:
+        """The credential key of a request under this manager's policies."""
+        if self.session_policy == "node-role":
+            session = self.node_name
+        elif self.session_policy == "pod":
+            session = f"{req.namespace}/{req.pod_name}"
+        else:
+            session = "kube2iam"
+        tags = []
+        for tag in self.session_tags:
+            value = {TAG_NAMESPACE: req.namespace, TAG_POD: req.pod_name,
+                     TAG_SERVICE_ACCOUNT: req.service_account, TAG_NODE: self.node_name}[tag]
+            tags.append((tag, value))
+        return CredentialKey(req.role_arn, req.external_id or None, session,
+                             tuple(sorted(tags)))
+
+    def session_name(self, key: CredentialKey,
+                     users: Iterable[tuple[str, CredentialRequest]] = ()) -> str:
+        """The RoleSessionName for a key (kube2iam's policy also looks at the users)."""
+        role = render.role_name(key.role_arn)
+        if self.session_policy == "node-role":
+            name = f"{self.node_name or 'kiamfast'}-{role}"
+        elif self.session_policy == "pod":
+            namespace, _, pod = key.session.partition("/")
+            name = f"{namespace}.{pod}"
+        else:
+            users = list(users)
+            ips = [req.pod_ip for _, req in users if req.pod_ip]
+            basis = ips[0] if ips else (users[0][0] if users else key.role_arn)
+            name = f"{fnv32a(basis):x}-{role}"
+        return sanitize_session_name(name)
+
+    # ---- the watcher's API ------------------------------------------------------------------
+
+    def acquire(self, pod_uid: str, req: CredentialRequest) -> int:
+        """Credential slot for a pod; allocates it and starts a prefetch on first use.
+
+        Idempotent: the same pod and key give the same slot. A pod whose request maps to
+        another key (its role annotation changed) leaves its old key first.
+        Raises CredentialSlotsExhausted when every slot is in use by a live key.
+        """
+        if self._closed:
+            raise ManagerClosed("credential manager is closed")
+        key = self.key_for(req)
+        old = self._pods.get(pod_uid)
+        if old is not None:
+            if old == key:
+                entry = self._entries[key]
+                entry.users[pod_uid] = req          # refresh what we know (e.g. its IP)
+                return entry.slot
+            self.release(pod_uid)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._counts["cache_hits"] += 1
+            self._metrics.cache_hit(key.role_arn)
+            entry.users[pod_uid] = req
+            self._pods[pod_uid] = key
+            if entry.idle_since is not None:
+                self._revive(entry)
+            if entry.creds is not None and entry.state == _READY:
+                self._audit("credentials shared", entry, pods=[(pod_uid, req)])
+            return entry.slot
+        slot = self._alloc_slot()
+        entry = _Entry(key=key, slot=slot)
+        entry.users[pod_uid] = req
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
+        self._pods[pod_uid] = key
+        self.table.write_cred(slot, [], serve_until=0.0, state=CRED_PENDING)
+        self._notify()
+        self._enqueue(entry, PRIO_NEW)
+        return slot
+
+    def release(self, pod_uid: str) -> None:
+        """A pod is gone (or no longer uses its key). The last user gone stops refreshing;
+        the slot is freed after ``release_grace`` unless a pod takes the key up again."""
+        key = self._pods.pop(pod_uid, None)
+        if key is None:
+            return
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry.users.pop(pod_uid, None)
+        if not entry.users:
+            entry.idle_since = self.clock()
+            self._set_timer(entry, entry.idle_since + self.release_grace, "free")
+
+    def wanted(self, slot: int) -> None:
+        """A worker has a request for this slot and could not serve it: try now, unless a
+        call is in flight or the key is backing off."""
+        entry = self._by_slot.get(slot)
+        if entry is None or entry.freed or entry.inflight or entry.idle_since is not None:
+            return
+        now = self.clock()
+        if now < entry.not_before:
+            return
+        if entry.state in (_READY, _DENIED) and (entry.state == _DENIED
+                                                 or now < entry.serve_until):
+            return  # servable from our point of view; the worker's read was stale
+        self._enqueue(entry, PRIO_WANTED)
+
+    def hold_slots(self, slots: Iterable[int]) -> None:
+        """Keep these slots out of allocation (a restarted control process: IP slots in the
+        table may still point at them, so reusing one for another key before the watch has
+        re-claimed every IP could serve one pod another key's credentials). Their contents
+        keep being served meanwhile. :meth:`release_held` clears and frees them."""
+        held = set(slots) & set(self._free)
+        self._held |= held
+        self._free = [s for s in self._free if s not in held]
+        heapq.heapify(self._free)
+
+    def release_held(self) -> None:
+        """The watch has re-claimed every IP: clear the held slots and make them usable."""
+        for slot in sorted(self._held):
+            self.table.clear_cred(slot)
+            heapq.heappush(self._free, slot)
+        if self._held:
+            self._held.clear()
+            self._notify()
+
+    def slot_of(self, pod_uid: str) -> int | None:
+        key = self._pods.get(pod_uid)
+        return None if key is None else self._entries[key].slot
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the scheduler until :meth:`close`."""
+        if self._tasks:
+            raise RuntimeError("already running")
+        self._tasks = [asyncio.create_task(self._dispatch(), name="kiamfast-cred-dispatch"),
+                       asyncio.create_task(self._timer_loop(), name="kiamfast-cred-timers")]
+        try:
+            waiter = asyncio.create_task(self._stopped.wait())
+            done, _ = await asyncio.wait([waiter, *self._tasks],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not waiter and not task.cancelled() and task.exception():
+                    raise task.exception()  # a scheduler bug: let the supervisor see it
+        finally:
+            waiter.cancel()
+            for task in [*self._tasks, *self._fetches]:
+                task.cancel()
+            await asyncio.gather(*self._tasks, *self._fetches, return_exceptions=True)
+            self._tasks = []
+
+    def close(self) -> None:
+        """Stop scheduling; in-flight calls are abandoned. The STS client is the caller's."""
+        self._closed = True
+        self._stopped.set()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until nothing is in flight and nothing can start before time moves on
+        (tests and benchmarks): queued work waiting for a rate-limit token or the end of a
+        throttling pause counts as settled, as do timers.
+        """
+        async def _wait() -> None:
+            while self._inflight or (self._live_ready() and not self._token_wait):
+                await asyncio.sleep(0.002)
+        await asyncio.wait_for(_wait(), timeout)
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        states = {s: 0 for s in (_PENDING, _READY, _ERROR, _DENIED)}
+        idle = 0
+        for e in self._entries.values():
+            states[e.state] += 1
+            idle += e.idle_since is not None
+        return {
+            **self._counts,
+            "sts_calls": sum(self._counts[k] for k in ("sts_success", "sts_throttled",
+                                                       "sts_transient", "sts_denied")),
+            "inflight": self._inflight,
+            "keys": len(self._entries),
+            "pods": len(self._pods),
+            "idle_keys": idle,
+            "slots_free": len(self._free),
+            "slots_held": len(self._held),
+            "queued": self._live_ready(),
+            "throttle_paused_for": max(0.0, self.bucket.paused_until - self.clock()),
+            **{f"keys_{s}": n for s, n in states.items()},
+        }
+
+    @property
+    def registry(self) -> Any:
+        return self._metrics.registry
+
+    def describe(self, slot: int) -> dict[str, Any] | None:
+        """Debug view of one slot (no secrets)."""
+        e = self._by_slot.get(slot)
+        if e is None:
+            return None
+        return {"role_arn": e.key.role_arn, "external_id": bool(e.key.external_id),
+                "session": e.key.session, "tags": dict(e.key.tags), "state": e.state,
+                "access_key_id": e.creds.access_key_id if e.creds else None,
+                "serve_until": e.serve_until, "refresh_at": e.refresh_at,
+                "failures": e.failures, "users": sorted(e.users),
+                "last_error": e.last_error.code if e.last_error else None}
+
+    # ---- slots ------------------------------------------------------------------------------
+
+    def _alloc_slot(self) -> int:
+        if not self._free:
+            idle = [e for e in self._entries.values() if e.idle_since is not None]
+            if not idle:
+                raise CredentialSlotsExhausted(
+                    f"all {self.capacity} credential slots are used by live keys")
+            self._counts["evicted"] += 1
+            self._free_entry(min(idle, key=lambda e: e.idle_since))
+        return heapq.heappop(self._free)
+
+    def _free_entry(self, entry: _Entry) -> None:
+        if entry.freed:
+            return
+        entry.freed = True
+        entry.timer += 1
+        if entry.queued is not None:
+            entry.queued = None
+            self._queued -= 1
+        self._entries.pop(entry.key, None)
+        self._by_slot.pop(entry.slot, None)
+        self.table.clear_cred(entry.slot)
+        heapq.heappush(self._free, entry.slot)
+        self._notify()
+
+    def _revive(self, entry: _Entry) -> None:
+        entry.idle_since = None
+        entry.timer += 1  # cancels the "free" timer
+        now = self.clock()
+        if entry.inflight:
+            return
+        if entry.state == _READY and now < entry.serve_until:
+            if entry.refresh_at <= now:
+                self._enqueue(entry, PRIO_REFRESH)
+            else:
+                self._set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
+        elif now >= entry.not_before:
+            self._enqueue(entry, PRIO_NEW)
+        else:
+            self._set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
+
+    # ---- queue and timers -------------------------------------------------------------------
+
+    def _enqueue(self, entry: _Entry, prio: int) -> None:
+        if entry.freed or entry.inflight:
+            return
+        if entry.queued is not None and entry.queued <= prio:
+            return
+        if entry.queued is None:
+            self._queued += 1
+        entry.queued = prio
+        heapq.heappush(self._ready, (prio, next(self._seq), entry))
+        self._work.set()
+
+    def _set_timer(self, entry: _Entry, at: float, kind: str, prio: int = PRIO_NEW) -> None:
+        entry.timer += 1
+        heapq.heappush(self._timers, (at, next(self._seq), entry.timer, kind, entry))
+        entry.timer_prio = prio
+        if self._timers[0][4] is entry:
+            self._timer_wake.set()
+
+    def _live_ready(self) -> int:
+        return self._queued
+
+    def _pop_ready(self) -> tuple[_Entry, int] | None:
+        while self._ready:
+            prio, _, entry = heapq.heappop(self._ready)
+            if entry.freed or entry.queued != prio:
+                continue  # superseded by a better priority, or freed
+            entry.queued = None
+            self._queued -= 1
+            if entry.inflight or entry.idle_since is not None:
+                continue
+            return entry, prio
+        return None
+
+    async def _wait_any(self, event: asyncio.Event, delay: float | None) -> None:
+        waits = [asyncio.ensure_future(event.wait())]
+        if delay is not None:
+            waits.append(asyncio.ensure_future(self.sleep(max(0.0, delay))))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _timer_loop(self) -> None:
+        while not self._closed:
+            now = self.clock()
+            while self._timers and self._timers[0][0] <= now:
+                _, _, version, kind, entry = heapq.heappop(self._timers)
+                if entry.freed or version != entry.timer:
+                    continue
+                if kind == "free":
+                    if entry.idle_since is not None and not entry.users:
+                        self._free_entry(entry)
+                elif kind == "expire":
+                    self._expire(entry)
+                else:
+                    self._enqueue(entry, entry.timer_prio)
+            self._timer_wake.clear()
+            delay = self._timers[0][0] - now if self._timers else None
+            await self._wait_any(self._timer_wake, delay)
+
+    async def _dispatch(self) -> None:
+        while not self._closed:
+            if not self._live_ready():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            if self._inflight >= self.max_inflight:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            wait = self.bucket.try_take()
+            if wait > 0:  # rate limit or throttling pause: sleep, then look again
+                self._token_wait = True
+                try:
+                    await self.sleep(wait)
+                finally:
+                    self._token_wait = False
+                continue
+            item = self._pop_ready()
+            if item is None:
+                self.bucket.refund()
+                continue
+            entry, prio = item
+            entry.inflight = True
+            self._inflight += 1
+            self._metrics.inflight.set(self._inflight)
+            task = asyncio.create_task(self._fetch(entry, prio))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
+
+    # ---- one STS call -----------------------------------------------------------------------
+
+    async def _fetch(self, entry: _Entry, prio: int) -> None:
+        key = entry.key
+        name = self.session_name(key, entry.users.items())
+        started = time.monotonic()
+        result: Credentials | StsError
+        try:
+            result = await self.sts.assume_role(
+                key.role_arn, name, external_id=key.external_id, duration=self.duration,
+                tags=list(key.tags) or None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # classified: StsError already, anything else -> transient
+            result = classify(exc, role_arn=key.role_arn)
+        finally:
+            entry.inflight = False
+            self._inflight -= 1
+            self._metrics.inflight.set(self._inflight)
+            self._slot_free.set()
+        elapsed = time.monotonic() - started
+        if isinstance(result, Credentials):
+            self._metrics.sts_call(key.role_arn, "Success", "success", elapsed)
+            self._counts["sts_success"] += 1
+            self._throttle_streak = 0
+            if not entry.freed:
+                try:
+                    self._on_success(entry, result, name)
+                except Exception as exc:  # e.g. ValueTooLarge: never leave the key stuck
+                    log.exception("publishing credentials for %s failed", key.role_arn)
+                    self._on_failure(entry, StsTransient(type(exc).__name__, str(exc),
+                                                         role_arn=key.role_arn))
+        else:
+            kind = ("throttled" if isinstance(result, StsThrottled) else
+                    "denied" if isinstance(result, StsDenied) else "transient")
+            self._metrics.sts_call(key.role_arn, result.code or "UnknownError", kind, elapsed)
+            self._counts[f"sts_{kind}"] += 1
+            if isinstance(result, StsThrottled):
+                self._throttle_streak += 1
+                self.bucket.pause(backoff(self._throttle_streak, base=self.throttle_base,
+                                          cap=self.throttle_max, rng=self.rng))
+            if not entry.freed:
+                self._on_failure(entry, result)
+
+    def _on_success(self, entry: _Entry, creds: Credentials, session_name: str) -> None:
+        now = self.clock()
+        expires = creds.expires_at
+        serve_until = expires - self.min_lifetime
+        if serve_until <= now + 1.0:
+            # STS gave less than min_lifetime (clock skew?): never serve it.
+            self._on_failure(entry, StsTransient(
+                "ShortLifetime", f"credentials expire at {creds.expiration.isoformat()}",
+                role_arn=entry.key.role_arn))
+            return
+        refreshed = entry.creds is not None
+        parts = render.render_credentials(
+            role_arn=entry.key.role_arn, base_role_arn=self.base_role_arn,
+            access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
+            session_token=creds.session_token, expiration=creds.expiration,
+            last_updated=now)
+        self.table.write_cred(entry.slot, parts, serve_until=serve_until, state=CRED_READY)
+        entry.creds = creds
+        entry.state = _READY
+        entry.serve_until = serve_until
+        entry.fetched_at = now
+        entry.failures = entry.denials = 0
+        entry.last_error = None
+        entry.not_before = 0.0
+        entry.issued += 1
+        self._counts["issued"] += 1
+        if refreshed:
+            self._counts["refreshes"] += 1
+            self._metrics.refreshes.inc()
+        # Refresh at half-life, but leave at least a third of the serving window for retries
+        # when the session is short; jitter spreads keys fetched together.
+        ahead = min((expires - now) * self.refresh_fraction, (serve_until - now) * 2 / 3)
+        ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
+        entry.refresh_at = now + ahead
+        self._notify()
+        self._audit("credentials issued", entry, pods=list(entry.users.items()),
+                    session_name=session_name)
+        if entry.idle_since is None:
+            self._set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
+        else:
+            self._set_timer(entry, entry.idle_since + self.release_grace, "free")
+
+    def _on_failure(self, entry: _Entry, err: StsError) -> None:
+        now = self.clock()
+        entry.failures += 1
+        entry.last_error = err
+        denied = isinstance(err, StsDenied)
+        if isinstance(err, StsThrottled):
+            delay = max(self.bucket.paused_until - now,
+                        backoff(entry.failures, base=self.throttle_base,
+                                cap=self.throttle_max, rng=self.rng))
+        elif denied:
+            entry.denials += 1
+            delay = min(self.error_ttl_max, self.error_ttl * 2 ** (entry.denials - 1))
+        else:
+            delay = backoff(entry.failures, base=self.backoff_base, cap=self.backoff_max,
+                            rng=self.rng)
+        loud = entry.failures == 1 or entry.failures % 10 == 0
+        level = logging.WARNING if loud else logging.DEBUG
+        log.log(level, "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
+                entry.key.role_arn, err.code, entry.failures, delay, err.message)
+        servable = entry.state == _READY and now < entry.serve_until
+        if servable:
+            # Static stability: keep serving what we have; retry, at the latest at the end.
+            retry_at = min(now + delay, entry.serve_until)
+            entry.not_before = retry_at
+            if entry.idle_since is None:
+                if retry_at < entry.serve_until:
+                    self._set_timer(entry, retry_at, "fetch", PRIO_REFRESH)
+                else:  # the last chance is at serve_until; _expire retries after it
+                    self._set_timer(entry, entry.serve_until, "expire")
+            return
+        entry.not_before = now + delay
+        if denied:
+            parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
+                                        last_updated=now, base_role_arn=self.base_role_arn)
+            self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
+                                  state=CRED_READY)
+            entry.state = _DENIED
+            entry.creds = None
+            entry.serve_until = now + _ERROR_DOC_LIFETIME
+        else:
+            if entry.state == _READY:
+                self._counts["expired"] += 1
+            self.table.set_cred_state(entry.slot, CRED_ERROR)
+            entry.state = _ERROR
+        self._notify()
+        if entry.idle_since is None:
+            self._set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
+
+    def _expire(self, entry: _Entry) -> None:
+        """serve_until reached with no fresh credentials: stop serving (ERROR -> 503)."""
+        now = self.clock()
+        if entry.state != _READY or now < entry.serve_until:
+            return
+        self._counts["expired"] += 1
+        if isinstance(entry.last_error, StsDenied):
+            parts = render.render_error(role_arn=entry.key.role_arn,
+                                        code=entry.last_error.code, last_updated=now,
+                                        base_role_arn=self.base_role_arn)
+            self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
+                                  state=CRED_READY)
+            entry.state = _DENIED
+            entry.serve_until = now + _ERROR_DOC_LIFETIME
+        else:
+            self.table.set_cred_state(entry.slot, CRED_ERROR)
+            entry.state = _ERROR
+        entry.creds = None
+        self._notify()
+        if entry.idle_since is None and not entry.inflight:
+            self._set_timer(entry, max(now, entry.not_before), "fetch", PRIO_NEW)
+
+    # ---- side channels ----------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        try:
+            self.notify()
+        except Exception:  # a broken notifier must not break the manager
+            log.exception("notify callback failed")
+
+    def _audit(self, event: str, entry: _Entry, *,
+               pods: list[tuple[str, CredentialRequest]], session_name: str = "") -> None:
+        creds = entry.creds
+        if creds is None:
+            return
+        fields = {
+            "event": event.replace(" ", "_"),
+            "role_arn": entry.key.role_arn,
+            "access_key_id": creds.access_key_id,
+            "expiration": render.imds_time(creds.expiration),
+            "session_name": session_name or self.session_name(entry.key, entry.users.items()),
+            "external_id": bool(entry.key.external_id),
+            "slot": entry.slot,
+            "pods": sorted(f"{r.namespace}/{r.pod_name}" for _, r in pods),
+            "pod_uids": sorted(uid for uid, _ in pods),
+            "namespaces": sorted({r.namespace for _, r in pods}),
+        }
+        audit.info("%s role=%s access_key_id=%s expiration=%s pods=%s", event,
+                   fields["role_arn"], fields["access_key_id"], fields["expiration"],
+                   ",".join(fields["pods"]), extra={"audit": fields})
+
+
+class _Metrics:
+    """Prometheus metrics of the manager, on the given registry or a private one."""
+
+    def __init__(self, registry: Any):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.duration = Histogram(
+            "kube2iam_iam_request_duration_seconds",
+            "Time taken to complete IAM (STS AssumeRole) requests",
+            ["code", "role_arn"], buckets=_STS_BUCKETS, registry=r)
+        self.calls = Counter("kiamfast_sts_calls", "STS AssumeRole calls by result",
+                             ["result"], registry=r)
+        self.throttled = Counter("kiamfast_sts_throttled",
+                                 "STS AssumeRole calls answered with throttling", registry=r)
+        self.refreshes = Counter("kiamfast_credential_refreshes",
+                                 "Credentials replaced ahead of expiry", registry=r)
+        self.inflight = Gauge("kiamfast_sts_inflight", "STS calls in flight", registry=r)
+        self.hits = Counter("kube2iam_iam_cache_hits", "Number of cache hits to the IAM cache",
+                            ["role_arn"], registry=r)
+
+    def sts_call(self, role_arn: str, code: str, result: str, elapsed: float) -> None:
+        self.duration.labels(code=code, role_arn=role_arn).observe(elapsed)
+        self.calls.labels(result=result).inc()
+        if result == "throttled":
+            self.throttled.inc()
+
+    def cache_hit(self, role_arn: str) -> None:
+        self.hits.labels(role_arn=role_arn).inc()

@@ -1,0 +1,93 @@
+"""Rate limiting and backoff for STS calls.
+
+STS throttles per account and region, and every node's agent shares that budget: a node
+drain that lands 200 pods with 200 roles on one node must not turn into 200 simultaneous
+AssumeRole calls, and a throttled agent must slow down *all* its calls, not just retry the
+one that failed. This module holds the two mechanisms the credential manager uses:
+
+  * :class:`TokenBucket`: ``rate`` tokens per second, at most ``burst`` saved up, plus a
+    global pause that throttling responses extend (exponential, jittered);
+  * :func:`backoff`: the jittered exponential delay for one key's consecutive failures.
+
+Both take an injected clock and async sleep so tests can drive time by hand. Neither ever
+sleeps on the event loop without yielding, and neither knows anything about STS itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Awaitable, Callable
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Delay before retry number ``attempt`` (1-based): "equal jitter" exponential backoff.
+
+    ``min(cap, base * 2**(attempt-1))`` scaled by a uniform factor in [0.5, 1.0], so retries of
+    many keys that failed together spread out without ever retrying much sooner than planned.
+    """
+    r = rng or random
+    exp = min(cap, base * (2 ** max(0, min(attempt - 1, 30))))
+    return exp * r.uniform(0.5, 1.0)
+
+
+class TokenBucket:
+    """A token bucket with a global pause, driven by an injectable clock."""
+
+    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep):
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be > 0 and burst >= 1")
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self._clock = clock
+        self._sleep = sleep
+        self._tokens = float(burst)
+        self._last = clock()
+        self.paused_until = 0.0
+        self.taken = 0
+
+    def _refill(self, now: float) -> None:
+        if now > self._last:
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+        self._last = max(self._last, now)
+
+    @property
+    def tokens(self) -> float:
+        self._refill(self._clock())
+        return self._tokens
+
+    def try_take(self) -> float:
+        """Take a token if one is available now; else return how long to wait (> 0)."""
+        now = self._clock()
+        self._refill(now)
+        if now < self.paused_until:
+            return self.paused_until - now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            self.taken += 1
+            return 0.0
+        return (1.0 - self._tokens) / self.rate
+
+    async def take(self) -> None:
+        """Wait for a token (and for any pause to end), then take it."""
+        while True:
+            wait = self.try_take()
+            if wait <= 0:
+                return
+            await self._sleep(wait)
+
+    def refund(self) -> None:
+        """Give back a token that was taken but not used."""
+        self._tokens = min(self.burst, self._tokens + 1.0)
+        self.taken -= 1
+
+    def pause(self, seconds: float) -> None:
+        """Stop handing out tokens for ``seconds`` (extends, never shortens, a pause) and
+        drop the saved-up burst, so the end of a pause does not release a burst at once."""
+        now = self._clock()
+        self._refill(now)
+        self.paused_until = max(self.paused_until, now + seconds)
+        self._tokens = min(self._tokens, 1.0)   # one probe may go out when the pause ends
+        self._last = max(self._last, self.paused_until)  # nothing accrues while paused
