@@ -37,7 +37,10 @@ STOP_GRACE = 10.0
 
 
 def config_to_json(config: Config) -> str:
-    doc = dataclasses.asdict(config)
+    """The control process's configuration, handed over on its command line.  Fields the
+    config derived from others are left out, so the child derives them the same way."""
+    doc = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)
+           if f.init and f.name not in config.derived}
     doc["explicit"] = sorted(config.explicit)
     return orjson.dumps(doc).decode()
 

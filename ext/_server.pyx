@@ -1,0 +1,1210 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The request path of a server worker: HTTP/1.x protocol, routing, table lookup, write.
+
+Every pod on the node talks to this code when its SDK wants credentials, usually with a
+0.5-1 s budget (sdk-imds.md §2), and a node runs hundreds of pods. So the common request,
+a credential GET for a known pod, must cost as little as the event loop allows: the raw
+target is routed through a dict cache, the token is checked against a per-connection cache,
+the table copies the pre-rendered response into one buffer, one bytes object is built from
+it and handed to the transport. No dicts, no JSON, no logging, no clock syscalls beyond
+``time()``; counters are a C array flushed to the table once a second.
+
+What this module must never do:
+
+* answer a pod with anything but its own entry: the table is looked up on *every* request
+  with the address read once per connection (IPs get reused; nothing is cached per pod);
+* send anything under ``meta-data/iam/``, ``identity-credentials/`` or ``user-data``
+  upstream (routing lives in kiamfast.server.routes and only canonical paths are forwarded);
+* block: a request that needs the control process (unknown or pending pod) waits for a
+  table generation announced over the channel, bounded by the wait budget, never by sleeping
+  or polling; the token PUT never waits on anything;
+* reorder pipelined answers, or let one slow or hostile client hold a worker: limits answer
+  414/431/413/400/405 and close, a sweep closes idle and slow connections.
+
+Everything that is not per-request (settings, sockets, signals) lives in
+kiamfast.server.worker; responses this module renders itself come from
+kiamfast.server.responses.
+"""
+
+from libc.stdint cimport uint64_t, int64_t
+from libc.string cimport memcpy, memchr
+from libc.time cimport time as c_time
+from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+
+cdef extern from "string.h" nogil:
+    void *memmem(const void *haystack, size_t haystacklen, const void *needle, size_t needlelen)
+
+import asyncio
+import collections
+import hashlib
+import logging
+
+import httptools
+
+from kiamfast import channel as _channel
+from kiamfast import table as _table
+from kiamfast.server import metrics as _metrics
+from kiamfast.server import responses as R
+from kiamfast.server import routes as _routes
+from kiamfast.server.upstream import UpstreamError
+
+# ---- constants copied into C ints -----------------------------------------------------------
+
+cdef int K_PASS = _routes.PASS
+cdef int K_TOKEN = _routes.TOKEN
+cdef int K_LISTING = _routes.LISTING
+cdef int K_DOCUMENT = _routes.DOCUMENT
+cdef int K_EXT_LISTING = _routes.EXT_LISTING
+cdef int K_EXT_DOCUMENT = _routes.EXT_DOCUMENT
+cdef int K_INFO = _routes.INFO
+cdef int K_DENY = _routes.DENY
+cdef int K_HEALTHZ = _routes.HEALTHZ
+cdef int K_READYZ = _routes.READYZ
+cdef int K_METRICS = _routes.METRICS
+cdef int K_DEBUG_STORE = _routes.DEBUG_STORE
+cdef int K_BAD = _routes.BAD
+DEF NKINDS = 13
+DEF NCODES = 13
+DEF NCOUNTERS = 128
+
+cdef int S_MISS = _table.MISS
+cdef int S_BUSY = _table.BUSY
+cdef int S_NO_ROLE = _table.NO_ROLE
+cdef int S_DENIED = _table.DENIED
+cdef int S_PENDING = _table.PENDING
+cdef int S_READY = _table.READY
+cdef int S_EXPIRED = _table.EXPIRED
+cdef int S_ERROR = _table.ERROR
+cdef int S_MISMATCH = _table.MISMATCH
+cdef int S_TOO_SMALL = _table.TOO_SMALL
+
+cdef int PART_LISTING = _table.PART_LISTING
+cdef int PART_DOCUMENT = _table.PART_DOCUMENT
+cdef int PART_EXT_DOCUMENT = _table.PART_EXT_DOCUMENT
+cdef int PART_INFO = _table.PART_INFO
+
+cdef int C_HIST_BUCKET0 = _metrics.HIST_BUCKET0
+cdef int C_HIST_SUM_US = _metrics.HIST_SUM_US
+cdef int C_HIST_COUNT = _metrics.HIST_COUNT
+cdef int C_WAITS = _metrics.WAITS
+cdef int C_WAIT_TIMEOUTS = _metrics.WAIT_TIMEOUTS
+cdef int C_CHANNEL_DROPS = _metrics.CHANNEL_DROPS
+cdef int C_CONNECTIONS = _metrics.CONNECTIONS
+cdef int C_CONNECTIONS_REJECTED = _metrics.CONNECTIONS_REJECTED
+cdef int C_CONNECTIONS_TIMED_OUT = _metrics.CONNECTIONS_TIMED_OUT
+cdef int C_UPSTREAM_ERRORS = _metrics.UPSTREAM_ERRORS
+cdef int C_USED = _metrics.USED
+
+_CODE_OF_SLOT = (200, 400, 401, 403, 404, 405, 408, 413, 414, 431, 500, 503, 999)
+
+cdef inline int code_slot(int status) noexcept:
+    if status == 200: return 0
+    if status == 400: return 1
+    if status == 401: return 2
+    if status == 403: return 3
+    if status == 404: return 4
+    if status == 405: return 5
+    if status == 408: return 6
+    if status == 413: return 7
+    if status == 414: return 8
+    if status == 431: return 9
+    if status == 500: return 10
+    if status == 503: return 11
+    return 12
+
+cdef bytes TTL_HEADER = b"X-Aws-Ec2-Metadata-Token-Ttl-Seconds: "
+cdef bytes CONN_CLOSE = b"Connection: close\r\n"
+cdef bytes CONN_KEEP_ALIVE = b"Connection: keep-alive\r\n"
+cdef bytes EMPTY = b""
+
+# Header names (lower case) matched by length first, then by value.
+cdef bytes H_TOKEN = b"x-aws-ec2-metadata-token"
+cdef bytes H_TTL = b"x-aws-ec2-metadata-token-ttl-seconds"
+cdef bytes H_XFF = b"x-forwarded-for"
+cdef bytes H_CONNECTION = b"connection"
+
+ROUTE_CACHE_MAX = 4096
+
+DEF FEED_SLICE = 8192  # bytes parsed at a time when a client sends a lot at once
+DEF ASKED_IP = 1      # b"I" sent for this request
+DEF ASKED_SLOT = 2    # b"C" sent for this request
+
+
+# ---- IMDSv2 session tokens (documented in kiamfast.server.tokens) --------------------------------
+
+DEF TOKEN_VERSION = 1
+DEF TOKEN_HEAD = 9       # version u8 + expiry u64 LE
+DEF TOKEN_MAC = 24
+DEF TOKEN_RAW = 33       # TOKEN_HEAD + TOKEN_MAC: a multiple of 3, so no base64 padding
+DEF TOKEN_CHARS = 44
+TOKEN_PERSON = b"kiamfast-imdsv2"
+
+cdef bytes TOKEN_RESPONSE_TAIL = (b"\r\nContent-Type: text/plain\r\nAccept-Ranges: none\r\n"
+                                  b"Server: EC2ws\r\nContent-Length: 44\r\n\r\n")
+
+
+cpdef long parse_ttl(object value):
+    """The TTL header of a token PUT as an int in 1..21600, or -1 (answer 400)."""
+    cdef const char *p
+    cdef Py_ssize_t n, i, start, end
+    cdef long ttl = 0
+    if value is None or not isinstance(value, bytes):
+        return -1
+    p = PyBytes_AS_STRING(value)
+    n = PyBytes_GET_SIZE(value)
+    start = 0
+    end = n
+    while start < end and (p[start] == 32 or p[start] == 9):  # SP, HT
+        start += 1
+    while end > start and (p[end - 1] == 32 or p[end - 1] == 9):
+        end -= 1
+    if end == start or end - start > 6:
+        return -1
+    for i in range(start, end):
+        if p[i] < 48 or p[i] > 57:  # '0'..'9'
+            return -1
+        ttl = ttl * 10 + (p[i] - 48)
+    if ttl < 1 or ttl > 21600:
+        return -1
+    return ttl
+
+
+cdef class TokenSigner:
+    """Issues and verifies stateless IMDSv2 tokens bound to a client address.
+
+    MAC: keyed BLAKE2b-192 (a PRF by design, ~0.4 us here against ~2 us for OpenSSL
+    HMAC-SHA256 through Python), personalised so the key can never be confused with
+    another use of the same bytes.
+    """
+
+    cdef object base
+    cdef dict prefixes
+
+    def __init__(self, bytes key):
+        if len(key) < 16:
+            raise ValueError("the token key must be at least 16 bytes")
+        if len(key) > 64:
+            key = hashlib.blake2b(key, digest_size=64, person=TOKEN_PERSON).digest()
+        self.base = hashlib.blake2b(key=key, digest_size=TOKEN_MAC, person=TOKEN_PERSON)
+        self.prefixes = {}
+
+    cdef bytes mac(self, const char *head, bytes addr16):
+        cdef char msg[TOKEN_HEAD + 16]
+        memcpy(msg, head, TOKEN_HEAD)
+        memcpy(msg + TOKEN_HEAD, PyBytes_AS_STRING(addr16), 16)
+        h = self.base.copy()
+        h.update(PyBytes_FromStringAndSize(msg, TOKEN_HEAD + 16))
+        return h.digest()
+
+    cdef void sign(self, bytes addr16, long ttl, int64_t now, char *out):
+        """Write the 44 characters of a token into `out`."""
+        cdef unsigned char raw[TOKEN_RAW]
+        cdef uint64_t expiry = <uint64_t>(now + ttl + 1)
+        cdef int i
+        raw[0] = TOKEN_VERSION
+        for i in range(8):
+            raw[1 + i] = <unsigned char>((expiry >> (8 * i)) & 0xFF)
+        memcpy(raw + TOKEN_HEAD, PyBytes_AS_STRING(self.mac(<char *>raw, addr16)), TOKEN_MAC)
+        b64encode(raw, TOKEN_RAW, out)
+
+    cpdef bytes issue(self, bytes addr16, long ttl, int64_t now):
+        """A token for the client at `addr16`, valid for at least `ttl` s from `now`."""
+        if PyBytes_GET_SIZE(addr16) != 16:
+            raise ValueError("addr16 must be 16 bytes")
+        token = PyBytes_FromStringAndSize(NULL, TOKEN_CHARS)
+        self.sign(addr16, ttl, now, PyBytes_AS_STRING(token))
+        return token
+
+    cpdef int64_t verify(self, bytes addr16, bytes token, int64_t now):
+        """Expiry (epoch s) of a valid token presented from `addr16`, or -1."""
+        cdef unsigned char r[TOKEN_RAW]
+        cdef const unsigned char *m
+        cdef unsigned char diff = 0
+        cdef uint64_t expiry = 0
+        cdef int i
+        if PyBytes_GET_SIZE(token) != TOKEN_CHARS or PyBytes_GET_SIZE(addr16) != 16:
+            return -1
+        if not b64decode(<const unsigned char *>PyBytes_AS_STRING(token), TOKEN_CHARS, r):
+            return -1
+        if r[0] != TOKEN_VERSION:
+            return -1
+        mac = self.mac(<const char *>r, addr16)
+        m = <const unsigned char *>PyBytes_AS_STRING(mac)
+        for i in range(TOKEN_MAC):  # constant time
+            diff |= r[TOKEN_HEAD + i] ^ m[i]
+        if diff:
+            return -1
+        for i in range(8):
+            expiry |= (<uint64_t>r[1 + i]) << (8 * i)
+        if <uint64_t>now >= expiry or expiry > <uint64_t>0x7FFFFFFFFFFFFFFF:
+            return -1
+        return <int64_t>expiry
+
+    cpdef bytes response(self, bytes addr16, long ttl, int64_t now):
+        """The complete answer to a token PUT (IMDS headers, bare token body)."""
+        cdef Py_ssize_t n
+        prefix = self.prefixes.get(ttl)
+        if prefix is None:
+            prefix = (b"HTTP/1.1 200 OK\r\nX-Aws-Ec2-Metadata-Token-Ttl-Seconds: %d" % ttl
+                      + TOKEN_RESPONSE_TAIL)
+            if len(self.prefixes) < 64:
+                self.prefixes[ttl] = prefix
+        if PyBytes_GET_SIZE(addr16) != 16:
+            raise ValueError("addr16 must be 16 bytes")
+        n = PyBytes_GET_SIZE(prefix)
+        out = PyBytes_FromStringAndSize(NULL, n + TOKEN_CHARS)
+        memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(prefix), n)
+        self.sign(addr16, ttl, now, PyBytes_AS_STRING(out) + n)
+        return out
+
+
+# Standard base64 alphabet; a token is 33 bytes, a multiple of 3, so never any padding.
+cdef const char *B64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+cdef void b64encode(const unsigned char *src, int n, char *dst) noexcept:
+    cdef int i, j = 0
+    cdef unsigned int v
+    for i in range(0, n, 3):
+        v = (src[i] << 16) | (src[i + 1] << 8) | src[i + 2]
+        dst[j] = B64[(v >> 18) & 63]
+        dst[j + 1] = B64[(v >> 12) & 63]
+        dst[j + 2] = B64[(v >> 6) & 63]
+        dst[j + 3] = B64[v & 63]
+        j += 4
+
+
+cdef inline int b64value(unsigned char c) noexcept:
+    if 65 <= c <= 90:      # A-Z
+        return c - 65
+    if 97 <= c <= 122:     # a-z
+        return c - 71
+    if 48 <= c <= 57:      # 0-9
+        return c + 4
+    if c == 43:            # +
+        return 62
+    if c == 47:            # /
+        return 63
+    return -1
+
+
+cdef bint b64decode(const unsigned char *src, int n, unsigned char *dst) noexcept:
+    """Strict decode of `n` (a multiple of 4, no padding) characters; False on any other."""
+    cdef int i, j = 0, a, b, c, d
+    for i in range(0, n, 4):
+        a = b64value(src[i])
+        b = b64value(src[i + 1])
+        c = b64value(src[i + 2])
+        d = b64value(src[i + 3])
+        if a < 0 or b < 0 or c < 0 or d < 0:
+            return False
+        dst[j] = <unsigned char>((a << 2) | (b >> 4))
+        dst[j + 1] = <unsigned char>(((b & 15) << 4) | (c >> 2))
+        dst[j + 2] = <unsigned char>(((c & 3) << 6) | d)
+        j += 3
+    return True
+
+
+_log = logging.getLogger("kiamfast.server")
+
+
+def _internal_error(exc):
+    """A bug on the request path: answer 500, log it (never per request in normal operation)."""
+    cause = exc.__context__ if exc.__context__ is not None else exc
+    _log.error("internal error while handling a request", exc_info=cause)
+
+
+cdef bint _method_like(data):
+    """Does `data` start like a request line with an uppercase method token?"""
+    cdef bytes b = bytes(data[:32])
+    cdef Py_ssize_t i
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(b)
+    cdef const char *p = PyBytes_AS_STRING(b)
+    for i in range(n):
+        if p[i] == 32:  # SP
+            return i > 0
+        if p[i] < 65 or p[i] > 90:  # 'A'..'Z'
+            return False
+    return False
+
+
+class LimitExceeded(Exception):
+    """A request broke a size limit; the connection answers `status` and closes."""
+
+
+# ---- response assembly ------------------------------------------------------------------------
+
+cdef bytes splice(const char *p, Py_ssize_t n, bytes extras, bint head):
+    """The response p[:n] with header lines `extras` inserted after its status line and,
+    for HEAD, without its body. One allocation."""
+    cdef Py_ssize_t e = PyBytes_GET_SIZE(extras)
+    cdef Py_ssize_t line_end, cut = n
+    cdef const char *q = <const char *>memchr(p, b'\n', n)
+    cdef bytes out
+    cdef char *o
+    if q == NULL:
+        return PyBytes_FromStringAndSize(p, n)
+    line_end = q - p + 1
+    if head:
+        q = <const char *>memmem(p, n, b"\r\n\r\n", 4)
+        if q != NULL:
+            cut = q - p + 4
+    out = PyBytes_FromStringAndSize(NULL, cut + e)
+    o = PyBytes_AS_STRING(out)
+    memcpy(o, p, line_end)
+    memcpy(o + line_end, PyBytes_AS_STRING(extras), e)
+    memcpy(o + line_end + e, p + line_end, cut - line_end)
+    return out
+
+
+cdef inline bytes finish(bytes resp, bytes extras, bint head):
+    if not head and PyBytes_GET_SIZE(extras) == 0:
+        return resp
+    return splice(PyBytes_AS_STRING(resp), PyBytes_GET_SIZE(resp), extras, head)
+
+
+# ---- per-process state ------------------------------------------------------------------------
+
+cdef class Pending:
+    """A response that is not known yet (waiting for the table, or for the upstream), or a
+    known one queued behind such a response (pipelining keeps FIFO order)."""
+    cdef Conn conn
+    cdef int kind
+    cdef bytes name
+    cdef bytes extras
+    cdef bint head
+    cdef object data
+    cdef int status
+    cdef object timer
+    cdef object task
+    cdef double started
+    cdef bint done
+    cdef int asked  # ASKED_* bits: what the control process was already told
+
+
+cdef class Core:
+    """State shared by every connection of one worker process."""
+
+    cdef readonly object table
+    cdef object t_lookup
+    cdef object t_lookup_slot
+    cdef bytearray buf
+    cdef dict route_cache
+    cdef TokenSigner signer
+    cdef bint required
+    cdef readonly double wait_budget
+    cdef object loop
+    cdef readonly set conns
+    cdef readonly set waiters
+    cdef object channel
+    cdef readonly int worker_index
+    cdef uint64_t counters[NCOUNTERS]
+    cdef uint64_t flushed[NCOUNTERS]
+    cdef int cidx[NKINDS][NCODES]
+    cdef readonly object upstream
+    cdef readonly object settings
+    cdef bint debug
+    cdef Py_ssize_t max_url, max_header_bytes, max_body, max_request_bytes
+    cdef int max_headers, max_pipeline, max_connections
+    cdef public long tick
+    cdef long idle_ticks, request_ticks
+    cdef object sweeper
+    cdef int last_status
+    cdef int asked
+    cdef bytes node_key
+    cdef double bucket_bounds[16]
+    cdef int nbuckets
+
+    def __init__(self, settings, table, *, loop, channel_sock=None, int worker_index=0,
+                 upstream=None):
+        cdef int k, s
+        self.settings = settings
+        self.table = table
+        self.t_lookup = table.lookup_with_slot
+        self.t_lookup_slot = table.lookup_slot
+        self.buf = bytearray(table.layout["value_size"])
+        self.route_cache = {}
+        self.signer = TokenSigner(settings.load_token_key())
+        self.required = settings.imdsv2 == "required"
+        self.wait_budget = settings.wait_budget
+        self.loop = loop
+        self.conns = set()
+        self.waiters = set()
+        self.channel = channel_sock
+        self.worker_index = worker_index
+        self.upstream = upstream
+        self.debug = settings.debug
+        # The node's own address (hostNetwork pods, the kubelet...) never gets pod or
+        # default-role credentials (sdk-imds.md §9.12).
+        self.node_key = _table.ip_key(settings.host_ip) if settings.host_ip else None
+        self.max_url = settings.max_url
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_headers = settings.max_headers
+        self.max_body = settings.max_body
+        self.max_request_bytes = self.max_url + self.max_header_bytes + self.max_body + 4096
+        self.max_pipeline = settings.max_pipeline
+        self.max_connections = settings.max_connections
+        self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))
+        self.request_ticks = max(1, <long>(settings.request_timeout + 0.999))
+        self.tick = 0
+        for k in range(NCOUNTERS):
+            self.counters[k] = 0
+            self.flushed[k] = 0
+        for k in range(NKINDS):
+            for s in range(NCODES):
+                self.cidx[k][s] = _metrics.counter_index(k, _CODE_OF_SLOT[s])
+        self.nbuckets = len(_metrics.BUCKETS_S)
+        for k in range(self.nbuckets):
+            self.bucket_bounds[k] = _metrics.BUCKETS_S[k]
+        layout = table.layout
+        if not 0 <= worker_index < layout["max_workers"]:
+            raise ValueError(f"worker index {worker_index} outside the table's "
+                             f"{layout['max_workers']} counter rows")
+        if C_USED > min(NCOUNTERS, layout["counters_per_worker"]):
+            raise ValueError("the table's counter rows are too small for this worker")
+        if channel_sock is not None:
+            loop.add_reader(channel_sock.fileno(), self._on_channel)
+        self.sweeper = loop.call_later(1.0, self._sweep)
+
+    def protocol(self):
+        """Protocol factory for loop.create_server."""
+        return Conn(self, False)
+
+    def metrics_protocol(self):
+        """Protocol factory for the separate metrics listener (serves /metrics only)."""
+        return Conn(self, True)
+
+    def drain(self):
+        """Shutting down: close idle connections now, the others after their answers."""
+        cdef Conn c
+        for conn in list(self.conns):
+            c = <Conn>conn
+            c.closing = True
+            if c.queue is None and c.begin_tick < 0 and c.out is None \
+                    and c.transport is not None:
+                c.transport.close()
+
+    def close(self):
+        """Stop timers and the channel reader; close every connection."""
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
+        if self.channel is not None:
+            try:
+                self.loop.remove_reader(self.channel.fileno())
+            except (ValueError, OSError):
+                pass
+        for conn in list(self.conns):
+            (<Conn>conn).abort()
+        self.flush_counters()
+
+    # -- counters ---------------------------------------------------------------------------
+
+    cdef inline void count(self, int kind, int status) noexcept:
+        self.counters[self.cidx[kind][code_slot(status)]] += 1
+        self.counters[C_HIST_BUCKET0] += 1
+        self.counters[C_HIST_COUNT] += 1
+
+    cdef void count_delayed(self, int kind, int status, double seconds) noexcept:
+        cdef int b = C_HIST_BUCKET0
+        cdef int i
+        self.counters[self.cidx[kind][code_slot(status)]] += 1
+        self.counters[C_HIST_COUNT] += 1
+        if seconds < 0:
+            seconds = 0
+        self.counters[C_HIST_SUM_US] += <uint64_t>(seconds * 1e6)
+        for i in range(self.nbuckets):
+            if seconds <= self.bucket_bounds[i]:
+                self.counters[b + i] += 1
+                return
+
+    cdef inline void event(self, int counter) noexcept:
+        self.counters[counter] += 1
+
+    def flush_counters(self):
+        """Add what this worker counted since the last flush to its row in the table."""
+        cdef int i
+        cdef uint64_t delta
+        for i in range(C_USED):
+            delta = self.counters[i] - self.flushed[i]
+            if delta:
+                self.table.counter_add(self.worker_index, i, delta)
+                self.flushed[i] = self.counters[i]
+
+    def local_counters(self):
+        return [self.counters[i] for i in range(C_USED)]
+
+    # -- routing ----------------------------------------------------------------------------
+
+    cdef tuple route(self, bytes url):
+        r = self.route_cache.get(url)
+        if r is None:
+            r = tuple(_routes.classify(url))
+            if len(self.route_cache) >= ROUTE_CACHE_MAX:
+                self.route_cache.clear()
+            self.route_cache[url] = r
+        return <tuple>r
+
+    # -- the channel to the control process -----------------------------------------------
+
+    cdef void send(self, bytes message):
+        if self.channel is None:
+            return
+        if not _channel.send(self.channel, message):
+            self.event(C_CHANNEL_DROPS)
+
+    def _on_channel(self):
+        cdef bint wake = False
+        for message in _channel.drain(self.channel):
+            if message[:1] == _channel.WAKE:
+                wake = True
+        if wake and self.waiters:
+            self.recheck(False)
+
+    cdef void recheck(self, bint final):
+        for entry in list(self.waiters):
+            (<Pending>entry).conn.retry(<Pending>entry, final)
+
+    def wake(self):
+        """Re-check every waiting request now (what a b"W" message does)."""
+        self.recheck(False)
+
+    def _wait_expired(self, Pending entry):
+        entry.timer = None
+        if entry in self.waiters:
+            entry.conn.retry(entry, True)
+
+    # -- periodic sweep: timeouts, counters ------------------------------------------------
+
+    def _sweep(self):
+        cdef Conn c
+        self.tick += 1
+        try:
+            for conn in list(self.conns):
+                c = <Conn>conn
+                c.check_timeouts(self.tick)
+            self.flush_counters()
+        finally:
+            self.sweeper = self.loop.call_later(1.0, self._sweep)
+
+    # -- credential answers -------------------------------------------------------------------
+
+    cdef object answer_cred(self, Conn conn, int kind, bytes name, bytes extras, bint head,
+                            bint may_wait, int asked):
+        """The finished response for a credential route, or None to keep waiting.
+        Sets self.last_status, and self.asked to `asked` plus what this call told the
+        control process (each request asks for its address and its slot at most once)."""
+        cdef int part, status, slot
+        cdef Py_ssize_t n
+        cdef object match = None
+        if kind == K_LISTING or kind == K_EXT_LISTING:
+            part = PART_LISTING
+        elif kind == K_DOCUMENT:
+            part = PART_DOCUMENT
+            match = name
+        elif kind == K_EXT_DOCUMENT:
+            part = PART_EXT_DOCUMENT
+            match = name
+        else:
+            part = PART_INFO
+        self.asked = asked
+        status, n, slot = self.t_lookup(conn.key16, part, self.buf, match)
+        if status == S_MISS:
+            table = self.table
+            if not table.synced or table.pending_pods > 0:
+                # The agent may not know this pod yet: ask, and wait for the table.
+                if may_wait:
+                    if not asked & ASKED_IP:
+                        self.send(b"I" + conn.key16)
+                        self.asked |= ASKED_IP
+                    return None
+                self.last_status = 503
+                return finish(R.unavailable(conn.ip), extras, head)
+            slot = table.default_cred_slot
+            if slot < 0:
+                self.last_status = 404
+                return finish(R.not_found_pod(conn.ip), extras, head)
+            status, n = self.t_lookup_slot(slot, part, self.buf, match)
+        if status == S_READY:
+            self.last_status = 200
+            return splice(PyByteArray_AS_STRING(self.buf), n, extras, head)
+        if status == S_PENDING:
+            if may_wait:
+                if slot >= 0 and not asked & ASKED_SLOT:
+                    self.send(_channel.want_credentials(slot))
+                    self.asked |= ASKED_SLOT
+                return None
+            self.last_status = 503
+            return finish(R.unavailable(conn.ip), extras, head)
+        if status == S_NO_ROLE:
+            self.last_status = 404
+            return finish(R.no_role(conn.ip), extras, head)
+        if status == S_DENIED:
+            self.last_status = 404
+            return finish(R.denied(conn.ip), extras, head)
+        if status == S_MISMATCH:
+            self.last_status = 404
+            return finish(R.invalid_role(name if name is not None else b""), extras, head)
+        if status == S_EXPIRED:
+            if slot >= 0 and not asked & ASKED_SLOT:
+                self.send(_channel.want_credentials(slot))
+            self.last_status = 503
+            return finish(R.unavailable(conn.ip), extras, head)
+        if status == S_TOO_SMALL:
+            self.last_status = 500
+            return finish(R.TOO_SMALL, extras, head)
+        # BUSY, ERROR
+        self.last_status = 503
+        return finish(R.unavailable(conn.ip), extras, head)
+
+    # -- operational routes -----------------------------------------------------------------
+
+    cdef bytes answer_ops(self, int kind):
+        table = self.table
+        if kind == K_READYZ:
+            if table.ready:
+                self.last_status = 200
+                return R.READY
+            self.last_status = 503
+            return R.NOT_READY
+        if kind == K_HEALTHZ:
+            blob = table.read_aux(_table.AUX_HEALTH)
+            if not blob:
+                blob = table.read_aux(_table.AUX_HEALTH_ERROR)
+            resp = R.health(blob)
+            self.last_status = 200 if blob.startswith(b"{") else 500
+            return resp
+        if kind == K_METRICS:
+            self.flush_counters()
+            body = table.read_aux(_table.AUX_METRICS)
+            if body and not body.endswith(b"\n"):
+                body += b"\n"
+            body += _metrics.render(table.counters_sum())
+            self.last_status = 200
+            return R.render(200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
+        # /debug/store
+        if self.debug:
+            self.last_status = 200
+            return R.render(200, table.read_aux(_table.AUX_DEBUG_STORE),
+                            content_type=b"application/json")
+        self.last_status = 404
+        return R.NOT_FOUND
+
+
+async def _proxy(Core core, Pending entry, bytes method, bytes target):
+    cdef int status
+    try:
+        resp = await core.upstream.forward(method, target)
+        status = int(resp[9:12])
+    except asyncio.CancelledError:
+        raise
+    except (UpstreamError, TimeoutError, OSError, ValueError):
+        core.event(C_UPSTREAM_ERRORS)
+        resp = R.UPSTREAM_UNAVAILABLE
+        status = 503
+    entry.task = None
+    entry.conn.complete(entry, finish(resp, entry.extras, False), status)
+
+
+# ---- one connection ---------------------------------------------------------------------------
+
+cdef class Conn:
+    """asyncio protocol for one client connection (uvloop or stdlib asyncio)."""
+
+    cdef Core core
+    cdef object transport
+    cdef object parser
+    cdef readonly bytes key16
+    cdef readonly str ip
+    cdef bint metrics_only
+    cdef bint node
+    # the request being parsed
+    cdef object url
+    cdef bytes token
+    cdef bytes ttl
+    cdef bint xff
+    cdef bint conn_ka
+    cdef int nheaders
+    cdef Py_ssize_t header_bytes
+    cdef Py_ssize_t body_bytes
+    cdef Py_ssize_t req_bytes
+    cdef bint completed
+    cdef int limit_status
+    # output
+    cdef bint in_feed
+    cdef object out  # None, bytes or list of bytes produced by the current feed
+    cdef object queue  # deque of Pending while some answer is outstanding
+    cdef bint closing
+    cdef bint read_paused
+    cdef bint write_paused
+    cdef object backlog  # bytes received but not parsed while congested
+    # caches
+    cdef bytes tok_ok
+    cdef int64_t tok_exp
+    cdef int64_t ttl_line_at
+    cdef bytes ttl_line
+    # timeouts
+    cdef long begin_tick
+    cdef long last_tick
+
+    def __init__(self, Core core, bint metrics_only):
+        self.core = core
+        self.metrics_only = metrics_only
+        self.begin_tick = -1
+        self.tok_exp = -1
+        self.ttl_line_at = -1
+        self.ip = "-"
+
+    # -- asyncio protocol -------------------------------------------------------------------
+
+    def connection_made(self, transport):
+        cdef Core core = self.core
+        self.transport = transport
+        core.event(C_CONNECTIONS)
+        if len(core.conns) >= core.max_connections:
+            core.event(C_CONNECTIONS_REJECTED)
+            transport.abort()
+            return
+        peer = transport.get_extra_info("peername")
+        try:
+            host = peer[0] if isinstance(peer, tuple) else peer
+            self.key16 = _table.ip_key(host)
+        except (TypeError, ValueError, IndexError):
+            transport.abort()
+            return
+        self.ip = _table.key_ip(self.key16)
+        self.node = core.node_key is not None and self.key16 == core.node_key
+        self.parser = httptools.HttpRequestParser(self)
+        self.last_tick = core.tick
+        core.conns.add(self)
+
+    def connection_lost(self, exc):
+        cdef Pending e
+        self.core.conns.discard(self)
+        self.transport = None
+        self.parser = None
+        if self.queue is not None:
+            for entry in self.queue:
+                e = <Pending>entry
+                self.core.waiters.discard(e)
+                if e.timer is not None:
+                    e.timer.cancel()
+                    e.timer = None
+                if e.task is not None:
+                    e.task.cancel()
+                    e.task = None
+            self.queue = None
+
+    def eof_received(self):
+        self.closing = True
+        if self.queue:
+            return True  # answer what is outstanding, then close
+        return False
+
+    def pause_writing(self):
+        self.write_paused = True
+        if self.transport is not None and not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.write_paused = False
+        self.maybe_resume()
+
+    cdef bint congested(self):
+        """Too much outstanding: stop parsing (and reading) until answers drain."""
+        return self.write_paused or (self.queue is not None
+                                     and len(self.queue) >= self.core.max_pipeline)
+
+    cdef void maybe_resume(self):
+        if (not self.read_paused or self.closing or self.transport is None
+                or self.congested()):
+            return
+        backlog = self.backlog
+        if backlog is not None:
+            self.backlog = None
+            self.feed(backlog)
+            if self.backlog is not None or self.closing or self.transport is None:
+                return
+        self.read_paused = False
+        self.transport.resume_reading()
+
+    def data_received(self, data):
+        if self.closing or self.parser is None:
+            return
+        self.last_tick = self.core.tick
+        if self.backlog is not None:  # a read raced with pause_reading
+            self.backlog = self.backlog + bytes(data)
+            return
+        self.feed(data)
+
+    cdef void feed(self, data):
+        """Parse `data`; big chunks in slices, stopping (and stashing the rest) when the
+        client has too many answers outstanding: a pipelining client cannot make the worker
+        queue more than about `max_pipeline` answers, however much it sends at once."""
+        cdef Py_ssize_t n = len(data)
+        cdef Py_ssize_t off = 0
+        if self.begin_tick < 0:
+            self.begin_tick = self.core.tick
+        if n <= FEED_SLICE:
+            self.feed_slice(data)
+            self.flush_out()
+            return
+        view = memoryview(data)
+        while off < n and not self.closing and self.parser is not None:
+            if self.congested():
+                self.backlog = bytes(view[off:])
+                if not self.read_paused and self.transport is not None:
+                    self.read_paused = True
+                    self.transport.pause_reading()
+                break
+            self.feed_slice(view[off:off + FEED_SLICE])
+            off += FEED_SLICE
+            self.flush_out()  # may hit the transport's high-water mark: pause_writing
+        self.flush_out()
+
+    cdef void feed_slice(self, data):
+        self.in_feed = True
+        self.completed = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # CONNECT or an Upgrade request: nothing here speaks another protocol.
+            if not self.completed:
+                self.fail(400)
+            else:
+                self.closing = True
+        except httptools.HttpParserError as e:
+            # After "Connection: close" (or a failed request) the rest of the bytes are
+            # ignored, and llhttp's complaint about them with it.
+            if not self.closing:
+                if isinstance(e, httptools.HttpParserInvalidMethodError):
+                    # A well-formed but unknown method is 405; binary junk (TLS...) is 400.
+                    self.fail(405 if _method_like(data) else 400)
+                elif isinstance(e, httptools.HttpParserCallbackError) and self.limit_status == 0:
+                    _internal_error(e)
+                    self.fail(500)
+                else:
+                    self.fail(self.limit_status or 400)
+        if not self.completed and not self.closing:
+            self.req_bytes += len(data)
+            if self.req_bytes > self.core.max_request_bytes:
+                self.fail(431)
+        self.in_feed = False
+
+    # -- parser callbacks ---------------------------------------------------------------------
+
+    def on_url(self, bytes url):
+        if self.url is None:
+            self.url = url
+        else:
+            self.url = self.url + url
+        if PyBytes_GET_SIZE(self.url) > self.core.max_url:
+            self.limit_status = 414
+            raise LimitExceeded(414)
+
+    def on_header(self, bytes name, bytes value):
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(name)
+        self.nheaders += 1
+        self.header_bytes += n + PyBytes_GET_SIZE(value)
+        if self.nheaders > self.core.max_headers or self.header_bytes > self.core.max_header_bytes:
+            self.limit_status = 431
+            raise LimitExceeded(431)
+        if n == 24:
+            if name.lower() == H_TOKEN:
+                self.token = value
+        elif n == 36:
+            if name.lower() == H_TTL:
+                self.ttl = value
+        elif n == 15:
+            if name.lower() == H_XFF:
+                self.xff = True
+        elif n == 10:
+            if name.lower() == H_CONNECTION and b"keep-alive" in value.lower():
+                self.conn_ka = True
+
+    def on_body(self, bytes body):
+        self.body_bytes += PyBytes_GET_SIZE(body)
+        if self.body_bytes > self.core.max_body:
+            self.limit_status = 413
+            raise LimitExceeded(413)
+
+    def on_message_complete(self):
+        self.completed = True
+        self.begin_tick = -1
+        self.req_bytes = 0
+        url = self.url
+        token = self.token
+        ttl = self.ttl
+        xff = self.xff
+        conn_ka = self.conn_ka
+        self.url = None
+        self.token = None
+        self.ttl = None
+        self.xff = False
+        self.conn_ka = False
+        self.nheaders = 0
+        self.header_bytes = 0
+        self.body_bytes = 0
+        if self.closing:
+            return  # a previous request in this batch failed: ignore the rest
+        self.handle(url, token, ttl, xff, conn_ka)
+
+    # -- request handling -----------------------------------------------------------------------
+
+    cdef bytes token_ttl_line(self, int64_t exp, int64_t now):
+        """The remaining-TTL header a real IMDS adds to answers of token-bearing GETs."""
+        if self.ttl_line_at != now or self.ttl_line is None:
+            self.ttl_line = TTL_HEADER + b"%d\r\n" % max(0, exp - now - 1)
+            self.ttl_line_at = now
+        return self.ttl_line
+
+    cdef int64_t check_token(self, bytes token, int64_t now):
+        """Expiry of a valid token for this client, or -1."""
+        cdef int64_t exp
+        if self.tok_ok is not None and (token is self.tok_ok or token == self.tok_ok):
+            return self.tok_exp if now < self.tok_exp else -1
+        exp = self.core.signer.verify(self.key16, token, now)
+        if exp > 0:
+            self.tok_ok = token
+            self.tok_exp = exp
+        return exp
+
+    cdef void handle(self, object url, bytes token, bytes ttl, bint xff, bint conn_ka):
+        cdef Core core = self.core
+        cdef tuple route
+        cdef int kind
+        cdef long t
+        cdef bint head, keep_alive
+        cdef bytes extras
+        cdef int64_t now, exp
+        cdef object resp
+        cdef Pending entry
+        method = self.parser.get_method()
+        head = method == b"HEAD"
+        keep_alive = self.parser.should_keep_alive()
+        if not keep_alive:
+            extras = CONN_CLOSE
+            self.closing = True
+        elif conn_ka:
+            extras = CONN_KEEP_ALIVE
+        else:
+            extras = EMPTY
+        if url is None:
+            self.emit(finish(R.BAD_REQUEST, extras, head), K_BAD, 400)
+            return
+        route = core.route(url)
+        kind = route[0]
+        if self.metrics_only and kind != K_METRICS:
+            self.emit(finish(R.NOT_FOUND, extras, head), K_BAD, 404)
+            return
+
+        if kind <= K_DENY and kind != K_TOKEN:
+            # Every metadata path (not the token PUT, not the operational routes) honours
+            # the IMDSv2 rules: a token, if sent, must be valid; required mode needs one.
+            if token is not None:
+                now = c_time(NULL)
+                exp = self.check_token(token, now)
+                if exp < 0:
+                    self.emit(finish(R.UNAUTHORIZED, extras, head), kind, 401)
+                    return
+                extras = extras + self.token_ttl_line(exp, now) if extras else \
+                    self.token_ttl_line(exp, now)
+            elif core.required:
+                self.emit(finish(R.UNAUTHORIZED, extras, head), kind, 401)
+                return
+
+            if K_LISTING <= kind <= K_INFO:
+                if self.node:
+                    self.emit(finish(R.no_role(self.ip), extras, head), kind, 404)
+                    return
+                resp = core.answer_cred(self, kind, <bytes>route[1], extras, head, True, 0)
+                if resp is not None:
+                    self.emit(resp, kind, core.last_status)
+                    return
+                entry = self.enqueue(kind, <bytes>route[1], extras, head)
+                entry.asked = core.asked
+                core.event(C_WAITS)
+                core.waiters.add(entry)
+                entry.timer = core.loop.call_later(core.wait_budget, core._wait_expired, entry)
+                return
+            if kind == K_DENY:
+                self.emit(finish(R.BLOCKED, extras, head), kind, 404)
+                return
+            # K_PASS
+            if method != b"GET" and not head:
+                self.emit(finish(R.METHOD_NOT_ALLOWED, extras, head), kind, 405)
+                return
+            if core.upstream is None:
+                self.emit(finish(R.UPSTREAM_UNAVAILABLE, extras, head), kind, 503)
+                return
+            entry = self.enqueue(kind, None, extras, head)
+            entry.task = core.loop.create_task(_proxy(core, entry, method, <bytes>route[2]))
+            return
+
+        if kind == K_TOKEN:
+            if method == b"PUT":
+                if xff:
+                    self.emit(finish(R.FORBIDDEN_XFF, extras, False), kind, 403)
+                    return
+                t = parse_ttl(ttl)
+                if t < 0:
+                    self.emit(finish(R.BAD_TTL, extras, False), kind, 400)
+                    return
+                self.emit(finish(core.signer.response(self.key16, t, c_time(NULL)), extras, False),
+                          kind, 200)
+                return
+            if method == b"OPTIONS":
+                self.emit(finish(R.TOKEN_OPTIONS, extras, False), kind, 200)
+                return
+            self.emit(finish(R.TOKEN_NOT_ALLOWED, extras, head), kind, 405)
+            return
+
+        if kind == K_BAD:
+            self.emit(finish(R.BAD_REQUEST, extras, head), kind, 400)
+            return
+        resp = core.answer_ops(kind)
+        self.emit(finish(resp, extras, head), kind, core.last_status)
+
+    cdef Pending enqueue(self, int kind, bytes name, bytes extras, bint head):
+        cdef Pending entry = Pending()
+        entry.conn = self
+        entry.kind = kind
+        entry.name = name
+        entry.extras = extras
+        entry.head = head
+        entry.started = self.core.loop.time()
+        if self.queue is None:
+            self.queue = collections.deque()
+            self.flush_out()  # answers produced earlier in this feed go out first
+        self.queue.append(entry)
+        if len(self.queue) >= self.core.max_pipeline and not self.read_paused \
+                and self.transport is not None:
+            self.read_paused = True
+            self.transport.pause_reading()
+        return entry
+
+    cdef void emit(self, bytes data, int kind, int status):
+        """Queue a finished response in order."""
+        cdef Pending entry
+        self.core.count(kind, status)
+        if self.queue is not None:
+            entry = Pending()
+            entry.conn = self
+            entry.data = data
+            entry.done = True
+            self.queue.append(entry)
+            return
+        if self.out is None:
+            self.out = data
+        elif type(self.out) is list:
+            self.out.append(data)
+        else:
+            self.out = [self.out, data]
+        if not self.in_feed:
+            self.flush_out()
+
+    cdef void flush_out(self):
+        out = self.out
+        if out is None:
+            if self.closing and self.queue is None and self.transport is not None:
+                self.transport.close()
+            return
+        self.out = None
+        if self.transport is not None:
+            if type(out) is list:
+                self.transport.write(b"".join(out))
+            else:
+                self.transport.write(out)
+            if self.closing and self.queue is None:
+                self.transport.close()
+
+    cdef void fail(self, int status):
+        """Answer a malformed or oversized request and close after what is queued."""
+        if status == 414:
+            resp = R.URI_TOO_LONG
+        elif status == 431:
+            resp = R.HEADERS_TOO_LARGE
+        elif status == 413:
+            resp = R.PAYLOAD_TOO_LARGE
+        elif status == 405:
+            resp = R.METHOD_NOT_ALLOWED
+        elif status == 408:
+            resp = R.REQUEST_TIMEOUT
+        elif status == 500:
+            resp = R.INTERNAL_ERROR
+        else:
+            status = 400
+            resp = R.BAD_REQUEST
+        self.closing = True
+        self.emit(finish(resp, CONN_CLOSE, False), K_BAD, status)
+
+    # -- completion of outstanding answers ------------------------------------------------------
+
+    cdef void retry(self, Pending entry, bint final):
+        cdef Core core = self.core
+        resp = core.answer_cred(self, entry.kind, entry.name, entry.extras, entry.head,
+                                not final, entry.asked)
+        entry.asked = core.asked
+        if resp is None:
+            return
+        if final and core.last_status == 503:
+            core.event(C_WAIT_TIMEOUTS)
+        self.complete(entry, resp, core.last_status)
+
+    cdef void complete(self, Pending entry, bytes data, int status):
+        cdef Core core = self.core
+        cdef Pending head
+        core.waiters.discard(entry)
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        if entry.done:
+            return
+        entry.data = data
+        entry.done = True
+        core.count_delayed(entry.kind, status, core.loop.time() - entry.started)
+        if self.queue is None:
+            return
+        parts = []
+        while self.queue:
+            head = <Pending>self.queue[0]
+            if not head.done:
+                break
+            self.queue.popleft()
+            parts.append(head.data)
+        if not self.queue:
+            self.queue = None
+        if parts and self.transport is not None:
+            self.transport.write(b"".join(parts))
+        if self.queue is None and self.closing and self.transport is not None:
+            self.transport.close()
+        else:
+            self.maybe_resume()
+
+    # -- timeouts -------------------------------------------------------------------------------
+
+    cdef void check_timeouts(self, long tick):
+        cdef Core core = self.core
+        if self.transport is None:
+            return
+        if self.begin_tick >= 0 and tick - self.begin_tick > core.request_ticks:
+            core.event(C_CONNECTIONS_TIMED_OUT)
+            self.begin_tick = -1
+            if self.queue is None and not self.closing:
+                self.fail(408)
+            else:
+                self.abort()
+            return
+        if self.queue is None and tick - self.last_tick > core.idle_ticks:
+            core.event(C_CONNECTIONS_TIMED_OUT)
+            self.transport.close()
+            return
+        if self.write_paused and tick - self.last_tick > core.request_ticks:
+            core.event(C_CONNECTIONS_TIMED_OUT)  # a client that does not read its answers
+            self.abort()
+
+    cdef void abort(self):
+        if self.transport is not None:
+            self.transport.abort()

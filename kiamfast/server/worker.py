@@ -1,0 +1,216 @@
+"""A server worker process: sockets, event loop, signals around the Cython request path.
+
+The supervisor starts ``--workers`` of these::
+
+    python -m kiamfast.server.worker --table PATH --channel-fd FD --worker-index I \
+        --settings-json JSON
+
+Each worker opens its own listening socket on the app port with ``SO_REUSEPORT`` (the
+kernel spreads connections over the workers), bound to ``::`` dual-stack with
+``IPV6_V6ONLY=0`` unless a host is configured, so IPv4 pods arrive as ``::ffff:a.b.c.d``
+and IPv6 pods as themselves. It attaches the shared table read-only, listens on its end of
+the channel for "the table changed" wake-ups, and serves until SIGTERM/SIGINT, when it
+stops accepting, lets outstanding answers finish (briefly) and exits.
+
+A worker must never import ``kubernetes`` or ``botocore`` (tests check ``sys.modules``):
+it is a small, fast, read-only process, and a crash or a slow import in the control
+process' libraries must never reach it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiamfast import table as _table
+from kiamfast.server.settings import SettingsError, WorkerSettings
+from kiamfast.server.upstream import Upstream
+
+log = logging.getLogger("kiamfast.server")
+
+SHUTDOWN_GRACE = 1.0  # seconds outstanding answers get after SIGTERM
+
+
+class WorkerError(Exception):
+    """The worker cannot start (bad table, socket in use, bad channel fd...)."""
+
+
+def listen_socket(host: str | None, port: int, *, reuse_port: bool = True,
+                  backlog: int = 2048) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket; ``host=None`` means dual-stack ``::``."""
+    if host in (None, "", "::"):
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            bind_host = "::"
+        except OSError:  # no IPv6 in this kernel/namespace
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            bind_host = "0.0.0.0"
+    else:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST)
+        family = infos[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        bind_host = host
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((bind_host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise WorkerError(f"cannot listen on {bind_host} port {port}: {e}") from e
+    return sock
+
+
+@dataclass
+class WorkerServer:
+    """A running worker inside an event loop (what tests start in-process)."""
+
+    core: Any
+    servers: list[asyncio.AbstractServer] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def metrics_port(self) -> int:
+        return self.servers[-1].sockets[0].getsockname()[1]
+
+    async def close(self, *, grace: float = 0.0) -> None:
+        """Stop accepting; with `grace`, let outstanding answers go out first."""
+        for server in self.servers:
+            server.close()
+        if grace > 0:
+            self.core.drain()
+            deadline = asyncio.get_running_loop().time() + grace
+            while self.core.conns and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+        self.core.close()
+        for server in self.servers:
+            await server.wait_closed()
+
+
+async def serve(settings: WorkerSettings, table: Any, *, channel_sock: socket.socket | None = None,
+                worker_index: int = 0, app_sock: socket.socket | None = None,
+                metrics_sock: socket.socket | None = None) -> WorkerServer:
+    """Start serving on the running loop; sockets are opened unless given."""
+    from kiamfast._server import Core  # the compiled request path
+
+    loop = asyncio.get_running_loop()
+    host, port = settings.upstream
+    upstream = Upstream(host, port, timeout=settings.upstream_timeout,
+                        token_ttl=settings.upstream_token_ttl)
+    core = Core(settings, table, loop=loop, channel_sock=channel_sock,
+                worker_index=worker_index, upstream=upstream)
+    ws = WorkerServer(core)
+    try:
+        if app_sock is None:
+            app_sock = listen_socket(settings.listen_host, settings.app_port,
+                                     reuse_port=settings.reuse_port, backlog=settings.backlog)
+        ws.servers.append(await loop.create_server(core.protocol, sock=app_sock,
+                                                   backlog=settings.backlog))
+        if settings.separate_metrics_port or metrics_sock is not None:
+            if metrics_sock is None:
+                metrics_sock = listen_socket(settings.listen_host, settings.metrics_port or 0,
+                                             reuse_port=settings.reuse_port)
+            ws.servers.append(await loop.create_server(core.metrics_protocol, sock=metrics_sock))
+    except BaseException:
+        core.close()
+        for server in ws.servers:
+            server.close()
+        raise
+    return ws
+
+
+def _channel_socket(channel_fd: int | None) -> socket.socket | None:
+    if channel_fd is None or channel_fd < 0:
+        return None
+    try:
+        sock = socket.socket(fileno=channel_fd)
+    except OSError as e:
+        raise WorkerError(f"channel fd {channel_fd} is not a socket: {e}") from e
+    sock.setblocking(False)
+    return sock
+
+
+async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None,
+               worker_index: int) -> None:
+    try:
+        table = _table.Table.attach(table_path, writer=False)
+    except (_table.TableError, OSError) as e:
+        raise WorkerError(f"cannot attach the table: {e}") from e
+    channel_sock = _channel_socket(channel_fd)
+    ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("worker listening", extra={"worker": worker_index, "port": ws.port,
+                                        "pid": os.getpid()})
+    await stop.wait()
+    await ws.close(grace=SHUTDOWN_GRACE)
+    table.close()
+
+
+def _raise_fd_limit() -> None:
+    """Every pod connection is a file descriptor: use the hard limit, not the soft 1024."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def run_worker(settings: WorkerSettings, table_path: str, channel_fd: int | None,
+               worker_index: int) -> None:
+    """Serve until SIGTERM/SIGINT (blocking): the body of one worker process."""
+    _raise_fd_limit()
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency
+        asyncio.run(_run(settings, table_path, channel_fd, worker_index))
+        return
+    uvloop.run(_run(settings, table_path, channel_fd, worker_index))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiamfast-worker",
+                                     description="kiamfast metadata server worker")
+    parser.add_argument("--table", required=True, help="path of the shared table file")
+    parser.add_argument("--channel-fd", type=int, default=-1,
+                        help="inherited AF_UNIX datagram socket to the control process")
+    parser.add_argument("--worker-index", type=int, default=0)
+    parser.add_argument("--settings-json", required=True)
+    parser.add_argument("--log-format", default="text")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    from kiamfast import logs
+
+    logs.setup(log_format=args.log_format, level=args.log_level, process="worker")
+    try:
+        settings = WorkerSettings.from_json(args.settings_json)
+        run_worker(settings, args.table, args.channel_fd, args.worker_index)
+    except (SettingsError, WorkerError) as e:
+        print(f"kiamfast worker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
