@@ -1,0 +1,3 @@
+from kiamfast.control.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The agent's own client of the real metadata service (--metadata-addr).
+
+Used for the health check (kube2iam's /healthz reports the instance ID) and for
+--auto-discover-base-arn / --auto-discover-default-role.  IMDSv2 first (a token PUT), with a
+fall back to IMDSv1 when the PUT is refused as botocore does (403/404/405).  Blocking
+http.client calls with short timeouts: run them in an executor.
+"""
+
+from __future__ import annotations
+
+import http.client
+
+import orjson
+
+from kiamfast.config import split_host_port
+
+TIMEOUT = 1.0
+
+
+class ImdsError(Exception):
+    """The metadata service could not be read."""
+
+
+def _request(addr: str, method: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    host, port = split_host_port(addr)
+    conn = http.client.HTTPConnection(host, port or 80, timeout=TIMEOUT)
+    try:
+        conn.request(method, path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except OSError as e:
+        raise ImdsError(f"{method} http://{addr}{path}: {e}") from None
+    finally:
+        conn.close()
+
+
+def get(addr: str, path: str) -> bytes:
+    """GET a metadata path with an IMDSv2 token (IMDSv1 if tokens are refused)."""
+    status, token = _request(addr, "PUT", "/latest/api/token",
+                             {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    headers = {}
+    if status == 200:
+        headers["X-aws-ec2-metadata-token"] = token.decode().strip()
+    elif status not in (403, 404, 405):
+        raise ImdsError(f"token request answered {status}")
+    status, body = _request(addr, "GET", path, headers)
+    if status != 200:
+        raise ImdsError(f"GET {path} answered {status}")
+    return body
+
+
+def instance_id(addr: str) -> str:
+    return get(addr, "/latest/meta-data/instance-id").decode().strip()
+
+
+def instance_role_arn(addr: str) -> str:
+    """The role of the node's instance profile, derived from iam/info as kube2iam does."""
+    info = orjson.loads(get(addr, "/latest/meta-data/iam/info"))
+    profile = info.get("InstanceProfileArn", "")
+    # arn:aws:iam::123456789012:instance-profile/path/name -> the role shares the account
+    # and name; kube2iam reads the role name from security-credentials/.
+    prefix = profile.split(":instance-profile/")[0]
+    name = get(addr, "/latest/meta-data/iam/security-credentials/").decode().strip()
+    if not prefix.startswith("arn:") or not name:
+        raise ImdsError(f"cannot derive the instance role from {profile!r}")
+    return f"{prefix}:role/{name}"
