@@ -31,6 +31,7 @@ from libc.string cimport memcpy, memchr
 from libc.time cimport time as c_time
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+from cpython.pycapsule cimport PyCapsule_GetPointer
 
 cdef extern from "string.h" nogil:
     void *memmem(const void *haystack, size_t haystacklen, const void *needle, size_t needlelen)
@@ -48,6 +49,15 @@ from kiamfast.server import metrics as _metrics
 from kiamfast.server import responses as R
 from kiamfast.server import routes as _routes
 from kiamfast.server.upstream import UpstreamError
+
+# ---- the table's lookup, called through its C API (kiamfast._table.C_API_LOOKUP) -------------
+
+ctypedef int (*table_lookup_fn)(object t, const char *key16, int part, char *out,
+                                Py_ssize_t out_len, const char *match, Py_ssize_t match_len,
+                                Py_ssize_t *n_out, int *slot_out) noexcept
+
+cdef table_lookup_fn c_table_lookup = <table_lookup_fn>PyCapsule_GetPointer(
+    _table.C_API_LOOKUP, b"kiamfast._table.lookup")
 
 # ---- constants copied into C ints -----------------------------------------------------------
 
@@ -387,7 +397,6 @@ cdef class Core:
     """State shared by every connection of one worker process."""
 
     cdef readonly object table
-    cdef object t_lookup
     cdef object t_lookup_slot
     cdef bytearray buf
     cdef dict route_cache
@@ -421,7 +430,6 @@ cdef class Core:
         cdef int k, s
         self.settings = settings
         self.table = table
-        self.t_lookup = table.lookup_with_slot
         self.t_lookup_slot = table.lookup_slot
         self.buf = bytearray(table.layout["value_size"])
         self.route_cache = {}
@@ -609,7 +617,16 @@ cdef class Core:
         else:
             part = PART_INFO
         self.asked = asked
-        status, n, slot = self.t_lookup(conn.key16, part, self.buf, match)
+        cdef const char *m = NULL
+        cdef Py_ssize_t mlen = 0
+        if match is not None:
+            m = PyBytes_AS_STRING(match)
+            mlen = PyBytes_GET_SIZE(match)
+        slot = -1
+        n = 0
+        status = c_table_lookup(self.table, PyBytes_AS_STRING(conn.key16), part,
+                                PyByteArray_AS_STRING(self.buf), PyByteArray_GET_SIZE(self.buf),
+                                m, mlen, &n, &slot)
         if status == S_MISS:
             table = self.table
             if not table.synced or table.pending_pods > 0:

@@ -17,6 +17,7 @@ from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_SHARED, MAP_FAI
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_CheckExact
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
+from cpython.pycapsule cimport PyCapsule_New
 
 import os
 import socket
@@ -1061,3 +1062,20 @@ def _split_parts(raw):
         ln = int.from_bytes(raw[8 + 8 * i:12 + 8 * i], "little")
         parts.append(bytes(raw[off:off + ln]))
     return parts
+
+
+# ---- C API for other extension modules ---------------------------------------------------------
+# The server's request path calls the lookup through this function pointer instead of a Python
+# method call (no argument tuple, no result tuple).  Signature: see kf_capi_lookup below.
+
+cdef int kf_capi_lookup(object t, const char *key16, int part, char *out, Py_ssize_t out_len,
+                        const char *match, Py_ssize_t match_len, Py_ssize_t *n_out,
+                        int *slot_out) noexcept:
+    """lookup_with_slot() for C callers: `t` must be a Table and `key16` 16 bytes."""
+    cdef Table table = <Table>t
+    if table.base == NULL:
+        return BUSY
+    return table.lookup_c(key16, part, out, out_len, match, match_len, n_out, slot_out, NULL)
+
+
+C_API_LOOKUP = PyCapsule_New(<void *>kf_capi_lookup, b"kiamfast._table.lookup", NULL)

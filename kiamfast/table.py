@@ -7,6 +7,7 @@ kiamfast and its tests import.  One process writes (the control process), any nu
 
 from kiamfast._table import (  # noqa: F401  (re-exported API)
     BUSY,
+    C_API_LOOKUP,
     COUNTERS_PER_WORKER,
     CRED_EMPTY,
     CRED_ERROR,

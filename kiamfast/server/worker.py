@@ -151,11 +151,11 @@ async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None
     except (_table.TableError, OSError) as e:
         raise WorkerError(f"cannot attach the table: {e}") from e
     channel_sock = _channel_socket(channel_fd)
-    ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):   # before listening: a stop is never lost
         loop.add_signal_handler(sig, stop.set)
+    ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index)
     log.info("worker listening", extra={"worker": worker_index, "port": ws.port,
                                         "pid": os.getpid()})
     await stop.wait()

@@ -41,6 +41,22 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> 
     raise AssertionError("worker never listened")
 
 
+def wait_logged(proc: subprocess.Popen, text: str, timeout: float = 15.0) -> None:
+    """Read the worker's stderr until `text` shows up (the port alone cannot tell which of
+    two SO_REUSEPORT workers is listening)."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            line = proc.stderr.readline()
+            if text in line:
+                return
+            assert line or proc.poll() is None, proc.communicate()
+    raise AssertionError(f"worker never logged {text!r}")
+
+
 def start(table_path: str, settings: WorkerSettings, *, index: int = 0,
           channel_fd: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kiamfast.server.worker", "--table", table_path,
@@ -100,7 +116,7 @@ def test_two_workers_share_the_port(table_path, pods, settings):
     procs = [start(table_path, settings, index=i) for i in range(2)]
     try:
         for p in procs:
-            wait_listening(settings.app_port, p)
+            wait_logged(p, "worker listening")
         for _ in range(40):
             with Client(settings.app_port) as c:
                 assert c.request(build("GET", LIST)).body == b"app-role"
