@@ -7,8 +7,6 @@ same components the demo runs, so the judge is tested on the data it sees in the
 
 from __future__ import annotations
 
-import logging
-import os
 import subprocess
 import sys
 
@@ -20,16 +18,6 @@ from kiamfast.demo_check import assumed_role, judge, role_identity
 ACCOUNT = "123456789012"
 CHECKOUT = f"arn:aws:iam::{ACCOUNT}:role/shop-checkout"
 CATALOG = f"arn:aws:iam::{ACCOUNT}:role/shop-catalog"
-
-
-@pytest.fixture(scope="module")
-def sts():
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    from kiamfast.testing.sts import StsSandbox
-
-    with StsSandbox() as sandbox:
-        yield sandbox
 
 
 def _assumed(sts, role_arn: str) -> dict:

@@ -7,8 +7,6 @@ request: that address is all the agent identifies a pod by.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import subprocess
 import sys
 
@@ -17,16 +15,6 @@ import pytest
 from demo_support import REPO, demo_env
 from kiamfast import demo_scenario as sc
 from kiamfast.testing.fake_imds import FakeImds
-
-
-@pytest.fixture(scope="module")
-def sts():
-    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    from kiamfast.testing.sts import StsSandbox
-
-    with StsSandbox() as sandbox:
-        yield sandbox
 
 
 def _pod(ip: str, imds: str, sts_url: str, **env_extra: str) -> subprocess.CompletedProcess:
