@@ -5,7 +5,7 @@ kiamfast and its tests import.  One process writes (the control process), any nu
 (the server workers).  See docs/architecture.md for the layout and the statuses.
 """
 
-from kiamfast._table import (  # noqa: F401  (re-exported API)
+from kiamfast._table import (
     BUSY,
     C_API_LOOKUP,
     COUNTERS_PER_WORKER,
@@ -50,3 +50,46 @@ AUX_HEALTH = 2        # /healthz JSON ({"hostIP":..,"instanceId":..}); empty = u
 AUX_HEALTH_ERROR = 3  # last health-check error text
 
 DEFAULT_PATH = "/dev/shm/kiamfast-table"
+
+__all__ = [
+    "BUSY",
+    "C_API_LOOKUP",
+    "COUNTERS_PER_WORKER",
+    "CRED_EMPTY",
+    "CRED_ERROR",
+    "CRED_PENDING",
+    "CRED_READY",
+    "DENIED",
+    "ERROR",
+    "EXPIRED",
+    "LAYOUT_VERSION",
+    "MAX_PARTS",
+    "MISMATCH",
+    "MISS",
+    "NO_ROLE",
+    "PART_DOCUMENT",
+    "PART_EXT_DOCUMENT",
+    "PART_INFO",
+    "PART_LISTING",
+    "PART_NAMES",
+    "PENDING",
+    "POD_DENIED",
+    "POD_NO_ROLE",
+    "POD_ROLE",
+    "READY",
+    "STATUS_NAMES",
+    "TOO_SMALL",
+    "UID_MAX",
+    "Table",
+    "TableError",
+    "TableFull",
+    "TableLayoutError",
+    "ValueTooLarge",
+    "ip_key",
+    "key_ip",
+    "AUX_METRICS",
+    "AUX_DEBUG_STORE",
+    "AUX_HEALTH",
+    "AUX_HEALTH_ERROR",
+    "DEFAULT_PATH",
+]

@@ -14,18 +14,16 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httptools
-import pytest
 
 from kiamfast import channel, table
 from kiamfast.control import render
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import listen_socket, serve
-from kiamfast.testing.fake_imds import FakeImds
 
 TOKEN_KEY = b"test-token-key-0123456789abcdef!"
 ACCOUNT = "123456789012"

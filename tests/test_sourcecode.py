@@ -1,0 +1,46 @@
+"""Source hygiene the test suite enforces, so CI cannot forget it (as uvloop/asyncpg do)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The worker side must never reach the control side: workers stay small, fast to start and
+# free of kubernetes/botocore (DESIGN.md "Server workers").
+WORKER_MODULES = ["kiamfast/server", "kiamfast/table.py", "kiamfast/channel.py",
+                  "ext/_server.pyx", "ext/_table.pyx"]
+FORBIDDEN_FOR_WORKERS = ("kiamfast.control", "kubernetes", "botocore", "boto3", "moto")
+
+
+def test_pyflakes_finds_nothing():
+    proc = subprocess.run([sys.executable, "-m", "pyflakes", "kiamfast", "tests", "bench"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _imports(path: Path) -> set[str]:
+    text = path.read_text()
+    if path.suffix == ".pyx":   # Cython: only the Python-level import lines matter here
+        text = "\n".join(line for line in text.splitlines()
+                         if line.startswith(("import ", "from ")) and " cimport " not in line)
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_worker_side_never_imports_the_control_side():
+    files = []
+    for entry in WORKER_MODULES:
+        p = ROOT / entry
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f)
+                                                  if n.startswith(FORBIDDEN_FOR_WORKERS))
+                 for f in files}
+    assert {f: n for f, n in offenders.items() if n} == {}
