@@ -1,0 +1,233 @@
+"""Small helpers every benchmark in bench/ shares: ports, processes, /proc readings, stats.
+
+The benchmarks start real processes (the agent, nginx, the Python baseline, load
+generators) and read what they cost from /proc, because a shared two-core machine is too
+noisy for anything but ratios and distributions measured side by side in one run. Nothing
+here measures anything by itself; it only reads and summarises.
+
+Never kill by name: every process a benchmark starts is stopped through its own Popen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+for _p in (str(ROOT), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# Static credentials for every AWS client the benchmarks start; never the real metadata
+# service (AWS_EC2_METADATA_DISABLED) and never a profile from the machine.
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_STS")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a child process: static AWS credentials, the repo on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in AWS_UNSET}
+    env.update(AWS_ENV)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
+                                     if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def aws_env():
+    """Static AWS credentials in this process for the duration (moto, botocore clients)."""
+    saved = {k: os.environ.get(k) for k in (*AWS_ENV, *AWS_UNSET)}
+    os.environ.update(AWS_ENV)
+    for k in AWS_UNSET:
+        os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- addresses and ports ---------------------------------------------------------------------
+
+def pod_addresses(n: int, *, start: int = 0) -> list[str]:
+    """``n`` loopback "pod" addresses 127.0.x.y (x >= 1, 1 <= y <= 250): Linux routes all of
+    127/8 to lo, so a client socket can bind any of them as its source without root."""
+    return [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(start, start + n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen | None = None, *, host: str = "127.0.0.1",
+              timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listening on {host}:{port} after {timeout} s")
+
+
+def stop(proc: subprocess.Popen | None, *, timeout: float = 10.0) -> None:
+    """SIGTERM this process (only it), wait, SIGKILL if it does not go."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- /proc -----------------------------------------------------------------------------------
+
+_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (0.0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (all its threads' children)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def set_affinity(pids: Iterable[int], cpus: set[int] | None) -> None:
+    if not cpus:
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, cpus)
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+def summarize_us(lat_us: np.ndarray) -> dict[str, float]:
+    """p50/p90/p99/p99.9/max in milliseconds of latencies given in microseconds."""
+    if lat_us.size == 0:
+        nan = float("nan")
+        return {"n": 0, "p50": nan, "p90": nan, "p99": nan, "p999": nan, "max": nan,
+                "mean": nan}
+    q = np.percentile(lat_us, [50, 90, 99, 99.9]) / 1e3
+    return {"n": int(lat_us.size), "p50": float(q[0]), "p90": float(q[1]),
+            "p99": float(q[2]), "p999": float(q[3]), "max": float(lat_us.max()) / 1e3,
+            "mean": float(lat_us.mean()) / 1e3}
+
+
+def median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return float(np.median(xs)) if xs else float("nan")
+
+
+# ---- machine facts ---------------------------------------------------------------------------
+
+def _version(cmd: list[str]) -> str:
+    if not shutil.which(cmd[0]):
+        return "not installed"
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    text = (p.stdout or p.stderr).strip().splitlines()
+    return text[0] if text else "?"
+
+
+def machine_facts() -> dict[str, str]:
+    import importlib.metadata as md
+    facts = {
+        "date (UTC)": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "cpus (nproc)": str(len(os.sched_getaffinity(0))),
+        "cpu model": _cpu_model(),
+        "memory": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB",
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "kernel": platform.release(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+    }
+    for dist in ("kiamfast", "uvloop", "httptools", "Cython", "orjson", "kubernetes",
+                 "botocore", "moto", "numpy", "matplotlib"):
+        try:
+            facts[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            facts[dist] = "not installed"
+    facts["nginx"] = _version(["nginx", "-v"]).replace("nginx version: ", "")
+    facts["wrk"] = _version(["wrk", "--version"]).split(" [")[0]
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def python() -> str:
+    return sys.executable
