@@ -211,11 +211,12 @@ class ControlProcess:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # The watch first: a commit after the manager closed would ask it for a slot.
+        if self.watcher is not None:
+            await self.watcher.stop()
         if self.manager is not None:
             self.manager.close()
             self.sts.close()
-        if self.watcher is not None:
-            await self.watcher.stop()
         if self.config.iptables and self.config.iptables_remove_on_exit:
             try:
                 iptables.remove_rules(self.config)

@@ -1,0 +1,65 @@
+"""Fixtures of the end-to-end tests: a node (network namespaces, emulators, STS) per test.
+
+Every test here needs root, ``ip`` and ``iptables``; without them the whole directory is
+skipped with the reason, and nothing else is ever a reason to skip. When a test fails, the
+agent's own output (supervisor, control process, workers) is printed with the failure, since
+that is the first thing anyone debugging it needs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from netns import remove_stale_namespaces, unavailable_reason  # noqa: E402
+
+_REASON: list[str | None] = []
+
+
+def _reason() -> str | None:
+    if not _REASON:
+        _REASON.append(unavailable_reason())
+        if _REASON[0] is None:
+            from e2e_cluster import remove_stale_shared_memory
+            remove_stale_namespaces()
+            remove_stale_shared_memory()
+    return _REASON[0]
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture(scope="session")
+def netns_available():
+    """Skips (once, with the reason) when namespaces cannot be built here."""
+    reason = _reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _needs_root_and_netns(netns_available):
+    pass
+
+
+@pytest.fixture
+def node(request, tmp_path, netns_available):
+    """A fresh node (tainted with the startup taint), no agent yet."""
+    from e2e_cluster import Node
+    n = Node(tmp_path / "node")
+    try:
+        yield n
+    finally:
+        failed = any(getattr(request.node, f"rep_{w}", None) is not None
+                     and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+        if failed and n.agents:
+            sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
+        n.close()
