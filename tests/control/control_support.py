@@ -1,0 +1,93 @@
+"""Helpers of the pod-watch tests: a credential-sink double, a clock, pod and namespace objects."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kiamfast import table as tablemod
+
+BASE = "arn:aws:iam::123456789012:role/"
+ROLE_KEY = "iam.amazonaws.com/role"
+EXT_KEY = "iam.amazonaws.com/external-id"
+NS_KEY = "iam.amazonaws.com/allowed-roles"
+
+
+class SlotSink:
+    """Stands in for the credential manager (another team's component): one slot per
+    (role, external id), handed out in order; remembers who holds what."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[str, Any], int] = {}
+        self.holders: dict[str, tuple[str, Any]] = {}
+        self.requests: dict[str, Any] = {}
+        self.log: list[tuple[str, str]] = []
+        self.fail = False
+        self.lock = threading.Lock()
+
+    def acquire(self, pod_uid: str, req: Any) -> int:
+        with self.lock:
+            if self.fail:
+                raise RuntimeError("no credential slots left")
+            key = (req.role_arn, req.external_id)
+            slot = self.slots.setdefault(key, len(self.slots))
+            self.holders[pod_uid] = key
+            self.requests[pod_uid] = req
+            self.log.append(("acquire", pod_uid))
+            return slot
+
+    def release(self, pod_uid: str) -> None:
+        with self.lock:
+            self.holders.pop(pod_uid, None)
+            self.log.append(("release", pod_uid))
+
+    def slot_for(self, role: str, external_id: Any = None) -> int:
+        return self.slots[(role, external_id)]
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def pod(uid: str, *, ns: str = "default", name: str | None = None, ips: tuple[str, ...] = (),
+        phase: str = "Running", rv: int = 1, created: str = "2024-01-01T00:00:00Z",
+        role: str | None = None, ext: str | None = None, terminating: bool = False,
+        host_network: bool = False, node: str = "node-1",
+        annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod object as the API server sends it (only the fields kiamfast reads, plus a few)."""
+    ann = dict(annotations or {})
+    if role is not None:
+        ann[ROLE_KEY] = role
+    if ext is not None:
+        ann[EXT_KEY] = ext
+    meta: dict[str, Any] = {"uid": uid, "namespace": ns, "name": name or f"pod-{uid}",
+                            "resourceVersion": str(rv), "creationTimestamp": created,
+                            "annotations": ann}
+    if terminating:
+        meta["deletionTimestamp"] = "2024-01-01T01:00:00Z"
+    status: dict[str, Any] = {"phase": phase}
+    if ips:
+        status["podIP"] = ips[0]
+        status["podIPs"] = [{"ip": ip} for ip in ips]
+    return {"metadata": meta, "spec": {"nodeName": node, "hostNetwork": host_network,
+                                       "serviceAccountName": "sa"}, "status": status}
+
+
+def namespace(name: str, annotations: dict[str, str] | None = None, rv: int = 1) -> dict[str, Any]:
+    return {"metadata": {"name": name, "resourceVersion": str(rv),
+                         "annotations": dict(annotations or {})}}
+
+
+def lookup(t: tablemod.Table, ip: str):
+    """What a worker would find for `ip`: (uid, state, slot) or None."""
+    found = t.lookup_pod(tablemod.ip_key(ip))
+    if found is None:
+        return None
+    uid, state, slot = found
+    return (uid.decode() if isinstance(uid, bytes) else uid, state, slot)

@@ -1,0 +1,404 @@
+"""The ownership model: which pod owns which address, as written into a real table file."""
+from kiamfast import table as tablemod
+from kiamfast.control import ownership
+from kiamfast.control.ownership import canonical_ip, pod_ips
+
+from control_support import BASE, NS_KEY, lookup, namespace, pod
+
+ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DENIED
+
+
+def test_pod_states_match_the_table_module():
+    assert (ownership.POD_ROLE, ownership.POD_NO_ROLE, ownership.POD_DENIED) == (ROLE, NO_ROLE, DENIED)
+
+
+def test_pod_with_role_is_written_with_its_credential_slot(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.5",), role="app", ext="x"))
+    m.commit()
+    assert lookup(table, "10.0.0.5") == ("a", ROLE, sink.slot_for(BASE + "app", "x"))
+    req = sink.requests["a"]
+    assert (req.role_arn, req.external_id, req.namespace, req.pod_name, req.service_account,
+            req.pod_ip) == (BASE + "app", "x", "default", "pod-a", "sa", "10.0.0.5")
+
+
+def test_credentials_are_prefetched_before_the_pod_has_an_address(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("a", phase="Pending", role="app"))
+    m.commit()
+    assert "a" in sink.holders and sink.requests["a"].pod_ip is None
+    assert table.pending_pods == 1
+    m.apply_pod(pod("a", ips=("10.0.0.5",), role="app", rv=2))
+    m.commit()
+    assert lookup(table, "10.0.0.5") == ("a", ROLE, sink.slot_for(BASE + "app"))
+    assert table.pending_pods == 0
+    assert sink.requests["a"].pod_ip == "10.0.0.5"   # the manager learns the address
+
+
+def test_unannotated_and_denied_pods_are_written_as_such(make_model, table):
+    m = make_model(namespace_restrictions=True)
+    m.apply_namespace(namespace("default", {NS_KEY: '["ok"]'}))
+    m.apply_pod(pod("plain", ips=("10.0.0.1",)))
+    m.apply_pod(pod("bad", ips=("10.0.0.2",), role="not-allowed"))
+    m.apply_pod(pod("good", ips=("10.0.0.3",), role="ok"))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("plain", NO_ROLE, -1)
+    assert lookup(table, "10.0.0.2") == ("bad", DENIED, -1)
+    assert lookup(table, "10.0.0.3")[:2] == ("good", ROLE)
+
+
+def test_terminal_phase_releases_at_once_and_terminating_keeps(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r"))
+    m.apply_pod(pod("b", ips=("10.0.0.2",), role="r"))
+    m.commit()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", terminating=True, rv=2))
+    m.apply_pod(pod("b", ips=("10.0.0.2",), role="r", phase="Succeeded", rv=3))
+    m.commit()
+    assert lookup(table, "10.0.0.1")[0] == "a"
+    assert lookup(table, "10.0.0.2") is None
+    assert "b" not in sink.holders and "a" in sink.holders
+
+
+def test_host_network_pods_own_nothing(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("h", ips=("192.168.1.10",), role="r", host_network=True))
+    m.commit()
+    assert lookup(table, "192.168.1.10") is None
+    assert table.pending_pods == 0
+
+
+def test_dual_stack_pods_own_every_address(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1", "fd00::0001"), role="r"))
+    m.commit()
+    assert lookup(table, "10.0.0.1")[0] == "a"
+    assert lookup(table, "fd00::1")[0] == "a"
+
+
+def test_pod_ip_helpers_canonicalise():
+    assert canonical_ip("::ffff:10.0.0.1") == "10.0.0.1"
+    assert canonical_ip("FD00:0::1") == "fd00::1"
+    assert canonical_ip("nope") is None
+    assert pod_ips({"status": {"podIP": "10.0.0.1"}}) == ("10.0.0.1",)
+    assert pod_ips({"status": {"podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}}) \
+        == ("10.0.0.1", "fd00::1")
+
+
+# ---- address reuse -------------------------------------------------------------------------
+
+def test_late_delete_of_old_pod_keeps_new_owner(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="old-role", rv=10))
+    m.commit()
+    m.apply_pod(pod("new", ips=("10.0.0.9",), role="new-role", rv=20, created="2024-01-01T00:05:00Z"))
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("new", ROLE, sink.slot_for(BASE + "new-role"))
+    m.delete_pod(pod("old", ips=("10.0.0.9",), role="old-role", rv=30))
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("new", ROLE, sink.slot_for(BASE + "new-role"))
+
+
+def test_late_update_of_old_pod_never_takes_the_address_back(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="old-role", rv=10))
+    m.apply_pod(pod("new", ips=("10.0.0.9",), role="new-role", rv=20))
+    m.commit()
+    # The old pod's status still says Running with the address; it is being deleted.
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="old-role", rv=25, terminating=True))
+    m.commit()
+    assert lookup(table, "10.0.0.9")[0] == "new"
+    # The new pod ends first: the address is free, never the stale old pod's again.
+    m.apply_pod(pod("new", ips=("10.0.0.9",), role="new-role", rv=26, phase="Failed"))
+    m.commit()
+    assert lookup(table, "10.0.0.9") is None
+    m.delete_pod(pod("old", rv=27))
+    m.commit()
+    assert lookup(table, "10.0.0.9") is None
+    m.apply_pod(pod("third", ips=("10.0.0.9",), role="r3", rv=28))
+    m.commit()
+    assert lookup(table, "10.0.0.9")[0] == "third"
+
+
+def test_older_pod_that_gets_a_recycled_address_later_wins_by_watch_order(make_model, table):
+    # Created first, but its sandbox got the address after the newer pod's died: the
+    # resourceVersion of the publication decides, not creationTimestamp.
+    m = make_model()
+    m.apply_pod(pod("slow", phase="Pending", role="a", created="2024-01-01T00:00:00Z", rv=5))
+    m.apply_pod(pod("quick", ips=("10.0.0.4",), role="b", created="2024-01-01T00:01:00Z", rv=6))
+    m.commit()
+    m.apply_pod(pod("slow", ips=("10.0.0.4",), role="a", created="2024-01-01T00:00:00Z", rv=9))
+    m.commit()
+    assert lookup(table, "10.0.0.4")[0] == "slow"
+
+
+def test_initial_list_with_duplicate_address_prefers_newer_pod(make_model, table):
+    m = make_model()
+    m.replace_pods([
+        pod("new", ips=("10.0.0.7",), role="b", created="2024-01-01T00:02:00Z", rv=3),
+        pod("old", ips=("10.0.0.7",), role="a", created="2024-01-01T00:01:00Z", rv=40,
+            terminating=True),
+    ], list_rv=50)
+    m.commit()
+    assert lookup(table, "10.0.0.7")[0] == "new"
+
+
+def test_address_moves_in_one_write(make_model, table):
+    class Recorder:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def __getattr__(self, name):
+            fn = getattr(self.inner, name)
+
+            def call(*a, **kw):
+                self.calls.append((name, a))
+                return fn(*a, **kw)
+            return call
+
+    rec = Recorder(table)
+    m = make_model()
+    m.table = rec
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="a", rv=1))
+    m.commit()
+    rec.calls.clear()
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="a", rv=2, phase="Failed"))
+    m.apply_pod(pod("new", ips=("10.0.0.9",), role="b", rv=3))
+    m.commit()
+    writes = [c for c in rec.calls if c[0] in ("claim_ip", "release_ip")]
+    assert [w[0] for w in writes] == ["claim_ip"]
+
+
+# ---- relists ------------------------------------------------------------------------------
+
+def test_relist_updates_before_removing_and_never_drops_a_listed_pod(make_model, table):
+    m = make_model()
+    m.replace_pods([pod("a", ips=("10.0.0.1",), role="r", rv=1),
+                    pod("b", ips=("10.0.0.2",), role="r", rv=2)], list_rv=2)
+    m.commit()
+    released = []
+    real_release = table.release_ip
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(table, name)
+
+        def release_ip(self, ip, uid):
+            # at the moment of any release, every listed live pod is still mapped
+            assert lookup(table, "10.0.0.1")[0] == "a"
+            assert lookup(table, "10.0.0.3")[0] == "c"
+            released.append(ip)
+            return real_release(ip, uid)
+    m.table = Spy()
+    m.replace_pods([pod("a", ips=("10.0.0.1",), role="r", rv=1),
+                    pod("c", ips=("10.0.0.3",), role="r", rv=9)], list_rv=9)
+    m.commit()
+    assert released == ["10.0.0.2"]
+    assert lookup(table, "10.0.0.2") is None
+
+
+def test_relist_claims_new_to_the_list_beat_claims_seen_before_the_gap(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("old", ips=("10.0.0.9",), role="a", rv=10, created="2024-01-01T00:09:00Z"))
+    m.commit()
+    # During the gap: old died (status not yet updated) and an older-created pod got the IP.
+    m.replace_pods([
+        pod("old", ips=("10.0.0.9",), role="a", rv=10, created="2024-01-01T00:09:00Z"),
+        pod("recycled", ips=("10.0.0.9",), role="b", rv=15, created="2024-01-01T00:01:00Z"),
+    ], list_rv=20)
+    m.commit()
+    assert lookup(table, "10.0.0.9")[0] == "recycled"
+
+
+def test_delete_of_unknown_pod_is_harmless(make_model, table):
+    m = make_model()
+    m.commit()   # the first commit publishes the status words
+    m.delete_pod(pod("ghost", ips=("10.0.0.1",)))
+    assert m.commit() is False
+
+
+# ---- namespaces ---------------------------------------------------------------------------
+
+def test_namespace_annotation_change_re_evaluates_its_pods(make_model, table, sink):
+    m = make_model(namespace_restrictions=True)
+    m.apply_namespace(namespace("team", {NS_KEY: "[]"}))
+    m.apply_namespace(namespace("other", {NS_KEY: "[]"}))
+    m.apply_pod(pod("a", ns="team", ips=("10.0.0.1",), role="app"))
+    m.apply_pod(pod("b", ns="other", ips=("10.0.0.2",), role="app"))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("a", DENIED, -1)
+    m.apply_namespace(namespace("team", {NS_KEY: '["app"]'}, rv=2))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("a", ROLE, sink.slot_for(BASE + "app"))
+    assert lookup(table, "10.0.0.2") == ("b", DENIED, -1)
+    m.apply_namespace(namespace("team", {NS_KEY: '["else"]'}, rv=3))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("a", DENIED, -1)
+    assert "a" not in sink.holders
+
+
+def test_pod_in_a_namespace_not_seen_yet_waits_then_is_denied(make_model, table, clock):
+    m = make_model(namespace_restrictions=True)
+    m.apply_pod(pod("a", ns="late", ips=("10.0.0.1",), role="app"))
+    m.commit()
+    assert lookup(table, "10.0.0.1") is None and table.pending_pods == 1
+    m.apply_namespace(namespace("late", {NS_KEY: '["app"]'}))
+    m.commit()
+    assert lookup(table, "10.0.0.1")[:2] == ("a", ROLE) and table.pending_pods == 0
+    m.apply_pod(pod("b", ns="never", ips=("10.0.0.2",), role="app"))
+    m.commit()
+    clock.advance(m.namespace_grace + 1)
+    m.expire()
+    m.commit()
+    assert lookup(table, "10.0.0.2") == ("b", DENIED, -1) and table.pending_pods == 0
+
+
+def test_default_role_pod_does_not_wait_for_its_namespace(make_model, table):
+    m = make_model(namespace_restrictions=True, default_role="fallback")
+    m.apply_pod(pod("a", ns="late", ips=("10.0.0.1",)))
+    m.commit()
+    assert lookup(table, "10.0.0.1")[:2] == ("a", ROLE)
+
+
+def test_role_annotation_change_re_acquires(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="one"))
+    m.commit()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="two", rv=2))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("a", ROLE, sink.slot_for(BASE + "two"))
+    m.apply_pod(pod("a", ips=("10.0.0.1",), rv=3))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("a", NO_ROLE, -1)
+    assert "a" not in sink.holders
+
+
+# ---- the kubelet --------------------------------------------------------------------------
+
+def test_kubelet_address_maps_the_pod_to_its_own_role(make_model, table, sink):
+    m = make_model(default_role="fallback")
+    m.apply_pod(pod("a", phase="Pending", role="own", rv=5))
+    m.commit()
+    assert table.pending_pods == 1
+    assert m.apply_kubelet([pod("a", ips=("10.0.0.3",), role="own", rv=5)]) == 1
+    m.commit()
+    assert lookup(table, "10.0.0.3") == ("a", ROLE, sink.slot_for(BASE + "own"))
+    assert table.pending_pods == 0
+    # The API catches up with the same address: nothing moves.
+    m.apply_pod(pod("a", ips=("10.0.0.3",), role="own", rv=7))
+    assert m.commit() is False
+
+
+def test_kubelet_beats_a_stale_api_claim_on_the_same_address(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("dead", ips=("10.0.0.3",), role="x", rv=5))
+    m.apply_pod(pod("new", phase="Pending", role="y", rv=6))
+    m.commit()
+    m.apply_kubelet([pod("new", ips=("10.0.0.3",), role="y", rv=6),
+                     pod("dead", ips=("10.0.0.3",), role="x", rv=5)])
+    m.commit()
+    assert lookup(table, "10.0.0.3")[0] == "new"
+
+
+def test_kubelet_never_resurrects_or_releases(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=3))
+    m.apply_pod(pod("gone", ips=("10.0.0.2",), role="r", rv=4))
+    m.commit()
+    m.delete_pod(pod("gone", rv=8))
+    m.apply_pod(pod("new", ips=("10.0.0.1",), role="r", rv=9))   # a's address reused
+    m.commit()
+    # A stale kubelet view: both old pods still alive, new pod without an address.
+    m.apply_kubelet([pod("a", ips=("10.0.0.1",), role="r", rv=3),
+                     pod("gone", ips=("10.0.0.2",), role="r", rv=4),
+                     pod("new", role="r", rv=2, phase="Pending")])
+    m.commit()
+    assert lookup(table, "10.0.0.1")[0] == "new"
+    assert lookup(table, "10.0.0.2") is None
+
+
+def test_stale_kubelet_copy_of_a_pod_is_ignored(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.5",), role="r", rv=10))   # sandbox recreated: new IP
+    m.apply_pod(pod("b", ips=("10.0.0.4",), role="r", rv=11))   # old IP went to b
+    m.commit()
+    m.apply_kubelet([pod("a", ips=("10.0.0.4",), role="r", rv=8)])
+    m.commit()
+    assert lookup(table, "10.0.0.4")[0] == "b"
+
+
+def test_kubelet_only_pod_is_mapped_then_forgotten_unless_confirmed(make_model, table, clock):
+    m = make_model()
+    m.apply_kubelet([pod("k", ips=("10.0.0.8",), role="r", rv=3)])
+    m.commit()
+    assert lookup(table, "10.0.0.8")[0] == "k"
+    clock.advance(m.provisional_ttl + 1)
+    m.expire()
+    m.commit()
+    assert lookup(table, "10.0.0.8") is None
+
+
+def test_relist_keeps_kubelet_only_pods_seen_after_the_list_started(make_model, table, clock):
+    m = make_model()
+    started = clock()
+    clock.advance(0.1)
+    m.apply_kubelet([pod("k", ips=("10.0.0.8",), role="r", rv=3)])
+    m.replace_pods([], list_rv=2, started=started)
+    m.commit()
+    assert lookup(table, "10.0.0.8")[0] == "k"
+    clock.advance(0.1)
+    m.replace_pods([], list_rv=4, started=clock())
+    m.commit()
+    assert lookup(table, "10.0.0.8") is None
+
+
+# ---- status, notify, credentials ---------------------------------------------------------------
+
+def test_notify_once_per_commit_with_changes(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r"))
+    m.apply_pod(pod("b", ips=("10.0.0.2",), role="r"))
+    m.commit()
+    assert len(m.notes) == 1
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=2))   # nothing a worker sees changes
+    m.commit()
+    assert len(m.notes) == 1
+    m.set_synced(True)
+    m.commit()
+    assert len(m.notes) == 2 and table.synced
+
+
+def test_credentials_released_only_after_the_table_stops_naming_the_pod(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r"))
+    m.commit()
+    seen = []
+    real = sink.release
+
+    def release(uid):
+        seen.append(lookup(table, "10.0.0.1"))
+        real(uid)
+    sink.release = release
+    m.delete_pod(pod("a"))
+    m.commit()
+    assert seen == [None]
+
+
+def test_acquire_failure_leaves_the_pod_waiting_and_is_retried(make_model, table, sink):
+    sink.fail = True
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r"))
+    m.commit()
+    assert lookup(table, "10.0.0.1") is None and table.pending_pods == 1
+    sink.fail = False
+    m.expire()
+    m.commit()
+    assert lookup(table, "10.0.0.1")[:2] == ("a", ROLE) and table.pending_pods == 0
+
+
+def test_stale_event_for_a_pod_is_ignored(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=10, phase="Failed"))
+    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=9))
+    m.commit()
+    assert lookup(table, "10.0.0.1") is None

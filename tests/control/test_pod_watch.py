@@ -1,0 +1,335 @@
+"""The pod watch against the API server emulator, with a real table file: the seed races."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+from control_support import BASE, NS_KEY, ROLE_KEY, SlotSink, lookup
+
+from kiamfast import table as tablemod
+from kiamfast.control.kubelet import KubeletClient
+from kiamfast.control.ownership import Ownership
+from kiamfast.control.pods import PodWatcher, make_api_client
+from kiamfast.control.roles import RolePolicy
+from kiamfast.testing.apiserver import ApiServer
+
+NODE = "node-1"
+ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DENIED
+
+
+@pytest.fixture
+def cluster():
+    srv = ApiServer(host="127.0.0.1", port=0, history_window=10_000, bookmark_interval=0.5,
+                    token="test-token").start()
+    srv.add_node(NODE)
+    srv.add_node("node-2")
+    yield srv
+    srv.stop()
+
+
+def run(coro, timeout: float = 60.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Harness:
+    """A model + watcher on a real table, talking to the emulator over HTTP."""
+
+    def __init__(self, srv: ApiServer, table, *, node: str | None = NODE, kubelet: bool = True,
+                 policy: dict | None = None, **watch_kw):
+        self.srv = srv
+        self.table = table
+        self.sink = SlotSink()
+        self.notifications = 0
+        self.policy = RolePolicy(**{"base_role_arn": BASE, **(policy or {})})
+        self.model = Ownership(policy=self.policy, table=table, sink=self.sink,
+                               notify=self._notify)
+        watch_kw.setdefault("backoff", (0.02, 0.5))
+        self.watcher = PodWatcher(
+            api_client=make_api_client(api_server=srv.url, api_token=srv.token),
+            model=self.model, node=node,
+            kubelet=KubeletClient(srv.kubelet_url(node or NODE), token=srv.token) if kubelet else None,
+            **watch_kw)
+
+    def _notify(self):
+        self.notifications += 1
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.watcher.run())
+        assert await self.watcher.wait_synced(10), "watcher did not sync"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.watcher.stop()
+        await asyncio.wait_for(self.task, 10)
+
+    async def until(self, pred, timeout: float = 10.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def at(self, ip):
+        return lookup(self.table, ip)
+
+    def slot(self, role, ext=None):
+        return self.sink.slot_for(BASE + role, ext)
+
+
+def uid_of(srv, ns, name):
+    return srv.get_pod(ns, name)["metadata"]["uid"]
+
+
+# ---- basics ----------------------------------------------------------------------------------
+
+def test_sync_then_watch_keeps_the_table_current(cluster, table):
+    cluster.create_pod("default", "before", node=NODE, ips=["10.1.0.1"], phase="Running",
+                       annotations={ROLE_KEY: "app"})
+    cluster.create_pod("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running",
+                       annotations={ROLE_KEY: "app"})
+
+    async def body():
+        async with Harness(cluster, table) as h:
+            assert table.synced
+            assert h.at("10.1.0.1") == (uid_of(cluster, "default", "before"), ROLE, h.slot("app"))
+            assert h.at("10.2.0.1") is None          # another node's pod
+            cluster.create_pod("default", "after", node=NODE, annotations={ROLE_KEY: "b"})
+            await h.until(lambda: table.pending_pods == 1, what="pending pod")
+            cluster.set_pod_ips("default", "after", ["10.1.0.2"])
+            cluster.set_pod_phase("default", "after", "Running")
+            await h.until(lambda: h.at("10.1.0.2") is not None, what="new pod's address")
+            assert h.at("10.1.0.2")[:2] == (uid_of(cluster, "default", "after"), ROLE)
+            assert table.pending_pods == 0
+            cluster.set_pod_phase("default", "before", "Succeeded")
+            await h.until(lambda: h.at("10.1.0.1") is None, what="terminal pod released")
+            stats = h.watcher.stats()
+            assert stats["lists"] >= 1 and stats["events"] >= 3
+    run(body())
+
+
+def test_without_node_all_pods_are_watched(cluster, table):
+    cluster.create_pod("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running")
+
+    async def body():
+        async with Harness(cluster, table, node=None, kubelet=False) as h:
+            assert h.at("10.2.0.1") == (uid_of(cluster, "default", "elsewhere"), NO_ROLE, -1)
+    run(body())
+
+
+# ---- seed race 1: the pod asks before its IP reaches the API server ----------------------------
+
+def test_kubelet_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table):
+    async def body():
+        async with Harness(cluster, table, policy={"default_role": "fallback"}) as h:
+            cluster.create_pod("default", "early", node=NODE, annotations={ROLE_KEY: "own"})
+            uid = uid_of(cluster, "default", "early")
+            await h.until(lambda: uid in h.model.pods, what="pod seen")
+            cluster.set_pod_ips("default", "early", ["10.1.0.9"], api=False)  # kubelet only
+            assert h.at("10.1.0.9") is None and table.pending_pods == 1
+            h.watcher.unknown_ip("10.1.0.9")
+            await h.until(lambda: h.at("10.1.0.9") is not None, timeout=5, what="kubelet lookup")
+            assert h.at("10.1.0.9") == (uid, ROLE, h.slot("own"))
+            assert table.pending_pods == 0
+            # The API catches up: nothing changes.
+            cluster.set_pod_ips("default", "early", ["10.1.0.9"])
+            cluster.set_pod_phase("default", "early", "Running")
+            await asyncio.sleep(0.2)
+            assert h.at("10.1.0.9") == (uid, ROLE, h.slot("own"))
+    run(body())
+
+
+def test_unknown_ip_lookups_are_coalesced_and_rate_limited(cluster, table):
+    async def body():
+        async with Harness(cluster, table) as h:
+            before = cluster.stats()["kubelet_requests"]
+            for i in range(50):
+                h.watcher.unknown_ip(f"10.9.0.{i}")
+            await asyncio.sleep(0.6)
+            for i in range(50):
+                h.watcher.unknown_ip(f"10.9.0.{i}")   # negative cache: not asked again yet
+            await asyncio.sleep(0.1)
+            asked = cluster.stats()["kubelet_requests"] - before
+            assert 1 <= asked <= 2, asked
+            assert h.watcher.stats()["kubelet"]["suppressed"] == 50
+    run(body())
+
+
+def test_unknown_ip_given_as_a_table_key(cluster, table):
+    async def body():
+        async with Harness(cluster, table) as h:
+            cluster.create_pod("default", "p", node=NODE, annotations={ROLE_KEY: "r"})
+            await h.until(lambda: h.model.pending_pods == 1, what="pod seen")
+            cluster.set_pod_ips("default", "p", ["10.1.0.3"], api=False)
+            h.watcher.unknown_ip(tablemod.ip_key("10.1.0.3"))
+            await h.until(lambda: h.at("10.1.0.3") is not None, what="kubelet lookup")
+    run(body())
+
+
+# ---- seed race 2: IP reuse, the old pod's delete after the new pod's add -------------------------
+
+def test_ip_reuse_late_delete_of_old_pod_changes_nothing(cluster, table):
+    async def body():
+        async with Harness(cluster, table) as h:
+            cluster.create_pod("default", "old", node=NODE, ips=["10.1.0.7"], phase="Running",
+                               annotations={ROLE_KEY: "old-role"})
+            await h.until(lambda: h.at("10.1.0.7") is not None, what="old pod")
+            cluster.mark_pod_terminating("default", "old")
+            cluster.create_pod("default", "new", node=NODE, ips=["10.1.0.7"], phase="Running",
+                               annotations={ROLE_KEY: "new-role"})
+            new_uid = uid_of(cluster, "default", "new")
+            await h.until(lambda: (h.at("10.1.0.7") or ("",))[0] == new_uid, what="new owner")
+            seen = []
+            cluster.set_pod_annotations("default", "old", {ROLE_KEY: "old-role", "x": "1"})
+            cluster.delete_pod("default", "old")
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                seen.append(h.at("10.1.0.7"))
+                await asyncio.sleep(0.002)
+            assert set(seen) == {(new_uid, ROLE, h.slot("new-role"))}
+    run(body())
+
+
+# ---- seed race 3: drops and 410s mid-churn ----------------------------------------------------------
+
+class Sampler(threading.Thread):
+    """Reads the table from another thread (as a worker would) as fast as it can."""
+
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.reader = tablemod.Table.attach(path, writer=False)
+        self.stop_flag = threading.Event()
+        self.observed: list[dict[str, str]] = []
+
+    def run(self):
+        while not self.stop_flag.is_set():
+            self.observed.append({e["ip"]: e["pod_uid"] for e in self.reader.snapshot()})
+            time.sleep(0.0005)
+
+
+def test_churn_with_drops_and_410_converges_without_a_wrong_owner(cluster, table, table_path):
+    rng = random.Random(7)
+    pool = [f"10.1.1.{i}" for i in range(1, 13)]
+
+    async def body():
+        async with Harness(cluster, table) as h:
+            sampler = Sampler(table_path)
+            sampler.start()
+            owners: dict[str, list[str]] = {ip: [] for ip in pool}   # assignment order per IP
+            live: dict[str, str] = {}      # name -> ip
+            free = list(pool)
+            n = 0
+            for step in range(300):
+                r = rng.random()
+                if free and (r < 0.45 or not live):
+                    n += 1
+                    name = f"p{n}"
+                    ip = free.pop(rng.randrange(len(free)))
+                    cluster.create_pod("default", name, node=NODE, phase="Running", ips=[ip],
+                                       annotations={ROLE_KEY: rng.choice(["a", "b"])})
+                    owners[ip].append(uid_of(cluster, "default", name))
+                    live[name] = ip
+                elif live:
+                    name = rng.choice(sorted(live))
+                    ip = live.pop(name)
+                    how = rng.random()
+                    if how < 0.4:
+                        cluster.set_pod_phase("default", name, "Succeeded")
+                    elif how < 0.7:
+                        cluster.mark_pod_terminating("default", name)
+                        cluster.delete_pod("default", name)
+                    else:
+                        cluster.delete_pod("default", name)
+                    free.append(ip)
+                if step % 60 == 30:
+                    cluster.drop_watches()
+                if step % 60 == 50:
+                    cluster.compact()
+                    cluster.drop_watches()
+                if step % 10 == 0:
+                    await asyncio.sleep(0.01)
+            expected = {}
+            for name, ip in live.items():
+                expected[ip] = uid_of(cluster, "default", name)
+            await h.until(lambda: {e["ip"]: e["pod_uid"] for e in table.snapshot()} == expected,
+                          timeout=15, what="convergence")
+            sampler.stop_flag.set()
+            sampler.join()
+            assert h.watcher.stats()["gone"] + h.watcher.stats()["relists"] >= 1
+        # Every observed mapping was a real assignment, and per address owners only ever move
+        # forward in assignment order (an old pod never takes an address back).
+        rank = {(ip, uid): i for ip, uids in owners.items() for i, uid in enumerate(uids)}
+        last: dict[str, int] = {}
+        for snap in sampler.observed:
+            for ip, uid in snap.items():
+                assert (ip, uid) in rank, f"{ip} -> {uid} was never an assignment"
+                assert rank[(ip, uid)] >= last.get(ip, -1), f"{ip} went back to {uid}"
+                last[ip] = rank[(ip, uid)]
+        assert len(sampler.observed) > 100
+    run(body(), timeout=120)
+
+
+def test_watch_survives_api_errors(cluster, table):
+    async def body():
+        async with Harness(cluster, table) as h:
+            cluster.fail_next(4, status=500, path_prefix="/api/v1/pods")
+            cluster.fail_next(2, status=429, path_prefix="/api/v1/pods")
+            cluster.drop_watches()
+            cluster.create_pod("default", "x", node=NODE, ips=["10.1.0.5"], phase="Running")
+            await h.until(lambda: h.at("10.1.0.5") is not None, timeout=20, what="recovery")
+            assert h.watcher.stats()["errors"] >= 1
+    run(body())
+
+
+def test_relist_after_410_while_disconnected(cluster, table):
+    async def body():
+        async with Harness(cluster, table) as h:
+            cluster.create_pod("default", "a", node=NODE, ips=["10.1.0.1"], phase="Running")
+            await h.until(lambda: h.at("10.1.0.1") is not None, what="a")
+            cluster.fail_next(3, status=503, path_prefix="/api/v1/pods")
+            cluster.drop_watches()
+            cluster.delete_pod("default", "a")
+            cluster.create_pod("default", "b", node=NODE, ips=["10.1.0.1"], phase="Running")
+            cluster.compact()
+            b = uid_of(cluster, "default", "b")
+            await h.until(lambda: (h.at("10.1.0.1") or ("",))[0] == b, timeout=20, what="relist")
+            assert h.watcher.stats()["gone"] >= 1
+    run(body())
+
+
+# ---- seed race 4: namespace restrictions -----------------------------------------------------------
+
+def test_namespace_restriction_changes_apply(cluster, table):
+    cluster.add_namespace("team", annotations={NS_KEY: "[]"})
+    cluster.create_pod("team", "app", node=NODE, ips=["10.1.0.4"], phase="Running",
+                       annotations={ROLE_KEY: "app"})
+
+    async def body():
+        async with Harness(cluster, table, policy={"namespace_restrictions": True}) as h:
+            uid = uid_of(cluster, "team", "app")
+            assert h.at("10.1.0.4") == (uid, DENIED, -1)
+            cluster.set_namespace_annotations("team", {NS_KEY: '["app"]'})
+            await h.until(lambda: h.at("10.1.0.4")[1] == ROLE, what="allowed")
+            assert h.at("10.1.0.4") == (uid, ROLE, h.slot("app"))
+            cluster.set_namespace_annotations("team", {NS_KEY: '["other-*"]'})
+            await h.until(lambda: h.at("10.1.0.4")[1] == DENIED, what="denied again")
+            # A pod in a namespace created after the agent synced.
+            cluster.add_namespace("late", annotations={NS_KEY: '["app"]'})
+            cluster.create_pod("late", "p", node=NODE, ips=["10.1.0.8"], phase="Running",
+                               annotations={ROLE_KEY: "app"})
+            await h.until(lambda: h.at("10.1.0.8") is not None, what="late namespace pod")
+            assert h.at("10.1.0.8")[1] == ROLE
+    run(body())
+
+
+def test_stop_is_prompt_with_idle_watches(cluster, table):
+    async def body():
+        h = Harness(cluster, table)
+        await h.__aenter__()
+        t0 = time.monotonic()
+        await h.__aexit__(None, None, None)
+        return time.monotonic() - t0
+    assert run(body()) < 10
