@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
@@ -24,7 +25,7 @@ import time
 import orjson
 import prometheus_client
 
-from kiamfast import channel, logs
+from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.config import Config
 from kiamfast.control import iptables, imds_client, taint
@@ -50,6 +51,7 @@ class ControlProcess:
         self.config = config
         self.table = table
         self.channels = channels
+        prometheus_client.disable_created_metrics()   # no *_created series: kube2iam has none
         self.registry = prometheus_client.CollectorRegistry()
         self._wake_scheduled = False
         self._stop = asyncio.Event()
@@ -197,13 +199,36 @@ class ControlProcess:
             await asyncio.sleep(PUBLISH_INTERVAL)
 
     def _own_metrics(self) -> bytes:
+        """The control process's gauges and the watch's counters, in Prometheus text."""
         healthy = 1 if self.table.read_aux(tbl.AUX_HEALTH) else 0
-        return (b"# HELP kube2iam_healthcheck_status Result of the last metadata health check.\n"
-                b"# TYPE kube2iam_healthcheck_status gauge\n"
-                b"kube2iam_healthcheck_status %d\n"
-                b"# HELP kiamfast_ready Whether the agent is ready (synced and prefetched).\n"
-                b"# TYPE kiamfast_ready gauge\n"
-                b"kiamfast_ready %d\n" % (healthy, 1 if self.ready else 0))
+        commit = os.environ.get("KIAMFAST_GIT_COMMIT") or "unknown"
+        built = os.environ.get("KIAMFAST_BUILD_DATE") or "unknown"
+        lines = [
+            "# HELP kube2iam_healthcheck_status Result of the last metadata health check.",
+            "# TYPE kube2iam_healthcheck_status gauge",
+            f"kube2iam_healthcheck_status {healthy}",
+            "# HELP kube2iam_info Build information (kube2iam-compatible name).",
+            "# TYPE kube2iam_info gauge",
+            f'kube2iam_info{{version="{__version__}",build_date="{built}",'
+            f'commit_hash="{commit}"}} 1',
+            "# HELP kiamfast_ready Whether the agent is ready (synced and prefetched).",
+            "# TYPE kiamfast_ready gauge",
+            f"kiamfast_ready {1 if self.ready else 0}",
+        ]
+        if self.watcher is not None:
+            stats = self.watcher.stats()
+            lines += ["# HELP kiamfast_pods Pods of this node the agent knows.",
+                      "# TYPE kiamfast_pods gauge", f"kiamfast_pods {stats['pods']}",
+                      "# HELP kiamfast_pending_pods Live pods still waiting for an address.",
+                      "# TYPE kiamfast_pending_pods gauge",
+                      f"kiamfast_pending_pods {stats['pending_pods']}",
+                      "# HELP kiamfast_watch_total Watch activity by kind (events, bookmarks, "
+                      "lists, relists, gone = 410, errors, unknown_ips).",
+                      "# TYPE kiamfast_watch_total counter"]
+            lines += [f'kiamfast_watch_total{{kind="{k}"}} {v}' for k, v in stats.items()
+                      if isinstance(v, int) and not isinstance(v, bool)
+                      and k not in ("pods", "pending_pods")]
+        return ("\n".join(lines) + "\n").encode()
 
     # ---- stop --------------------------------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""The whole agent (`python -m kiamfast`, supervisor + worker + control) on loopback, as an
+operator pokes at it: readiness, kube2iam's health and metrics, the startup taint, a clean
+stop.  No root: the pod is a loopback source address (127.0.0.5)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from kiamfast.testing.apiserver import ApiServer
+from kiamfast.testing.fake_imds import FakeImds
+from kiamfast.testing.sts import MotoSts
+
+TAINT = "kiamfast.io/agent-not-ready"
+POD_IP = "127.0.0.5"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(port: int, path: str, *, source: str = "127.0.0.1") -> tuple[int, bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=5,
+                                  source_address=(source, 0)) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 169.254.169.254\r\nConnection: close\r\n\r\n"
+                  .encode())
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_EC2_METADATA_DISABLED="true", AWS_REGION="us-east-1")
+    os.environ.update(AWS_EC2_METADATA_DISABLED="true")
+    api = ApiServer().start()
+    sts = MotoSts()
+    sts.start()
+    imds = FakeImds().start()
+    api.add_node("n1", taints=[{"key": TAINT, "value": "true", "effect": "NoExecute"}])
+    api.create_pod("team", "app", node="n1", annotations={"iam.amazonaws.com/role": "app-role"},
+                   ips=[POD_IP], phase="Running")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiamfast", f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}",
+         "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
+         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}",
+         "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
+         f"--token-key-file={d / 'key'}", f"--kubelet-url={api.kubelet_url('n1')}",
+         "--iptables=false", "--debug"],
+        env=env, stderr=open(d / "agent.log", "wb"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (d / "agent.log").read_text()
+        try:
+            if http(port, "/readyz")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise AssertionError("agent never ready:\n" + (d / "agent.log").read_text())
+    yield {"port": port, "api": api, "proc": proc, "log": d / "agent.log"}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    imds.stop()
+    sts.stop()
+    api.stop()
+
+
+def test_ready_agent_serves_the_pod_and_has_removed_the_startup_taint(agent):
+    assert http(agent["port"], "/latest/meta-data/iam/security-credentials/",
+                source=POD_IP) == (200, b"app-role")
+    status, body = http(agent["port"], "/latest/meta-data/iam/security-credentials/app-role",
+                        source=POD_IP)
+    assert status == 200 and orjson.loads(body)["Code"] == "Success"
+    taints = agent["api"].get_node("n1")["spec"].get("taints") or []
+    assert not any(t["key"] == TAINT for t in taints)
+
+
+def test_healthz_has_kube2iams_shape(agent):
+    status, body = http(agent["port"], "/healthz")
+    doc = orjson.loads(body)
+    assert status == 200
+    assert set(doc) == {"hostIP", "instanceId"}
+    assert doc["hostIP"] == "127.0.0.1" and doc["instanceId"].startswith("i-")
+
+
+def test_debug_store_has_kube2iams_shape(agent):
+    deadline = time.monotonic() + 10      # published every 2 s by the control process
+    while time.monotonic() < deadline:
+        status, body = http(agent["port"], "/debug/store")
+        if status == 200 and body and orjson.loads(body).get("rolesByIP"):
+            break
+        time.sleep(0.2)
+    doc = orjson.loads(body)
+    assert doc["namespaceByIP"] == {POD_IP: "team"}
+    assert doc["rolesByIP"] == {POD_IP: "app-role"}
+
+
+def test_metrics_carry_kube2iams_names(agent):
+    http(agent["port"], "/latest/meta-data/iam/security-credentials/", source=POD_IP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status, body = http(agent["port"], "/metrics")
+        text = body.decode()
+        if "kube2iam_iam_request_duration_seconds_count" in text:
+            break
+        time.sleep(0.2)
+    assert status == 200
+    for name in ("kube2iam_iam_request_duration_seconds_count", "kube2iam_healthcheck_status 1",
+                 'kube2iam_info{version="', "kiamfast_ready 1", "kiamfast_pods 1",
+                 "kiamfast_http_requests_total", 'kiamfast_watch_total{kind="lists"} 1'):
+        assert name in text, name
+    assert "_created" not in text
+
+
+def test_sigterm_stops_every_process_cleanly(agent):
+    proc = agent["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    log = agent["log"].read_text()
+    assert "control process stopped" in log
+    assert "Traceback" not in log
