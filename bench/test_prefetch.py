@@ -30,30 +30,9 @@ from kiamfast.control.credentials import CredentialManager, CredentialRequest
 from kiamfast.control.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, ManualClock, MotoSts
 
+from benchutil import aws_env  # static credentials, never the real metadata service
+
 BASE = "arn:aws:iam::123456789012:role/"
-
-
-_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_STS")
-
-
-@contextlib.contextmanager
-def aws_env():
-    """Static credentials, never the real metadata service; restored afterwards."""
-    saved = {k: os.environ.get(k) for k in (*_ENV, *_UNSET)}
-    os.environ.update(_ENV)
-    for k in _UNSET:
-        os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
