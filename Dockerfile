@@ -23,7 +23,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=builder /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links=/wheels kiamfast \
- && rm -rf /wheels
+ && rm -rf /wheels \
+ && ln -s "$(command -v kiamfast)" /bin/kube2iam
+# /bin/kube2iam: manifests that name kube2iam's binary in `command:` keep working unchanged.
 ARG GIT_COMMIT=unknown
 ARG BUILD_DATE=unknown
 ENV KIAMFAST_GIT_COMMIT=${GIT_COMMIT} \
