@@ -211,14 +211,16 @@ def parse_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = None)
         raise UsageError(str(e) + where, flag=e.flag) from None
 
 
-def version_string() -> str:
-    """kube2iam's format: ``Version: <v> - Commit: <sha> - Date: <date>``.
+def build_info() -> tuple[str, str]:
+    """(commit, build date) from the image build (``KIAMFAST_GIT_COMMIT``,
+    ``KIAMFAST_BUILD_DATE``, set by the Dockerfile), else ``unknown``."""
+    return (os.environ.get("KIAMFAST_GIT_COMMIT") or "unknown",
+            os.environ.get("KIAMFAST_BUILD_DATE") or "unknown")
 
-    The commit and date come from the image build (``KIAMFAST_GIT_COMMIT``,
-    ``KIAMFAST_BUILD_DATE``, set by the Dockerfile), else ``unknown``.
-    """
-    commit = os.environ.get("KIAMFAST_GIT_COMMIT") or "unknown"
-    date = os.environ.get("KIAMFAST_BUILD_DATE") or "unknown"
+
+def version_string() -> str:
+    """kube2iam's format: ``Version: <v> - Commit: <sha> - Date: <date>``."""
+    commit, date = build_info()
     return f"Version: {__version__} - Commit: {commit} - Date: {date}"
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import time
@@ -27,6 +26,7 @@ import prometheus_client
 
 from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
+from kiamfast.cli import build_info
 from kiamfast.config import Config
 from kiamfast.control import iptables, imds_client, taint
 from kiamfast.control.credentials import CredentialManager
@@ -58,6 +58,7 @@ class ControlProcess:
         self.watcher = None
         self.manager: CredentialManager | None = None
         self.ready = False
+        self.healthy = False
 
     # ---- waking the workers ------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ class ControlProcess:
                 continue
             kind, value = msg
             if kind == channel.UNKNOWN_IP and self.watcher is not None:
-                self.watcher.unknown_ip(tbl.key_ip(value))
+                self.watcher.unknown_ip(value)   # the 16-byte key as sent
             elif kind == channel.WANT_CREDENTIALS and self.manager is not None:
                 self.manager.wanted(value)
 
@@ -181,7 +182,9 @@ class ControlProcess:
                 body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": iid})
                 self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
                 self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
+                self.healthy = True
             except imds_client.ImdsError as e:
+                self.healthy = False
                 self.table.write_aux(tbl.AUX_HEALTH, b"")
                 self.table.write_aux(tbl.AUX_HEALTH_ERROR, str(e).encode())
             await asyncio.sleep(HEALTH_INTERVAL)
@@ -200,13 +203,11 @@ class ControlProcess:
 
     def _own_metrics(self) -> bytes:
         """The control process's gauges and the watch's counters, in Prometheus text."""
-        healthy = 1 if self.table.read_aux(tbl.AUX_HEALTH) else 0
-        commit = os.environ.get("KIAMFAST_GIT_COMMIT") or "unknown"
-        built = os.environ.get("KIAMFAST_BUILD_DATE") or "unknown"
+        commit, built = build_info()
         lines = [
             "# HELP kube2iam_healthcheck_status Result of the last metadata health check.",
             "# TYPE kube2iam_healthcheck_status gauge",
-            f"kube2iam_healthcheck_status {healthy}",
+            f"kube2iam_healthcheck_status {1 if self.healthy else 0}",
             "# HELP kube2iam_info Build information (kube2iam-compatible name).",
             "# TYPE kube2iam_info gauge",
             f'kube2iam_info{{version="{__version__}",build_date="{built}",'
