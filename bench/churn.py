@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchutil import pod_addresses, summarize_us
+from benchutil import pod_addresses, set_affinity, summarize_us
 
 SDK_BUDGET = 1.0          # botocore: DEFAULT_METADATA_SERVICE_TIMEOUT, 1 attempt
 HANG_TIMEOUT = 3.0        # a request unanswered this long is abandoned (and counted late)
@@ -87,11 +87,7 @@ def _client_main(port: int, mine: list[tuple[int, str]], role_names: list[bytes]
 
     import uvloop
 
-    if cpu is not None:
-        try:
-            os.sched_setaffinity(0, {cpu})
-        except OSError:
-            pass
+    set_affinity([0], {cpu} if cpu is not None else None)
     perf_ns = time.perf_counter_ns
     lat = array("I")
     st = {"requests": 0, "ok": 0, "wrong_prev": 0, "wrong_other": 0, "late": 0, "hung": 0,

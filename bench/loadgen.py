@@ -24,12 +24,13 @@ saturated means the figure is the load generator's, not the server's.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import time
 from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from benchutil import set_affinity
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,7 @@ def _client_main(host: str, port: int, slots: list[list[Spec]], warmup: float,
 
     import uvloop
 
-    if cpu is not None:
-        try:
-            os.sched_setaffinity(0, {cpu})
-        except OSError:
-            pass
+    set_affinity([0], {cpu} if cpu is not None else None)
     perf_ns = time.perf_counter_ns
     lat = array("I")
     rec = lat.append
