@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kiamfast.testing.background import BackgroundServer
+
 TOKEN_MODES = ("optional", "required", "v1-only")
 
 
@@ -109,7 +111,7 @@ class _Server(ThreadingHTTPServer):
     fake: "FakeImds"
 
 
-class FakeImds:
+class FakeImds(BackgroundServer):
     """An in-process fake IMDS on ``host:port`` (port 0: a free one) that records requests."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -128,31 +130,14 @@ class FakeImds:
         self._lock = threading.Lock()
         self._requests: list[RecordedRequest] = []
         self._tokens: dict[str, float] = {}
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> "FakeImds":
         server = _Server((self.host, self.requested_port), _Handler)
         server.fake = self
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="fake-imds",
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
+        self._serve(server, name="fake-imds")
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> "FakeImds":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:

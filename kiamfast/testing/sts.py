@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
 
+from kiamfast.testing.background import BackgroundServer
+
 FAULTS = ("throttle", "5xx", "deny", "down")
 
 _ERRORS = {
@@ -162,7 +164,7 @@ class _Fault:
     id: int = field(default=0)
 
 
-class FaultProxy:
+class FaultProxy(BackgroundServer):
     """Threaded HTTP/1.1 proxy to ``upstream`` that injects STS faults and records calls."""
 
     def __init__(self, upstream: str, *, clock: Callable[[], float] | None = None,
@@ -174,8 +176,6 @@ class FaultProxy:
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._fault_ids = 0
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
         self.url = ""
         self._inflight = 0
         self.max_inflight = 0
@@ -234,24 +234,9 @@ class FaultProxy:
         server.allow_reuse_address = True
         server.server_bind()
         server.server_activate()
-        self._server = server
         self.url = f"http://127.0.0.1:{server.server_address[1]}"
-        self._thread = threading.Thread(target=server.serve_forever, args=(0.05,),
-                                        name="sts-fault-proxy", daemon=True)
-        self._thread.start()
+        self._serve(server, name="sts-fault-proxy")
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> "FaultProxy":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # -- per request (handler threads) ------------------------------------------------------
     def _pick_fault(self, call: StsCall) -> str | None:
