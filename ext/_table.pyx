@@ -407,11 +407,6 @@ cdef class Table:
         self._check_writer()
         kf_store_release_u64(&self.hdr.heartbeat_ns, kf_now_ns_monotonic())
 
-    def bump(self):
-        """Bump the generation without a change (wakes waiters that re-check the clock)."""
-        self._check_writer()
-        self._commit()
-
     # ---- IP slots: writer ------------------------------------------------------------------
 
     cdef inline void _slot_begin(self, uint64_t *seq) noexcept nogil:
@@ -818,31 +813,6 @@ cdef class Table:
         """lookup() for a credential slot named directly (e.g. default_cred_slot)."""
         return self._lookup(None, slot, part, out, match)
 
-    def lookup_with_slot(self, key, int part, out, match=None):
-        """lookup() that also returns the credential slot consulted (or -1):
-        (status, nbytes, slot) -- workers use the slot to ask the control process for it."""
-        cdef Py_ssize_t n = 0
-        cdef int r, slot = -1
-        cdef const char *m = NULL
-        cdef Py_ssize_t mlen = 0
-        cdef char *dst
-        cdef Py_ssize_t dst_len
-        if self.base == NULL:
-            raise TableError("table is closed")
-        if not isinstance(key, bytes) or PyBytes_GET_SIZE(key) != 16:
-            key = ip_key(key)
-        if match is not None:
-            m = PyBytes_AS_STRING(match)
-            mlen = PyBytes_GET_SIZE(match)
-        if not PyByteArray_CheckExact(out):
-            raise TypeError("out must be a bytearray")
-        dst = PyByteArray_AS_STRING(out)
-        dst_len = PyByteArray_GET_SIZE(out)
-        cdef const char *k = PyBytes_AS_STRING(key)
-        with nogil:
-            r = self.lookup_c(k, part, dst, dst_len, m, mlen, &n, &slot)
-        return r, n, slot
-
     cdef _lookup(self, key, int slot, int part, out, match):
         cdef Py_buffer view
         cdef char *dst
@@ -988,9 +958,6 @@ cdef class Table:
         if not (0 <= worker < <int>self.hdr.max_workers and 0 <= counter < KF_COUNTERS_PER_WORKER):
             raise IndexError("counter out of range")
         kf_add_relaxed_u64(&self.counters[worker * KF_COUNTERS_PER_WORKER + counter], n)
-
-    cdef void counter_add_c(self, int worker, int counter, uint64_t n) noexcept nogil:
-        kf_add_relaxed_u64(&self.counters[(worker * KF_COUNTERS_PER_WORKER + counter)], n)
 
     def counters_sum(self):
         """Every counter summed over all worker rows."""

@@ -271,3 +271,11 @@ def test_creation_is_atomic_rename(tmp_path):
     path = str(tmp_path / "t")
     T.Table.create(path, ip_capacity=8, cred_capacity=1)
     assert [p for p in os.listdir(tmp_path)] == ["t"]
+
+
+def test_writer_identity_and_heartbeat_are_visible_to_readers(tbl):
+    r = T.Table.attach(tbl.path)
+    assert r.writer_pid == os.getpid()
+    assert r.heartbeat_age is None                 # never beaten
+    tbl.heartbeat()
+    assert 0 <= r.heartbeat_age < 5
