@@ -20,6 +20,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
 from cpython.pycapsule cimport PyCapsule_New
 
 import os
+import secrets
 import socket
 
 cdef extern from "kf_atomics.h" nogil:
@@ -63,10 +64,11 @@ cdef extern from "kf_table.h" nogil:
         uint64_t index_seq
         uint32_t synced, ready
         uint32_t pending_pods
-        int32_t default_cred_slot
+        uint32_t runtime_mode
         uint64_t writer_pid
         uint64_t heartbeat_ns
         uint32_t ip_live, ip_tombstones
+        uint64_t verified_ns
 
     ctypedef struct kf_ip_slot:
         uint64_t seq
@@ -99,15 +101,19 @@ cpdef enum:
     ERROR = 7
     MISMATCH = 8
     TOO_SMALL = 9
+    UNVERIFIED = 10   # runtime mode: no runtime poll begun after the connection was accepted
+    UNSURE = 11       # API mode: unknown address while the agent is not synced or pods wait
+    UNDECIDED = 12    # the owner is known, its identity is not decided yet
 
 STATUS_NAMES = ("MISS", "BUSY", "NO_ROLE", "DENIED", "PENDING", "READY", "EXPIRED", "ERROR",
-                "MISMATCH", "TOO_SMALL")
+                "MISMATCH", "TOO_SMALL", "UNVERIFIED", "UNSURE", "UNDECIDED")
 
 # pod states stored in an IP slot
 cpdef enum:
     POD_ROLE = 1
     POD_NO_ROLE = 2
     POD_DENIED = 3
+    POD_UNDECIDED = 4
 
 # credential slot states
 cpdef enum:
@@ -122,6 +128,7 @@ PART_LISTING = 1
 PART_DOCUMENT = 2
 PART_EXT_DOCUMENT = 3
 PART_INFO = 4
+PART_KEY = 5          # the credential key and expiry (JSON), so a restarted writer can adopt
 
 LAYOUT_VERSION = KF_LAYOUT_VERSION
 COUNTERS_PER_WORKER = KF_COUNTERS_PER_WORKER
@@ -200,6 +207,12 @@ cdef class Table:
     cdef uint8_t *aux
     cdef uint64_t *counters
     cdef uint32_t ip_mask
+    cdef uint32_t ip_capacity      # the layout as validated at attach: never re-read from the
+    cdef uint32_t cred_capacity    # shared header, which another process could corrupt
+    cdef uint32_t value_size
+    cdef uint32_t aux_count
+    cdef uint32_t aux_size
+    cdef uint32_t max_workers
     cdef uint64_t cred_stride
     cdef uint64_t aux_stride
     cdef readonly str path
@@ -233,8 +246,9 @@ cdef class Table:
         cdef uint64_t cnt_off = round64(aux_off + <uint64_t>aux_count * (64 + asize))
         cdef uint64_t total = cnt_off + <uint64_t>max_workers * KF_COUNTERS_PER_WORKER * 8
         total = (total + 4095) & ~(<uint64_t>4095)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A fresh file under a random name, never an existing file or a planted symlink.
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, total)
             t = cls._map(fd, total, tmp, True)
@@ -252,7 +266,6 @@ cdef class Table:
         h.counters_per_worker = KF_COUNTERS_PER_WORKER
         h.ip_offset, h.cred_offset, h.aux_offset, h.counters_offset = ip_off, cred_off, aux_off, cnt_off
         h.total_size = total
-        h.default_cred_slot = -1
         h.writer_pid = os.getpid()
         kf_store_release_u64(&h.magic, KF_MAGIC)     # last: a half-made file never validates
         tt._bind()
@@ -285,6 +298,12 @@ cdef class Table:
             raise TableLayoutError(f"{path} is truncated or inconsistent")
         if h.ip_capacity < 8 or h.ip_capacity & (h.ip_capacity - 1):
             raise TableLayoutError(f"{path} has a bad IP capacity")
+        if (h.value_size < 256 or h.value_size % 64 or h.aux_size % 64 or h.max_workers < 1
+                or h.ip_offset < 4096
+                or h.cred_offset < h.ip_offset + <uint64_t>h.ip_capacity * sizeof(kf_ip_slot)
+                or h.aux_offset < h.cred_offset + <uint64_t>h.cred_capacity * (64 + h.value_size)
+                or h.counters_offset < h.aux_offset + <uint64_t>h.aux_count * (64 + h.aux_size)):
+            raise TableLayoutError(f"{path} has an inconsistent layout")
         tt._bind()
         if writer:
             tt._repair()
@@ -310,7 +329,13 @@ cdef class Table:
         self.creds = self.base + h.cred_offset
         self.aux = self.base + h.aux_offset
         self.counters = <uint64_t *>(self.base + h.counters_offset)
+        self.ip_capacity = h.ip_capacity
         self.ip_mask = h.ip_capacity - 1
+        self.cred_capacity = h.cred_capacity
+        self.value_size = h.value_size
+        self.aux_count = h.aux_count
+        self.aux_size = h.aux_size
+        self.max_workers = h.max_workers
         self.cred_stride = 64 + h.value_size
         self.aux_stride = 64 + h.aux_size
 
@@ -358,9 +383,14 @@ cdef class Table:
         return kf_load_acquire_u32(&self.hdr.pending_pods)
 
     @property
-    def default_cred_slot(self):
+    def runtime_mode(self):
         self._check_open()
-        return kf_load_acquire_i32(&self.hdr.default_cred_slot)
+        return bool(kf_load_acquire_u32(&self.hdr.runtime_mode))
+
+    @property
+    def verified_ns(self):
+        self._check_open()
+        return kf_load_acquire_u64(&self.hdr.verified_ns)
 
     @property
     def writer_pid(self):
@@ -379,28 +409,34 @@ cdef class Table:
     @property
     def layout(self):
         self._check_open()
-        h = self.hdr
-        return {"ip_capacity": h.ip_capacity, "cred_capacity": h.cred_capacity,
-                "value_size": h.value_size, "aux_count": h.aux_count, "aux_size": h.aux_size,
-                "max_workers": h.max_workers, "counters_per_worker": h.counters_per_worker,
-                "total_size": h.total_size}
+        return {"ip_capacity": self.ip_capacity, "cred_capacity": self.cred_capacity,
+                "value_size": self.value_size, "aux_count": self.aux_count,
+                "aux_size": self.aux_size, "max_workers": self.max_workers,
+                "counters_per_worker": KF_COUNTERS_PER_WORKER, "total_size": self.size}
 
     cdef inline void _commit(self) noexcept nogil:
         kf_add_release_u64(&self.hdr.generation, 1)
 
-    def set_status(self, *, synced=None, ready=None, pending_pods=None, default_cred_slot=None):
+    def set_status(self, *, synced=None, ready=None, pending_pods=None, runtime_mode=None):
         """Publish the control process's status words, then bump the generation."""
         self._check_writer()
-        if default_cred_slot is not None:
-            if default_cred_slot != -1 and not 0 <= default_cred_slot < self.hdr.cred_capacity:
-                raise IndexError(f"credential slot {default_cred_slot} out of range")
-            kf_store_release_i32(&self.hdr.default_cred_slot, default_cred_slot)
+        if runtime_mode is not None:
+            kf_store_release_u32(&self.hdr.runtime_mode, 1 if runtime_mode else 0)
         if pending_pods is not None:
             kf_store_release_u32(&self.hdr.pending_pods, max(0, min(int(pending_pods), 0xFFFFFFFF)))
         if synced is not None:
             kf_store_release_u32(&self.hdr.synced, 1 if synced else 0)
         if ready is not None:
             kf_store_release_u32(&self.hdr.ready, 1 if ready else 0)
+        self._commit()
+
+    def set_verified(self, uint64_t started_ns):
+        """The IP slots now follow a runtime poll that began at `started_ns` (monotonic):
+        a connection accepted before that instant may be answered from them.  Call after the
+        poll's changes are written; never moves backwards."""
+        self._check_writer()
+        if started_ns > kf_load_relaxed_u64(&self.hdr.verified_ns):
+            kf_store_release_u64(&self.hdr.verified_ns, started_ns)
         self._commit()
 
     def heartbeat(self):
@@ -425,7 +461,7 @@ cdef class Table:
         cdef uint32_t n
         cdef kf_ip_slot *s
         free_at[0] = -1
-        for n in range(self.hdr.ip_capacity):
+        for n in range(self.ip_capacity):
             s = &self.ips[i]
             if s.used == KF_SLOT_EMPTY:
                 if free_at[0] < 0:
@@ -441,7 +477,7 @@ cdef class Table:
     cdef _compact(self):
         """Rebuild the index without tombstones.  Readers see index_seq odd and retry."""
         cdef kf_header *h = self.hdr
-        cdef uint32_t cap = h.ip_capacity, i, j
+        cdef uint32_t cap = self.ip_capacity, i, j
         live = []
         for i in range(cap):
             if self.ips[i].used == KF_SLOT_LIVE:
@@ -477,9 +513,9 @@ cdef class Table:
         uid_b = pod_uid.encode() if isinstance(pod_uid, str) else bytes(pod_uid)
         if not 0 < len(uid_b) <= KF_UID_MAX:
             raise ValueError(f"pod UID must be 1..{KF_UID_MAX} bytes")
-        if pod_state not in (POD_ROLE, POD_NO_ROLE, POD_DENIED):
+        if pod_state not in (POD_ROLE, POD_NO_ROLE, POD_DENIED, POD_UNDECIDED):
             raise ValueError(f"bad pod state {pod_state}")
-        if pod_state == POD_ROLE and not 0 <= cred_slot < self.hdr.cred_capacity:
+        if pod_state == POD_ROLE and not 0 <= cred_slot < self.cred_capacity:
             raise IndexError(f"credential slot {cred_slot} out of range")
         if pod_state != POD_ROLE:
             cred_slot = -1
@@ -489,9 +525,9 @@ cdef class Table:
         cdef kf_header *h = self.hdr
         cdef bint fresh = at < 0
         if fresh:
-            if (h.ip_live + h.ip_tombstones + 1) * MAX_LOAD_DEN > h.ip_capacity * MAX_LOAD_NUM:
-                if (h.ip_live + 1) * MAX_LOAD_DEN > h.ip_capacity * MAX_LOAD_NUM:
-                    raise TableFull(f"the table holds at most {h.ip_capacity * 3 // 4} addresses")
+            if (h.ip_live + h.ip_tombstones + 1) * MAX_LOAD_DEN > self.ip_capacity * MAX_LOAD_NUM:
+                if (h.ip_live + 1) * MAX_LOAD_DEN > self.ip_capacity * MAX_LOAD_NUM:
+                    raise TableFull(f"the table holds at most {self.ip_capacity * 3 // 4} addresses")
                 self._compact()
                 self._find(key, &free_at)
             at = free_at
@@ -574,8 +610,8 @@ cdef class Table:
         self._commit()
 
     cdef inline uint32_t _check_slot(self, slot) except? 0:
-        if not 0 <= slot < self.hdr.cred_capacity:
-            raise IndexError(f"credential slot {slot} out of range 0..{self.hdr.cred_capacity - 1}")
+        if not 0 <= slot < self.cred_capacity:
+            raise IndexError(f"credential slot {slot} out of range 0..{self.cred_capacity - 1}")
         return slot
 
     def write_cred(self, slot, parts, *, double serve_until, int state=CRED_READY):
@@ -584,7 +620,7 @@ cdef class Table:
         if state not in (CRED_EMPTY, CRED_PENDING, CRED_READY, CRED_ERROR):
             raise ValueError(f"bad credential state {state}")
         self._check_slot(slot)
-        self._write_blob(self._cred(slot), self.hdr.value_size, list(parts), state, serve_until)
+        self._write_blob(self._cred(slot), self.value_size, list(parts), state, serve_until)
 
     def set_cred_state(self, slot, int state, serve_until=None):
         """Change a slot's state (and optionally its deadline), keeping its parts."""
@@ -613,9 +649,9 @@ cdef class Table:
     def write_aux(self, index, data):
         """Publish an aux blob (metrics text, debug JSON, health result)."""
         self._check_writer()
-        if not 0 <= index < self.hdr.aux_count:
+        if not 0 <= index < self.aux_count:
             raise IndexError(f"aux index {index} out of range")
-        self._write_blob(self._aux(index), self.hdr.aux_size, [bytes(data)], CRED_READY, 0.0)
+        self._write_blob(self._aux(index), self.aux_size, [bytes(data)], CRED_READY, 0.0)
 
     # ---- readers -------------------------------------------------------------------------------
 
@@ -634,7 +670,7 @@ cdef class Table:
                 kf_cpu_relax()
                 continue
             i = <uint32_t>(key_hash(key) & self.ip_mask)
-            for n in range(self.hdr.ip_capacity):
+            for n in range(self.ip_capacity):
                 s = &self.ips[i]
                 while True:
                     s0 = kf_load_acquire_u64(&s.seq)
@@ -746,16 +782,32 @@ cdef class Table:
 
     cdef int lookup_c(self, const char *key16, int part, char *out, Py_ssize_t out_len,
                       const char *match, Py_ssize_t match_len, Py_ssize_t *n_out,
-                      int *slot_out, kf_ip_slot *ip_out=NULL) noexcept nogil:
-        """The request path: IP → pod → credential part, in one consistent snapshot."""
+                      int *slot_out, uint64_t accepted_ns, kf_ip_slot *ip_out=NULL) noexcept nogil:
+        """The request path: IP -> pod -> credential part, in one consistent snapshot.
+
+        `accepted_ns` is when the asking connection was accepted (CLOCK_MONOTONIC).  The
+        status words are read first, with acquire: the writer publishes them after the IP
+        slots they describe, so the probe below sees slots at least as new as they say."""
         cdef kf_ip_slot ip
         cdef int r, slot, attempt
         cdef uint32_t state, index
         cdef double until
+        cdef bint runtime = kf_load_acquire_u32(&self.hdr.runtime_mode) != 0
+        cdef bint unsure = False
         n_out[0] = 0
         slot_out[0] = -1
+        if runtime:
+            # Only a runtime poll begun after this connection existed says who owns its
+            # address now (docs/architecture.md, "Freshness").
+            if kf_load_acquire_u64(&self.hdr.verified_ns) < accepted_ns:
+                return UNVERIFIED
+        else:
+            unsure = (kf_load_acquire_u32(&self.hdr.synced) == 0
+                      or kf_load_acquire_u32(&self.hdr.pending_pods) != 0)
         for attempt in range(READ_TRIES):
             r = self._read_ip(<const uint64_t *>key16, &ip, &index)
+            if r == MISS and unsure:
+                return UNSURE
             if r != READY:
                 return r
             if ip_out != NULL:
@@ -764,11 +816,13 @@ cdef class Table:
                 return NO_ROLE
             if ip.pod_state == POD_DENIED:
                 return DENIED
+            if ip.pod_state == POD_UNDECIDED:
+                return UNDECIDED
             slot = ip.cred_slot
-            if slot < 0 or <uint32_t>slot >= self.hdr.cred_capacity:
+            if slot < 0 or <uint32_t>slot >= self.cred_capacity:
                 return BUSY
             slot_out[0] = slot
-            r = self._read_blob(self._cred(slot), self.hdr.value_size, part, out, out_len,
+            r = self._read_blob(self._cred(slot), self.value_size, part, out, out_len,
                                 match, match_len, n_out, &state, &until)
             # The IP slot must be unchanged: otherwise the pod may be gone and its credential
             # slot already reused for another key.
@@ -779,18 +833,6 @@ cdef class Table:
                 memcpy(ip_out, &ip, sizeof(kf_ip_slot))
             return self._finish(r, state, until)
         return BUSY
-
-    cdef int lookup_slot_c(self, int slot, int part, char *out, Py_ssize_t out_len,
-                           const char *match, Py_ssize_t match_len, Py_ssize_t *n_out) noexcept nogil:
-        """Like lookup_c for a credential slot named directly (the default role)."""
-        cdef uint32_t state
-        cdef double until
-        n_out[0] = 0
-        if slot < 0 or <uint32_t>slot >= self.hdr.cred_capacity:
-            return MISS
-        cdef int r = self._read_blob(self._cred(slot), self.hdr.value_size, part, out, out_len,
-                                     match, match_len, n_out, &state, &until)
-        return self._finish(r, state, until)
 
     cdef inline int _finish(self, int r, uint32_t state, double until) noexcept nogil:
         if r == BUSY or r == TOO_SMALL:
@@ -803,31 +845,24 @@ cdef class Table:
             return ERROR
         return PENDING
 
-    def lookup(self, key, int part, out, match=None):
+    def lookup(self, key, int part, out, match=None, uint64_t accepted_ns=0):
         """Copy `part` of the credentials of the pod owning `key` (16 bytes, see ip_key) into
         `out` (a bytearray or writable buffer).  With `match`, the part is only READY if
-        `match` is one of the slot's accepted role names.  Returns (status, nbytes)."""
-        return self._lookup(key, -1, part, out, match)
-
-    def lookup_slot(self, int slot, int part, out, match=None):
-        """lookup() for a credential slot named directly (e.g. default_cred_slot)."""
-        return self._lookup(None, slot, part, out, match)
-
-    cdef _lookup(self, key, int slot, int part, out, match):
+        `match` is one of the slot's accepted role names.  `accepted_ns`: when the asking
+        connection was accepted (monotonic ns; 0 = long ago).  Returns (status, nbytes)."""
         cdef Py_buffer view
         cdef char *dst
         cdef Py_ssize_t dst_len, n = 0
         cdef const char *m = NULL
-        cdef const char *k = NULL
+        cdef const char *k
         cdef Py_ssize_t mlen = 0
         cdef int r, used_slot
         cdef bint release = False
         if self.base == NULL:
             raise TableError("table is closed")
-        if key is not None:
-            if not isinstance(key, bytes) or PyBytes_GET_SIZE(key) != 16:
-                key = ip_key(key)
-            k = PyBytes_AS_STRING(key)
+        if not isinstance(key, bytes) or PyBytes_GET_SIZE(key) != 16:
+            key = ip_key(key)
+        k = PyBytes_AS_STRING(key)
         if match is not None:
             if not isinstance(match, bytes):
                 raise TypeError("match must be bytes")
@@ -844,10 +879,7 @@ cdef class Table:
         try:
             # The copy runs without the GIL: other threads of a worker keep running.
             with nogil:
-                if k != NULL:
-                    r = self.lookup_c(k, part, dst, dst_len, m, mlen, &n, &used_slot)
-                else:
-                    r = self.lookup_slot_c(slot, part, dst, dst_len, m, mlen, &n)
+                r = self.lookup_c(k, part, dst, dst_len, m, mlen, &n, &used_slot, accepted_ns)
         finally:
             if release:
                 PyBuffer_Release(&view)
@@ -866,9 +898,9 @@ cdef class Table:
         ip.used = KF_SLOT_EMPTY
         self._check_open()
         cdef int r = self.lookup_c(PyBytes_AS_STRING(key), part, PyByteArray_AS_STRING(out),
-                                   PyByteArray_GET_SIZE(out), NULL, 0, &n, &slot, &ip)
+                                   PyByteArray_GET_SIZE(out), NULL, 0, &n, &slot, 0, &ip)
         uid = None
-        if ip.used == KF_SLOT_LIVE and r not in (MISS, BUSY):
+        if ip.used == KF_SLOT_LIVE and r not in (MISS, BUSY, UNSURE, UNVERIFIED):
             uid = PyBytes_FromStringAndSize(<char *>ip.uid, min(ip.uid_len, KF_UID_MAX)).decode()
         return r, n, uid, ip.cred_slot if uid is not None else -1
 
@@ -911,14 +943,14 @@ cdef class Table:
     def read_cred(self, slot):
         """(state, serve_until, parts) of a credential slot.  Tests and debugging only."""
         self._check_open()
-        return self._read_all_parts(self._cred(self._check_slot(slot)), self.hdr.value_size)
+        return self._read_all_parts(self._cred(self._check_slot(slot)), self.value_size)
 
     def read_aux(self, index):
         """The bytes of an aux blob (b"" if never written)."""
         self._check_open()
-        if not 0 <= index < self.hdr.aux_count:
+        if not 0 <= index < self.aux_count:
             raise IndexError(f"aux index {index} out of range")
-        state, until, parts = self._read_all_parts(self._aux(index), self.hdr.aux_size)
+        state, until, parts = self._read_all_parts(self._aux(index), self.aux_size)
         return parts[0] if parts else b""
 
     def snapshot(self):
@@ -928,7 +960,7 @@ cdef class Table:
         cdef uint32_t i
         cdef kf_ip_slot copy
         cdef uint64_t s0, s1
-        for i in range(self.hdr.ip_capacity):
+        for i in range(self.ip_capacity):
             for _ in range(READ_TRIES):
                 s0 = kf_load_acquire_u64(&self.ips[i].seq)
                 if s0 & 1:
@@ -955,7 +987,7 @@ cdef class Table:
         """Add to a worker's own counter row (each row has exactly one writer)."""
         if self.base == NULL:
             raise TableError("table is closed")
-        if not (0 <= worker < <int>self.hdr.max_workers and 0 <= counter < KF_COUNTERS_PER_WORKER):
+        if not (0 <= worker < <int>self.max_workers and 0 <= counter < KF_COUNTERS_PER_WORKER):
             raise IndexError("counter out of range")
         kf_add_relaxed_u64(&self.counters[worker * KF_COUNTERS_PER_WORKER + counter], n)
 
@@ -967,7 +999,7 @@ cdef class Table:
         out = []
         for c in range(KF_COUNTERS_PER_WORKER):
             total = 0
-            for w in range(self.hdr.max_workers):
+            for w in range(self.max_workers):
                 total += kf_load_relaxed_u64(&self.counters[w * KF_COUNTERS_PER_WORKER + c])
             out.append(total)
         return out
@@ -985,7 +1017,7 @@ cdef class Table:
         if kf_load_relaxed_u64(&h.index_seq) & 1:
             kf_store_release_u64(&h.index_seq, kf_load_relaxed_u64(&h.index_seq) + 1)
             repaired += 1
-        for i in range(h.ip_capacity):
+        for i in range(self.ip_capacity):
             if kf_load_relaxed_u64(&self.ips[i].seq) & 1:
                 self.ips[i].used = KF_SLOT_TOMBSTONE
                 kf_store_release_u64(&self.ips[i].seq, kf_load_relaxed_u64(&self.ips[i].seq) + 1)
@@ -996,7 +1028,7 @@ cdef class Table:
                 tomb += 1
         h.ip_live = live
         h.ip_tombstones = tomb
-        for i in range(h.cred_capacity):
+        for i in range(self.cred_capacity):
             b = self._cred(i)
             if kf_load_relaxed_u64(&b.seq) & 1:
                 b.state = CRED_EMPTY
@@ -1004,7 +1036,7 @@ cdef class Table:
                 (<uint32_t *>(<uint8_t *>b + 64))[0] = 0
                 kf_store_release_u64(&b.seq, kf_load_relaxed_u64(&b.seq) + 1)
                 repaired += 1
-        for i in range(h.aux_count):
+        for i in range(self.aux_count):
             b = self._aux(i)
             if kf_load_relaxed_u64(&b.seq) & 1:
                 b.value_len = 0
@@ -1037,12 +1069,14 @@ def _split_parts(raw):
 
 cdef int kf_capi_lookup(object t, const char *key16, int part, char *out, Py_ssize_t out_len,
                         const char *match, Py_ssize_t match_len, Py_ssize_t *n_out,
-                        int *slot_out) noexcept:
-    """lookup_with_slot() for C callers: `t` must be a Table and `key16` 16 bytes."""
+                        int *slot_out, uint64_t accepted_ns) noexcept:
+    """lookup() for C callers (plus the credential slot read): `t` must be a Table and
+    `key16` 16 bytes."""
     cdef Table table = <Table>t
     if table.base == NULL:
         return BUSY
-    return table.lookup_c(key16, part, out, out_len, match, match_len, n_out, slot_out, NULL)
+    return table.lookup_c(key16, part, out, out_len, match, match_len, n_out, slot_out,
+                          accepted_ns, NULL)
 
 
 C_API_LOOKUP = PyCapsule_New(<void *>kf_capi_lookup, b"kiamfast._table.lookup", NULL)

@@ -6,10 +6,10 @@
 #include <stdint.h>
 
 #define KF_MAGIC 0x5453414d4b4149ull        /* "IAKMAST" little-endian, arbitrary */
-#define KF_LAYOUT_VERSION 1
+#define KF_LAYOUT_VERSION 2
 #define KF_UID_MAX 64
 #define KF_MAX_PARTS 8
-#define KF_COUNTERS_PER_WORKER 128
+#define KF_COUNTERS_PER_WORKER 4352   /* >= kiamfast.server.metrics.USED */
 
 typedef struct {
     uint64_t magic;
@@ -28,10 +28,11 @@ typedef struct {
     uint64_t index_seq;           /* odd while the writer compacts the IP index */
     uint32_t synced, ready;
     uint32_t pending_pods;
-    int32_t default_cred_slot;
+    uint32_t runtime_mode;        /* 1: IP slots follow the container runtime (see verified_ns) */
     uint64_t writer_pid;
     uint64_t heartbeat_ns;        /* CLOCK_MONOTONIC of the writer's last heartbeat */
     uint32_t ip_live, ip_tombstones;
+    uint64_t verified_ns;         /* CLOCK_MONOTONIC at which the runtime poll now applied began */
 } kf_header;
 
 enum { KF_SLOT_EMPTY = 0, KF_SLOT_LIVE = 1, KF_SLOT_TOMBSTONE = 2 };

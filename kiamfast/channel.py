@@ -1,15 +1,15 @@
 """The one small channel between the control process and the workers.
 
 Data flows one way (control → table → worker); the only messages going back are a worker
-saying "a request came from this unknown address" or "this credential slot is wanted but not
-servable".  Each worker has one AF_UNIX/SOCK_DGRAM socketpair with the control process,
+saying "a connection accepted at this instant needs a runtime poll that began after it" or
+"this credential slot is wanted but not servable".  Each worker has one AF_UNIX/SOCK_DGRAM socketpair with the control process,
 created by the supervisor and inherited by both children.  Sends never block: a full socket
 buffer drops the message, which is safe because every message is idempotent (a wake is
 "re-check", a request is "look again").
 
 Wire format (first byte is the kind):
   control → worker   b"W" + generation (u64 LE)
-  worker  → control  b"I" + 16-byte table key
+  worker  → control  b"R" + accept time of the asking connection (u64 LE, CLOCK_MONOTONIC ns)
   worker  → control  b"C" + credential slot (u32 LE)
 """
 
@@ -19,7 +19,7 @@ import socket
 import struct
 
 WAKE = b"W"
-UNKNOWN_IP = b"I"
+NEED_RUNTIME = b"R"
 WANT_CREDENTIALS = b"C"
 
 _U64 = struct.Struct("<Q")
@@ -48,10 +48,8 @@ def wake(generation: int) -> bytes:
     return WAKE + _U64.pack(generation)
 
 
-def unknown_ip(key16: bytes) -> bytes:
-    if len(key16) != 16:
-        raise ValueError("a table key has 16 bytes")
-    return UNKNOWN_IP + key16
+def need_runtime(accepted_ns: int) -> bytes:
+    return NEED_RUNTIME + _U64.pack(accepted_ns)
 
 
 def want_credentials(slot: int) -> bytes:
@@ -65,8 +63,8 @@ def parse(message: bytes) -> tuple[bytes, object] | None:
     kind, body = message[:1], message[1:]
     if kind == WAKE and len(body) == 8:
         return kind, _U64.unpack(body)[0]
-    if kind == UNKNOWN_IP and len(body) == 16:
-        return kind, bytes(body)
+    if kind == NEED_RUNTIME and len(body) == 8:
+        return kind, _U64.unpack(body)[0]
     if kind == WANT_CREDENTIALS and len(body) == 4:
         return kind, _U32.unpack(body)[0]
     return None

@@ -2,7 +2,7 @@
 
 import os
 
-from kiamfast import channel, table
+from kiamfast import channel
 
 
 def test_messages_round_trip_between_processes():
@@ -10,20 +10,20 @@ def test_messages_round_trip_between_processes():
     pid = os.fork()
     if pid == 0:                                          # the "worker"
         control.close()
-        channel.send(worker, channel.unknown_ip(table.ip_key("10.0.0.9")))
+        channel.send(worker, channel.need_runtime(123_456_789_012))
         channel.send(worker, channel.want_credentials(7))
         os._exit(0)
     worker.close()
     os.waitpid(pid, 0)
     got = [channel.parse(m) for m in channel.drain(control)]
-    assert got == [(channel.UNKNOWN_IP, table.ip_key("10.0.0.9")), (channel.WANT_CREDENTIALS, 7)]
+    assert got == [(channel.NEED_RUNTIME, 123_456_789_012), (channel.WANT_CREDENTIALS, 7)]
 
 
 def test_wake_round_trip_and_malformed_messages_are_ignored():
     control, worker = channel.socketpair()
     assert channel.send(control, channel.wake(2**40 + 3))
     assert channel.send(control, b"Zjunk")
-    assert channel.send(control, b"I" + b"short")
+    assert channel.send(control, b"R" + b"short")
     got = [channel.parse(m) for m in channel.drain(worker)]
     assert got == [(channel.WAKE, 2**40 + 3), None, None]
 

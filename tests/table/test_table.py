@@ -18,6 +18,7 @@ def parts(name=b"app", doc=b'{"Code":"Success"}'):
 def tbl(tmp_path):
     t = T.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8, value_size=8192,
                        aux_count=2, aux_size=4096, max_workers=4)
+    t.set_status(synced=True)     # a synced agent: unknown addresses are plain misses
     yield t
     t.close()
 
@@ -125,20 +126,77 @@ def test_generation_bumps_on_every_committed_change(tbl):
 
 
 def test_status_words(tbl):
-    assert (tbl.synced, tbl.ready, tbl.pending_pods, tbl.default_cred_slot) == (False, False, 0, -1)
-    tbl.set_status(synced=True, ready=True, pending_pods=3, default_cred_slot=5)
+    tbl.set_status(synced=False)
+    assert (tbl.synced, tbl.ready, tbl.pending_pods, tbl.runtime_mode) == (False, False, 0, False)
+    tbl.set_status(synced=True, ready=True, pending_pods=3, runtime_mode=True)
     r = T.Table.attach(tbl.path)
-    assert (r.synced, r.ready, r.pending_pods, r.default_cred_slot) == (True, True, 3, 5)
-    with pytest.raises(IndexError):
-        tbl.set_status(default_cred_slot=99)
+    assert (r.synced, r.ready, r.pending_pods, r.runtime_mode) == (True, True, 3, True)
 
 
-def test_default_slot_lookup(tbl):
-    tbl.write_cred(5, parts(b"default"), serve_until=FAR)
+def test_unknown_address_is_unsure_until_synced_and_no_pod_waits(tbl):
     out = bytearray(1024)
-    status, n = tbl.lookup_slot(5, T.PART_LISTING, out)
-    assert (status, bytes(out[:n])) == (T.READY, b"LISTING default")
-    assert tbl.lookup_slot(-1, T.PART_LISTING, out)[0] == T.MISS
+    key = T.ip_key("10.0.0.77")
+    tbl.set_status(synced=False)
+    assert tbl.lookup(key, T.PART_LISTING, out)[0] == T.UNSURE       # not synced
+    tbl.set_status(synced=True, pending_pods=1)
+    assert tbl.lookup(key, T.PART_LISTING, out)[0] == T.UNSURE       # a pod waits for its IP
+    tbl.set_status(pending_pods=0)
+    assert tbl.lookup(key, T.PART_LISTING, out)[0] == T.MISS
+
+
+def test_runtime_mode_answers_only_connections_older_than_the_applied_poll(tbl):
+    out = bytearray(1024)
+    tbl.write_cred(2, parts(b"a"), serve_until=FAR)
+    tbl.claim_ip("10.0.0.8", "uid-a", T.POD_ROLE, 2)
+    tbl.set_status(runtime_mode=True)
+    tbl.set_verified(1_000)
+    key = T.ip_key("10.0.0.8")
+    assert tbl.lookup(key, T.PART_LISTING, out, accepted_ns=999)[0] == T.READY
+    assert tbl.lookup(key, T.PART_LISTING, out, accepted_ns=1_000)[0] == T.READY
+    assert tbl.lookup(key, T.PART_LISTING, out, accepted_ns=1_001)[0] == T.UNVERIFIED
+    # Unknown addresses too: a miss is only definitive after a poll newer than the caller.
+    assert tbl.lookup(T.ip_key("10.0.0.9"), T.PART_LISTING, out,
+                      accepted_ns=1_001)[0] == T.UNVERIFIED
+    assert tbl.lookup(T.ip_key("10.0.0.9"), T.PART_LISTING, out, accepted_ns=5)[0] == T.MISS
+    tbl.set_verified(500)                                      # never moves backwards
+    assert tbl.verified_ns == 1_000
+
+
+def test_undecided_owner_is_neither_served_nor_a_miss(tbl):
+    tbl.set_status(synced=True)
+    tbl.claim_ip("10.0.0.4", "uid-u", T.POD_UNDECIDED)
+    assert tbl.lookup(T.ip_key("10.0.0.4"), T.PART_LISTING, bytearray(64))[0] == T.UNDECIDED
+
+
+def test_layout_is_read_once_at_attach(tbl, tmp_path):
+    """A header corrupted after attach cannot redirect a reader to another slot's bytes."""
+    tbl.write_cred(0, parts(b"pod-a"), serve_until=FAR)
+    tbl.write_cred(1, parts(b"pod-b"), serve_until=FAR)
+    tbl.claim_ip("10.0.0.1", "uid-a", T.POD_ROLE, 0)
+    tbl.set_status(synced=True)
+    reader = T.Table.attach(tbl.path)
+    value_size = reader.layout["value_size"]
+    with open(tbl.path, "r+b") as f:          # value_size lives at byte 20 of the header
+        f.seek(20)
+        f.write((value_size * 3).to_bytes(4, "little"))
+    out = bytearray(4096)
+    status, n = reader.lookup(T.ip_key("10.0.0.1"), T.PART_LISTING, out)
+    assert (status, bytes(out[:n])) == (T.READY, b"LISTING pod-a")
+    with pytest.raises(T.TableLayoutError):
+        T.Table.attach(tbl.path)
+
+
+def test_create_never_follows_a_planted_file(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    path = tmp_path / "table"
+    os.symlink(victim, path)
+    t = T.Table.create(str(path), ip_capacity=64, cred_capacity=4, value_size=1024,
+                       aux_count=1, aux_size=64, max_workers=2)
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    t.close()
 
 
 def test_churn_past_capacity_compacts_tombstones(tbl):

@@ -22,6 +22,7 @@ class TableModel(RuleBasedStateMachine):
         # 32 slots hold 24 addresses: the 17 addresses used here plus tombstone churn.
         self.t = T.Table.create(self.dir.name + "/t", ip_capacity=32, cred_capacity=SLOTS,
                                 value_size=1024, aux_count=0, max_workers=1)
+        self.t.set_status(synced=True)   # unknown addresses are plain misses
         self.ips = {}     # ip -> (uid, state, slot)
         self.creds = {}   # slot -> (state, parts)
         self.generation = self.t.generation

@@ -85,7 +85,8 @@ def reader(path, stop_at, results):
 @pytest.mark.slow
 def test_readers_never_see_torn_or_foreign_data_and_survive_writer_kill(tmp_path):
     path = str(tmp_path / "table")
-    T.Table.create(path, ip_capacity=128, cred_capacity=N_SLOTS, value_size=4096, aux_count=0)
+    T.Table.create(path, ip_capacity=128, cred_capacity=N_SLOTS, value_size=4096,
+                   aux_count=0).set_status(synced=True)
     ctx = mp.get_context("fork")
     start = time.monotonic()
     results = ctx.Queue()
@@ -124,6 +125,7 @@ def test_writer_killed_mid_write_is_repaired_by_the_next_writer(tmp_path):
     path = str(tmp_path / "table")
     t = T.Table.create(path, ip_capacity=8, cred_capacity=2, value_size=1024, aux_count=1,
                        aux_size=64)
+    t.set_status(synced=True)
     t.write_cred(0, [b"n", b"l", document(0, 1)], serve_until=FAR)
     t.claim_ip("10.9.0.1", "pod-0-1", T.POD_ROLE, 0)
     t.close()
