@@ -29,6 +29,7 @@ kiamfast.server.responses.
 from libc.stdint cimport uint64_t, int64_t
 from libc.string cimport memcpy, memchr
 from libc.time cimport time as c_time
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.pycapsule cimport PyCapsule_GetPointer
@@ -54,7 +55,8 @@ from kiamfast.server.upstream import UpstreamError
 
 ctypedef int (*table_lookup_fn)(object t, const char *key16, int part, char *out,
                                 Py_ssize_t out_len, const char *match, Py_ssize_t match_len,
-                                Py_ssize_t *n_out, int *slot_out) noexcept
+                                Py_ssize_t *n_out, int *slot_out,
+                                uint64_t accepted_ns) noexcept
 
 cdef table_lookup_fn c_table_lookup = <table_lookup_fn>PyCapsule_GetPointer(
     _table.C_API_LOOKUP, b"kiamfast._table.lookup")
@@ -76,7 +78,12 @@ cdef int K_DEBUG_STORE = _routes.DEBUG_STORE
 cdef int K_BAD = _routes.BAD
 DEF NKINDS = 13
 DEF NCODES = 13
-DEF NCOUNTERS = 128
+DEF NCOUNTERS = 4352
+DEF NMETHODS = 4
+DEF M_GET = 0
+DEF M_PUT = 1
+DEF M_HEAD = 2
+DEF M_OTHER = 3
 
 cdef int S_MISS = _table.MISS
 cdef int S_BUSY = _table.BUSY
@@ -88,15 +95,24 @@ cdef int S_EXPIRED = _table.EXPIRED
 cdef int S_ERROR = _table.ERROR
 cdef int S_MISMATCH = _table.MISMATCH
 cdef int S_TOO_SMALL = _table.TOO_SMALL
+cdef int S_UNVERIFIED = _table.UNVERIFIED
+cdef int S_UNSURE = _table.UNSURE
+cdef int S_UNDECIDED = _table.UNDECIDED
+
+
+cdef inline uint64_t monotonic_ns() noexcept:
+    """CLOCK_MONOTONIC, the clock the control process dates its runtime polls with."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
 
 cdef int PART_LISTING = _table.PART_LISTING
 cdef int PART_DOCUMENT = _table.PART_DOCUMENT
 cdef int PART_EXT_DOCUMENT = _table.PART_EXT_DOCUMENT
 cdef int PART_INFO = _table.PART_INFO
 
-cdef int C_HIST_BUCKET0 = _metrics.HIST_BUCKET0
-cdef int C_HIST_SUM_US = _metrics.HIST_SUM_US
-cdef int C_HIST_COUNT = _metrics.HIST_COUNT
+cdef int C_SUM_US = _metrics.SUM_US
+cdef int C_COUNT = _metrics.COUNT
 cdef int C_WAITS = _metrics.WAITS
 cdef int C_WAIT_TIMEOUTS = _metrics.WAIT_TIMEOUTS
 cdef int C_CHANNEL_DROPS = _metrics.CHANNEL_DROPS
@@ -104,9 +120,12 @@ cdef int C_CONNECTIONS = _metrics.CONNECTIONS
 cdef int C_CONNECTIONS_REJECTED = _metrics.CONNECTIONS_REJECTED
 cdef int C_CONNECTIONS_TIMED_OUT = _metrics.CONNECTIONS_TIMED_OUT
 cdef int C_UPSTREAM_ERRORS = _metrics.UPSTREAM_ERRORS
+cdef int C_CLIENT_LIMIT = _metrics.CLIENT_LIMIT
+cdef int C_POD_NOT_FOUND = _metrics.POD_NOT_FOUND
 cdef int C_USED = _metrics.USED
 
 _CODE_OF_SLOT = (200, 400, 401, 403, 404, 405, 408, 413, 414, 431, 500, 503, 999)
+assert tuple(c or 999 for c in _metrics.CODES) == _CODE_OF_SLOT
 
 cdef inline int code_slot(int status) noexcept:
     if status == 200: return 0
@@ -137,7 +156,7 @@ cdef bytes H_CONNECTION = b"connection"
 ROUTE_CACHE_MAX = 4096
 
 DEF FEED_SLICE = 8192  # bytes parsed at a time when a client sends a lot at once
-DEF ASKED_IP = 1      # b"I" sent for this request
+DEF ASKED_RUNTIME = 1  # b"R" sent for this request
 DEF ASKED_SLOT = 2    # b"C" sent for this request
 
 
@@ -389,6 +408,7 @@ cdef class Pending:
     cdef object timer
     cdef object task
     cdef double started
+    cdef int method
     cdef bint done
     cdef int asked  # ASKED_* bits: what the control process was already told
 
@@ -397,7 +417,6 @@ cdef class Core:
     """State shared by every connection of one worker process."""
 
     cdef readonly object table
-    cdef object t_lookup_slot
     cdef bytearray buf
     cdef dict route_cache
     cdef TokenSigner signer
@@ -411,11 +430,14 @@ cdef class Core:
     cdef uint64_t counters[NCOUNTERS]
     cdef uint64_t flushed[NCOUNTERS]
     cdef int cidx[NKINDS][NCODES]
+    cdef int hidx[NKINDS][NMETHODS][NCODES]   # first counter of the histogram series, or -1
     cdef readonly object upstream
     cdef readonly object settings
     cdef bint debug
     cdef Py_ssize_t max_url, max_header_bytes, max_body, max_request_bytes
-    cdef int max_headers, max_pipeline, max_connections
+    cdef int max_headers, max_pipeline, max_connections, max_per_client
+    cdef dict per_client       # key16 -> open connections from that address
+    cdef set limited           # addresses at their limit (logged once per episode)
     cdef public long tick
     cdef long idle_ticks, request_ticks
     cdef object sweeper
@@ -430,7 +452,6 @@ cdef class Core:
         cdef int k, s
         self.settings = settings
         self.table = table
-        self.t_lookup_slot = table.lookup_slot
         self.buf = bytearray(table.layout["value_size"])
         self.route_cache = {}
         self.signer = TokenSigner(settings.load_token_key())
@@ -453,6 +474,9 @@ cdef class Core:
         self.max_request_bytes = self.max_url + self.max_header_bytes + self.max_body + 4096
         self.max_pipeline = settings.max_pipeline
         self.max_connections = settings.max_connections
+        self.max_per_client = getattr(settings, "max_connections_per_client", 64)
+        self.per_client = {}
+        self.limited = set()
         self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))
         self.request_ticks = max(1, <long>(settings.request_timeout + 0.999))
         self.tick = 0
@@ -462,6 +486,8 @@ cdef class Core:
         for k in range(NKINDS):
             for s in range(NCODES):
                 self.cidx[k][s] = _metrics.counter_index(k, _CODE_OF_SLOT[s])
+                for m in range(NMETHODS):
+                    self.hidx[k][m][s] = _metrics.series_index(k, m, s)
         self.nbuckets = len(_metrics.BUCKETS_S)
         for k in range(self.nbuckets):
             self.bucket_bounds[k] = _metrics.BUCKETS_S[k]
@@ -474,6 +500,30 @@ cdef class Core:
         if channel_sock is not None:
             loop.add_reader(channel_sock.fileno(), self._on_channel)
         self.sweeper = loop.call_later(1.0, self._sweep)
+
+    cdef bint admit(self, bytes key16):
+        """Take one of this address's connection places: one pod holding idle connections
+        must not lock the other pods out of the worker."""
+        cdef int n = self.per_client.get(key16, 0)
+        if n >= self.max_per_client:
+            self.event(C_CLIENT_LIMIT)
+            if key16 not in self.limited:
+                self.limited.add(key16)
+                _log.warning("client %s holds %d connections, the per-address limit; "
+                             "refusing more", _table.key_ip(key16), n)
+            return False
+        self.per_client[key16] = n + 1
+        return True
+
+    cdef void leave(self, bytes key16):
+        cdef int n = self.per_client.get(key16, 1) - 1
+        if n <= 0:
+            self.per_client.pop(key16, None)
+            self.limited.discard(key16)
+        else:
+            self.per_client[key16] = n
+            if n < self.max_per_client // 2:
+                self.limited.discard(key16)
 
     def protocol(self):
         """Protocol factory for loop.create_server."""
@@ -509,22 +559,29 @@ cdef class Core:
 
     # -- counters ---------------------------------------------------------------------------
 
-    cdef inline void count(self, int kind, int status) noexcept:
-        self.counters[self.cidx[kind][code_slot(status)]] += 1
-        self.counters[C_HIST_BUCKET0] += 1
-        self.counters[C_HIST_COUNT] += 1
+    cdef inline void count(self, int kind, int method, int status) noexcept:
+        """An answer written at once (observed in the histogram's first bucket)."""
+        cdef int cs = code_slot(status)
+        cdef int h = self.hidx[kind][method][cs]
+        self.counters[self.cidx[kind][cs]] += 1
+        if h >= 0:
+            self.counters[h] += 1
+            self.counters[h + C_COUNT] += 1
 
-    cdef void count_delayed(self, int kind, int status, double seconds) noexcept:
-        cdef int b = C_HIST_BUCKET0
+    cdef void count_delayed(self, int kind, int method, int status, double seconds) noexcept:
+        cdef int cs = code_slot(status)
+        cdef int h = self.hidx[kind][method][cs]
         cdef int i
-        self.counters[self.cidx[kind][code_slot(status)]] += 1
-        self.counters[C_HIST_COUNT] += 1
+        self.counters[self.cidx[kind][cs]] += 1
+        if h < 0:
+            return
+        self.counters[h + C_COUNT] += 1
         if seconds < 0:
             seconds = 0
-        self.counters[C_HIST_SUM_US] += <uint64_t>(seconds * 1e6)
+        self.counters[h + C_SUM_US] += <uint64_t>(seconds * 1e6)
         for i in range(self.nbuckets):
             if seconds <= self.bucket_bounds[i]:
-                self.counters[b + i] += 1
+                self.counters[h + i] += 1
                 return
 
     cdef inline void event(self, int counter) noexcept:
@@ -626,23 +683,21 @@ cdef class Core:
         n = 0
         status = c_table_lookup(self.table, PyBytes_AS_STRING(conn.key16), part,
                                 PyByteArray_AS_STRING(self.buf), PyByteArray_GET_SIZE(self.buf),
-                                m, mlen, &n, &slot)
+                                m, mlen, &n, &slot, conn.accepted_ns)
+        if status == S_UNVERIFIED or status == S_UNSURE or status == S_UNDECIDED:
+            # Not yet known who (or what) is asking: no runtime poll since this connection
+            # was accepted, the agent is not synced, or the owner's policy is still open.
+            if may_wait:
+                if status == S_UNVERIFIED and not asked & ASKED_RUNTIME:
+                    self.send(_channel.need_runtime(conn.accepted_ns))
+                    self.asked |= ASKED_RUNTIME
+                return None
+            self.last_status = 503
+            return finish(R.unavailable(conn.ip), extras, head)
         if status == S_MISS:
-            table = self.table
-            if not table.synced or table.pending_pods > 0:
-                # The agent may not know this pod yet: ask, and wait for the table.
-                if may_wait:
-                    if not asked & ASKED_IP:
-                        self.send(b"I" + conn.key16)
-                        self.asked |= ASKED_IP
-                    return None
-                self.last_status = 503
-                return finish(R.unavailable(conn.ip), extras, head)
-            slot = table.default_cred_slot
-            if slot < 0:
-                self.last_status = 404
-                return finish(R.not_found_pod(conn.ip), extras, head)
-            status, n = self.t_lookup_slot(slot, part, self.buf, match)
+            self.event(C_POD_NOT_FOUND)
+            self.last_status = 404
+            return finish(R.not_found_pod(conn.ip), extras, head)
         if status == S_READY:
             self.last_status = 200
             return splice(PyByteArray_AS_STRING(self.buf), n, extras, head)
@@ -734,6 +789,9 @@ cdef class Conn:
     cdef object parser
     cdef readonly bytes key16
     cdef readonly str ip
+    cdef readonly uint64_t accepted_ns  # CLOCK_MONOTONIC when this connection was accepted
+    cdef int method                     # M_* of the request being answered (metrics)
+    cdef bint counted                   # holds one of its address's connection places
     cdef bint metrics_only
     cdef bint node
     # the request being parsed
@@ -777,6 +835,9 @@ cdef class Conn:
 
     def connection_made(self, transport):
         cdef Core core = self.core
+        # First: every runtime poll that begins after this instant knows this connection's
+        # peer (its sandbox existed when the kernel accepted it, a moment earlier).
+        self.accepted_ns = monotonic_ns()
         self.transport = transport
         core.event(C_CONNECTIONS)
         if len(core.conns) >= core.max_connections:
@@ -790,6 +851,10 @@ cdef class Conn:
         except (TypeError, ValueError, IndexError):
             transport.abort()
             return
+        if not core.admit(self.key16):
+            transport.abort()
+            return
+        self.counted = True
         self.ip = _table.key_ip(self.key16)
         self.node = core.node_key is not None and self.key16 == core.node_key
         self.parser = httptools.HttpRequestParser(self)
@@ -799,6 +864,9 @@ cdef class Conn:
     def connection_lost(self, exc):
         cdef Pending e
         self.core.conns.discard(self)
+        if self.counted:
+            self.counted = False
+            self.core.leave(self.key16)
         self.transport = None
         self.parser = None
         if self.queue is not None:
@@ -850,7 +918,6 @@ cdef class Conn:
     def data_received(self, data):
         if self.closing or self.parser is None:
             return
-        self.last_tick = self.core.tick
         if self.backlog is not None:  # a read raced with pause_reading
             self.backlog = self.backlog + bytes(data)
             return
@@ -949,6 +1016,9 @@ cdef class Conn:
 
     def on_message_complete(self):
         self.completed = True
+        # Only a whole request keeps a connection alive: bytes that never make one are
+        # bounded by the request timeout, silence by the idle timeout.
+        self.last_tick = self.core.tick
         self.begin_tick = -1
         self.req_bytes = 0
         url = self.url
@@ -999,6 +1069,14 @@ cdef class Conn:
         cdef object resp
         cdef Pending entry
         method = self.parser.get_method()
+        if method == b"GET":
+            self.method = M_GET
+        elif method == b"PUT":
+            self.method = M_PUT
+        elif method == b"HEAD":
+            self.method = M_HEAD
+        else:
+            self.method = M_OTHER
         head = method == b"HEAD"
         keep_alive = self.parser.should_keep_alive()
         if not keep_alive:
@@ -1092,6 +1170,7 @@ cdef class Conn:
         entry.extras = extras
         entry.head = head
         entry.started = self.core.loop.time()
+        entry.method = self.method
         if self.queue is None:
             self.queue = collections.deque()
             self.flush_out()  # answers produced earlier in this feed go out first
@@ -1105,7 +1184,7 @@ cdef class Conn:
     cdef void emit(self, bytes data, int kind, int status):
         """Queue a finished response in order."""
         cdef Pending entry
-        self.core.count(kind, status)
+        self.core.count(kind, self.method, status)
         if self.queue is not None:
             entry = Pending()
             entry.conn = self
@@ -1155,6 +1234,7 @@ cdef class Conn:
             status = 400
             resp = R.BAD_REQUEST
         self.closing = True
+        self.method = M_OTHER     # a request that did not parse has no method to speak of
         self.emit(finish(resp, CONN_CLOSE, False), K_BAD, status)
 
     # -- completion of outstanding answers ------------------------------------------------------
@@ -1181,7 +1261,7 @@ cdef class Conn:
             return
         entry.data = data
         entry.done = True
-        core.count_delayed(entry.kind, status, core.loop.time() - entry.started)
+        core.count_delayed(entry.kind, entry.method, status, core.loop.time() - entry.started)
         if self.queue is None:
             return
         parts = []

@@ -6,14 +6,19 @@ Every worker owns one row of u64 counters in the shared table and only ever adds
 (aux blob 0). Nothing is locked, nothing is allocated per request: the hot path bumps a C
 array in the worker, which is flushed into the row once a second and before every scrape.
 
-Layout (``ROW_SIZE`` = 64 counters):
+Layout (``ROW_SIZE`` counters):
 
-* one counter per (handler, code) pair a worker can produce (handler names follow
-  kube2iam's labels where kube2iam has the route), plus one catch-all;
-* a latency histogram over all requests, ``kiamfast_http_request_duration_seconds``:
-  fixed buckets, sum in microseconds, count. The duration runs from the end of a request
-  to its response being handed to the socket; requests answered in the same event-loop
-  callback (everything served from the table without waiting) are observed as 0 s;
+* one counter per (route, code) pair a worker can produce, plus one catch-all:
+  ``kiamfast_http_requests_total{handler,code}`` with kiamfast's own route names;
+* kube2iam's histogram ``kube2iam_http_request_duration_seconds{code,method,handler}``,
+  with kube2iam's buckets (1 ms, doubling, 14 buckets) and its handler labels for the
+  same requests (securityCredentialsHandler, roleHandler, healthHandler,
+  debugStoreHandler, and reverseProxyHandler for everything kube2iam would have proxied:
+  the token PUT, iam/info, the passthrough, /readyz). Methods other than GET, PUT and HEAD
+  are counted as ``OTHER``; /metrics is not timed, as in kube2iam. One series (buckets,
+  sum in microseconds, count) per handler x method x code. The duration runs from the end
+  of a request to its response being handed to the socket; answers from the table without
+  waiting are observed in the first bucket;
 * a few worker event counters (waits, channel drops, connections).
 """
 
@@ -21,7 +26,6 @@ from __future__ import annotations
 
 from kiamfast.server import routes
 
-ROW_SIZE = 64
 
 # (route kind, status) pairs with their own counter. Passthrough codes the upstream sends
 # that are not listed here land in (PASS, 0) = code "other".
@@ -48,20 +52,47 @@ OTHER = len(_PAIRS)  # anything not listed above
 # counted with their legacy twins (same handler in kube2iam terms).
 COUNTED_AS = {routes.EXT_LISTING: routes.LISTING, routes.EXT_DOCUMENT: routes.DOCUMENT}
 
-BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0)
-HIST_BUCKET0 = OTHER + 1  # one counter per bucket (non-cumulative); +Inf = count
-HIST_SUM_US = HIST_BUCKET0 + len(BUCKETS_S)
-HIST_COUNT = HIST_SUM_US + 1
+# kube2iam's HTTP histogram (its metrics/metrics.go: ExponentialBuckets(0.001, 2, 14)).
+BUCKETS_S = tuple(0.001 * 2 ** i for i in range(14))
+HANDLERS = ("securityCredentialsHandler", "roleHandler", "healthHandler",
+            "debugStoreHandler", "reverseProxyHandler")
+HANDLER_OF = {routes.LISTING: 0, routes.EXT_LISTING: 0, routes.DOCUMENT: 1,
+              routes.EXT_DOCUMENT: 1, routes.HEALTHZ: 2, routes.DEBUG_STORE: 3}
+NOT_TIMED = frozenset({routes.METRICS})
+METHODS = ("GET", "PUT", "HEAD", "OTHER")
+CODES = (200, 400, 401, 403, 404, 405, 408, 413, 414, 431, 500, 503, 0)   # 0: any other
+SERIES_SIZE = len(BUCKETS_S) + 2        # buckets (non-cumulative), sum (us), count
+SUM_US, COUNT = len(BUCKETS_S), len(BUCKETS_S) + 1
+HIST0 = OTHER + 1
+NSERIES = len(HANDLERS) * len(METHODS) * len(CODES)
 
-WAITS = HIST_COUNT + 1  # requests that waited for the table
+
+def series_index(kind: int, method: int, code_slot: int) -> int:
+    """First counter of the histogram series of a request, or -1 (not timed)."""
+    if kind in NOT_TIMED:
+        return -1
+    handler = HANDLER_OF.get(kind, len(HANDLERS) - 1)
+    return HIST0 + ((handler * len(METHODS) + method) * len(CODES) + code_slot) * SERIES_SIZE
+
+
+def code_slot(status: int) -> int:
+    """Index of a status in CODES (the last one for any code not listed)."""
+    try:
+        return CODES.index(status)
+    except ValueError:
+        return len(CODES) - 1
+
+
+WAITS = HIST0 + NSERIES * SERIES_SIZE  # requests that waited for the table
 WAIT_TIMEOUTS = WAITS + 1  # waits that ended in 503
 CHANNEL_DROPS = WAIT_TIMEOUTS + 1  # messages to the control process dropped (EAGAIN)
 CONNECTIONS = CHANNEL_DROPS + 1  # connections accepted
 CONNECTIONS_REJECTED = CONNECTIONS + 1  # closed at once: over max_connections
 CONNECTIONS_TIMED_OUT = CONNECTIONS_REJECTED + 1  # idle or slow clients closed
 UPSTREAM_ERRORS = CONNECTIONS_TIMED_OUT + 1  # passthrough failures answered 503
-USED = UPSTREAM_ERRORS + 1
-assert USED <= ROW_SIZE, USED
+CLIENT_LIMIT = UPSTREAM_ERRORS + 1  # closed at once: the address had too many connections
+POD_NOT_FOUND = CLIENT_LIMIT + 1  # answered 404: no pod owns the caller's address
+USED = POD_NOT_FOUND + 1
 
 _EVENTS = (
     (WAITS, "kiamfast_worker_waits_total", "Requests that waited for a table change."),
@@ -76,6 +107,12 @@ _EVENTS = (
      "Idle or slow connections closed by the worker."),
     (UPSTREAM_ERRORS, "kiamfast_worker_upstream_errors_total",
      "Passthrough requests answered 503 because the metadata service failed."),
+    (CLIENT_LIMIT, "kiamfast_worker_client_limit_total",
+     "Connections closed at once because their address held the per-address maximum."),
+    # kube2iam's name (a counter without _total, as its Go client registers it): there it
+    # counts lookups of an address its pod cache lacked, here answers for such addresses.
+    (POD_NOT_FOUND, "kube2iam_iam_k8s_pod_not_in_pod_cache",
+     "Total number of times we don't have the pod info in the cache."),
 )
 
 
@@ -85,13 +122,6 @@ def counter_index(kind: int, status: int) -> int:
     if idx is None and kind == routes.PASS:
         return PAIR_INDEX[(routes.PASS, 0)]
     return OTHER if idx is None else idx
-
-
-def bucket_index(seconds: float) -> int:
-    for i, bound in enumerate(BUCKETS_S):
-        if seconds <= bound:
-            return HIST_BUCKET0 + i
-    return -1  # beyond the last bound: only in +Inf (the count)
 
 
 def render(counters: list[int] | tuple[int, ...]) -> bytes:
@@ -107,18 +137,28 @@ def render(counters: list[int] | tuple[int, ...]) -> bytes:
                      f'code="{code}"}} {c[idx]}')
     lines.append(f'kiamfast_http_requests_total{{handler="other",code="other"}} {c[OTHER]}')
     lines += [
-        "# HELP kiamfast_http_request_duration_seconds Time from the end of a request to "
-        "its response (0 for answers from the table without waiting).",
-        "# TYPE kiamfast_http_request_duration_seconds histogram",
+        "# HELP kube2iam_http_request_duration_seconds Time taken for kube2iam to serve HTTP "
+        "request.",
+        "# TYPE kube2iam_http_request_duration_seconds histogram",
     ]
-    cumulative = 0
-    for i, bound in enumerate(BUCKETS_S):
-        cumulative += c[HIST_BUCKET0 + i]
-        lines.append(f'kiamfast_http_request_duration_seconds_bucket{{le="{bound}"}} '
-                     f"{cumulative}")
-    lines.append(f'kiamfast_http_request_duration_seconds_bucket{{le="+Inf"}} {c[HIST_COUNT]}')
-    lines.append(f"kiamfast_http_request_duration_seconds_sum {c[HIST_SUM_US] / 1e6:.6f}")
-    lines.append(f"kiamfast_http_request_duration_seconds_count {c[HIST_COUNT]}")
+    for h, handler in enumerate(HANDLERS):
+        for m, method in enumerate(METHODS):
+            for k, status in enumerate(CODES):
+                base = HIST0 + ((h * len(METHODS) + m) * len(CODES) + k) * SERIES_SIZE
+                count = c[base + COUNT]
+                if not count:
+                    continue     # like kube2iam: a series exists once it was observed
+                labels = f'code="{status or "other"}",handler="{handler}",method="{method}"'
+                cumulative = 0
+                for i, bound in enumerate(BUCKETS_S):
+                    cumulative += c[base + i]
+                    lines.append(f'kube2iam_http_request_duration_seconds_bucket{{{labels},'
+                                 f'le="{bound:g}"}} {cumulative}')
+                lines.append(f'kube2iam_http_request_duration_seconds_bucket{{{labels},'
+                             f'le="+Inf"}} {count}')
+                lines.append(f"kube2iam_http_request_duration_seconds_sum{{{labels}}} "
+                             f"{c[base + SUM_US] / 1e6:.6f}")
+                lines.append(f"kube2iam_http_request_duration_seconds_count{{{labels}}} {count}")
     for idx, name, help_text in _EVENTS:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {c[idx]}"]
     return ("\n".join(lines) + "\n").encode()

@@ -92,19 +92,9 @@ def test_unknown_ip_when_synced_is_404_with_kube2iam_text(server, pods):
     assert server.waiting() == 0
 
 
-def test_unknown_ip_gets_the_default_role_when_configured(server, pods, writer):
-    slot = pods.role_slot("default-role")
-    writer.set_status(default_cred_slot=slot)
-    r = server.get(LIST, source="127.0.0.78")
-    assert (r.status, r.body) == (200, b"default-role")
-    doc = server.get(LIST + "default-role", source="127.0.0.78")
-    assert doc.status == 200
-    assert json.loads(doc.body)["AccessKeyId"] == pods.keys[BASE_ARN + "default-role"]
-    assert server.get(LIST + "other-role", source="127.0.0.78").status == 404
-
-
-def test_default_role_never_overrides_a_known_pod(server, pods, writer):
-    writer.set_status(default_cred_slot=pods.role_slot("default-role"))
+def test_a_pod_without_a_role_is_404_and_never_anothers_role(server, pods):
+    """kube2iam's --default-role applies to pods without an annotation (the control process
+    decides that); the worker never serves a role to an address no pod owns."""
     pods.add("127.0.0.1", None)
     pods.add("127.0.0.2", "own-role")
     assert server.get(LIST, source="127.0.0.1").status == 404
@@ -308,8 +298,8 @@ def test_ipv6_clients_are_looked_up_by_their_ipv6_address(server, pods):
 
 def test_the_node_address_never_gets_credentials(make_server, pods, writer):
     """hostNetwork pods and the node itself share the node IP: no pod's role, no default."""
-    writer.set_status(default_cred_slot=pods.role_slot("default-role"))
     pods.add("127.0.0.9", "some-pod-role")  # even if the table (wrongly) had it
+    pods.add("127.0.0.10", "default-role")
     server = make_server(host_ip="127.0.0.9")
     r = server.get(LIST, source="127.0.0.9")
     assert r.status == 404

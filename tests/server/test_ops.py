@@ -64,8 +64,15 @@ def test_metrics_counts_requests_by_handler_and_code(server, pods, writer):
     assert 'kiamfast_http_requests_total{handler="roleHandler",code="200"} 1' in body
     assert 'kiamfast_http_requests_total{handler="roleHandler",code="404"} 1' in body
     assert 'kiamfast_http_requests_total{handler="tokenHandler",code="200"} 1' in body
-    assert "kiamfast_http_request_duration_seconds_count 4" in body
-    assert 'kiamfast_http_request_duration_seconds_bucket{le="+Inf"} 4' in body
+    # kube2iam's histogram, with kube2iam's handler names (the token PUT is what kube2iam
+    # proxied: reverseProxyHandler)
+    k2i = "kube2iam_http_request_duration_seconds_count"
+    assert f'{k2i}{{code="200",handler="securityCredentialsHandler",method="GET"}} 1' in body
+    assert f'{k2i}{{code="200",handler="roleHandler",method="GET"}} 1' in body
+    assert f'{k2i}{{code="404",handler="roleHandler",method="GET"}} 1' in body
+    assert f'{k2i}{{code="200",handler="reverseProxyHandler",method="PUT"}} 1' in body
+    assert ('kube2iam_http_request_duration_seconds_bucket{code="200",handler="roleHandler",'
+            'method="GET",le="0.001"} 1') in body
     assert "kiamfast_worker_connections_total 5" in body
 
 
@@ -75,7 +82,13 @@ def test_metrics_are_valid_prometheus_text(server):
     server.get("/readyz")
     families = {f.name: f for f in text_string_to_metric_families(server.get("/metrics").text)}
     assert "kiamfast_http_requests" in families
-    assert families["kiamfast_http_request_duration_seconds"].type == "histogram"
+    hist = families["kube2iam_http_request_duration_seconds"]
+    assert hist.type == "histogram"
+    buckets = [s for s in hist.samples if s.name.endswith("_bucket")]
+    # kube2iam's buckets: 1 ms doubling, 14 of them, then +Inf
+    assert [s.labels["le"] for s in buckets[:15]] == [
+        f"{0.001 * 2 ** i:g}" for i in range(14)] + ["+Inf"]
+    assert {k for s in hist.samples for k in s.labels} == {"code", "method", "handler", "le"}
 
 
 def test_separate_metrics_port_serves_only_metrics(make_server, pods):

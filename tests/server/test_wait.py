@@ -41,11 +41,18 @@ class Background:
         return self.result
 
 
-def test_l7_unknown_ip_before_sync_asks_and_ends_in_503(make_server, pods):
+def wait_for_waiters(server, n=1):
+    deadline = time.monotonic() + 5
+    while server.waiting() < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.waiting() >= n, "the request never started waiting"
+
+
+def test_l7_unknown_ip_before_sync_waits_and_ends_in_503(make_server, pods):
     pods.ready(synced=False, ready=False)
     server = make_server()
     bg = Background(server, LIST, source="127.0.0.33")
-    assert (channel.UNKNOWN_IP, table.ip_key("127.0.0.33")) in server.messages()
+    wait_for_waiters(server)
     r = bg.join()
     assert r.status == 503
     assert bg.elapsed >= 0.3  # it waited for the budget (0.35 s) before giving up
@@ -57,7 +64,7 @@ def test_l7_unknown_ip_known_a_moment_later_gets_its_role(make_server, pods):
     pods.ready(pending_pods=1)  # a pod on this node still waits for its IP
     server = make_server()
     bg = Background(server, LIST, source="127.0.0.34")
-    assert (channel.UNKNOWN_IP, table.ip_key("127.0.0.34")) in server.messages()
+    wait_for_waiters(server)
     pods.add("127.0.0.34", "late-role")
     pods.ready(pending_pods=0)
     server.wake()
@@ -89,7 +96,7 @@ def test_sync_completing_answers_waiters_at_once(make_server, pods):
     pods.ready(synced=False)
     server = make_server(wait_budget=3.0)
     bg = Background(server, LIST, source="127.0.0.35")
-    assert server.messages()
+    wait_for_waiters(server)
     pods.ready(synced=True)  # the pod really is unknown
     server.wake()
     r = bg.join()
@@ -161,7 +168,7 @@ def test_an_unknown_pod_that_turns_out_pending_asks_for_its_slot_too(make_server
     pods.ready(synced=False)
     server = make_server(wait_budget=3.0)
     bg = Background(server, LIST, source="127.0.0.37")
-    assert (channel.UNKNOWN_IP, table.ip_key("127.0.0.37")) in server.messages()
+    wait_for_waiters(server)
     slot = pods.add("127.0.0.37", "new-role", state=table.CRED_PENDING)  # found, not fetched
     server.wake()
     assert (channel.WANT_CREDENTIALS, slot) in server.messages()
@@ -192,3 +199,67 @@ def test_a_long_pipeline_of_waiting_requests_is_answered_in_order(make_server, p
     assert len(got) == len(paths)
     assert [r.status for r in got] == [200, 500, 200, 200] * 200
     assert got[0].body == b"slow-role"
+
+
+# ---- runtime mode: only a runtime poll begun after the connection says who is asking -------
+
+def test_runtime_mode_a_new_connection_asks_for_a_poll_begun_after_it(make_server, pods):
+    pods.t.set_status(synced=True, ready=True, runtime_mode=True)
+    pods.t.set_verified(time.monotonic_ns())           # a poll from before the connection
+    pods.add("127.0.0.40", "early-role")               # (the table already names a pod)
+    server = make_server(wait_budget=3.0)
+    before = time.monotonic_ns()
+    bg = Background(server, LIST, source="127.0.0.40")
+    kind, accepted = server.messages()[0]
+    assert kind == channel.NEED_RUNTIME and accepted >= before
+    assert bg.result is None                           # not answered from the old poll
+    pods.t.set_verified(accepted)                      # the control process polled: it is hers
+    server.wake()
+    assert (bg.join().status, bg.result.body) == (200, b"early-role")
+
+
+def test_runtime_mode_a_poll_that_shows_nobody_is_404_at_once(make_server, pods):
+    pods.t.set_status(synced=False, runtime_mode=True)  # the API watch does not matter here
+    server = make_server(wait_budget=3.0)
+    bg = Background(server, LIST, source="127.0.0.41")
+    kind, accepted = server.messages()[0]
+    pods.t.set_verified(accepted + 1)
+    server.wake()
+    r = bg.join()
+    assert r.status == 404 and bg.elapsed < 2.0
+
+
+def test_runtime_mode_without_a_fresh_poll_ends_in_503_never_the_old_owner(make_server, pods):
+    pods.t.set_status(synced=True, runtime_mode=True)
+    pods.t.set_verified(time.monotonic_ns())
+    pods.add("127.0.0.42", "previous-owners-role")      # what the last poll said
+    server = make_server()
+    r = server.get(LIST, source="127.0.0.42")
+    assert r.status == 503
+
+
+def test_runtime_mode_a_kept_alive_connection_needs_one_poll_only(make_server, pods):
+    pods.t.set_status(synced=True, runtime_mode=True)
+    pods.add("127.0.0.43", "kept-role")
+    server = make_server(wait_budget=3.0)
+    with Client(server.port, source="127.0.0.43") as c:
+        c.send(build("GET", LIST))
+        kind, accepted = server.messages()[0]
+        pods.t.set_verified(accepted)
+        server.wake()
+        assert c.read(1)[0].body == b"kept-role"
+        for _ in range(3):                             # later requests: no new poll needed
+            c.send(build("GET", LIST))
+            assert c.read(1)[0].body == b"kept-role"
+    assert server.messages(timeout=0.2) == []
+
+
+def test_undecided_owner_waits_then_gets_its_decision(make_server, pods):
+    pods.ready()
+    pods.t.claim_ip("127.0.0.44", "uid-44", table.POD_UNDECIDED)
+    server = make_server(wait_budget=3.0)
+    bg = Background(server, LIST, source="127.0.0.44")
+    wait_for_waiters(server)
+    pods.add("127.0.0.44", "decided-role", uid="uid-44")
+    server.wake()
+    assert bg.join().body == b"decided-role"
