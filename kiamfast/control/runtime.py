@@ -1,0 +1,429 @@
+"""Ask the node's container runtime (CRI runtime v1 over gRPC) which pod owns which address.
+
+The API server learns a pod's address seconds after the pod's containers are already
+running (the kubelet reports it on the sync *after* the one that created the sandbox), and
+it can keep showing a dead pod's address after a new sandbox got it. The runtime knows both
+at once: CNI ADD gives the sandbox its address before any container starts, and a stopped
+sandbox is NOTREADY. So this module asks the runtime, the way the kubelet itself does
+(`GetPodStatus` takes a pod's IP only from a `SANDBOX_READY` sandbox):
+
+* `RuntimeClient.poll()` sends `ListPodSandbox` (READY only) and then `PodSandboxStatus`
+  for READY sandboxes it has not seen before. A sandbox's addresses never change, so status
+  answers are cached by sandbox id and dropped once the id is no longer listed: a steady
+  node costs one ~0.3 ms call per poll, and when the list of READY ids has not changed the
+  previous view is reused with the new start time. The view names the owner of every address claimed
+  by exactly one READY sandbox; an address claimed by two is owned by nobody.
+* `RuntimeView.started_ns` is taken *before* the list request is sent. The freshness
+  argument rests on it: a view started at S reflects every sandbox stop that completed
+  before S, so a connection accepted at T may be answered from a view with S >= T.
+* `RuntimePoller` runs the polls on one dedicated thread (gRPC calls never touch the event
+  loop), periodically and on demand (`need()`), coalescing concurrent demands into at most
+  one follow-up poll; an outage is reported once and retried with jittered backoff.
+
+What the runtime says is treated as untrusted input: a sandbox without the kubelet's three
+`io.kubernetes.pod.*` labels, a host-network sandbox, or one with an unparsable address is
+skipped (one log line per sandbox id, never per poll); two READY sandboxes claiming one
+address put it in `conflicts` (one log line per episode). Any failure to get an answer
+(socket missing, timeout, gRPC error, runtime restarting) is `RuntimeUnavailable`.
+
+Only the control process imports this module; server workers never import grpc.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+log = logging.getLogger("kiamfast.runtime")
+
+DEFAULT_ENDPOINTS = ("unix:///run/containerd/containerd.sock",
+                     "unix:///var/run/containerd/containerd.sock",
+                     "unix:///var/run/crio/crio.sock")
+
+POD_UID_LABEL = "io.kubernetes.pod.uid"
+POD_NAME_LABEL = "io.kubernetes.pod.name"
+POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+
+# gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted runtime should
+# be reached on the poller's schedule instead, so keep gRPC's short (we also rebuild the
+# channel after every failure). No proxy: the endpoint is a local socket.
+_CHANNEL_OPTIONS = (
+    ("grpc.enable_http_proxy", 0),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+def resolve_endpoint(value: str) -> str | None:
+    """--cri-endpoint: 'auto' -> the first of DEFAULT_ENDPOINTS whose socket exists now, else
+    None; '' or 'none' -> None; a path without scheme -> unix://path; otherwise the value."""
+    value = value.strip()
+    if value in ("", "none"):
+        return None
+    if value == "auto":
+        for endpoint in DEFAULT_ENDPOINTS:
+            if os.path.exists(endpoint.removeprefix("unix://")):
+                return endpoint
+        return None
+    if "://" not in value:
+        return "unix://" + value
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    id: str
+    pod_uid: str
+    name: str
+    namespace: str
+    ips: tuple[str, ...]            # canonical text: network.ip, then additional_ips
+    # the kubelet copies the pod's annotations here (not hashed: a Sandbox can go in a set)
+    annotations: Mapping[str, str] = field(compare=False)
+    created_ns: int                 # created_at from the runtime
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeView:
+    """One observation. When the READY set did not change since the previous poll, the new
+    view shares the previous one's `sandboxes`, `owners` and `conflicts` objects (only
+    `started_ns` differs), so a consumer can skip its work with an identity check."""
+    started_ns: int                  # monotonic_ns taken just before ListPodSandbox was sent
+    sandboxes: tuple[Sandbox, ...]   # READY, well-formed, not host-network
+    owners: Mapping[str, Sandbox]    # ip -> the only READY sandbox claiming it
+    conflicts: frozenset[str]        # ips claimed by two or more READY sandboxes
+
+
+class RuntimeUnavailable(Exception):
+    """The runtime gave no usable answer (socket missing, unreachable, timeout, error)."""
+
+
+class _Skip(Exception):
+    """A sandbox the view must leave out; the message says why (logged once per id)."""
+
+
+def canonical_ip(text: str) -> str:
+    """The table's text form of an address: IPv6 compressed, IPv4-mapped IPv6 as IPv4."""
+    addr = ipaddress.ip_address(text)
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.scope_id is not None:
+            raise ValueError(f"scoped address {text!r}")
+        if addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+    if addr.is_unspecified:
+        raise ValueError(f"unspecified address {text!r}")
+    return str(addr)
+
+
+def sandbox_from_status(status: Any) -> Sandbox:
+    """A view entry from a `PodSandboxStatus`, or `_Skip` naming what is wrong with it."""
+    labels = status.labels
+    missing = [k for k in (POD_UID_LABEL, POD_NAME_LABEL, POD_NAMESPACE_LABEL) if not labels.get(k)]
+    if missing:
+        raise _Skip(f"no {', '.join(missing)} label (not a kubelet pod)")
+    if status.linux.namespaces.options.network == cri.NODE:
+        raise _Skip("host network (its address is the node's)")
+    raw = [status.network.ip] + [extra.ip for extra in status.network.additional_ips]
+    if not raw[0]:
+        raise _Skip("READY but no network.ip")
+    ips: list[str] = []
+    for text in raw:
+        try:
+            ip = canonical_ip(text)
+        except ValueError as exc:
+            raise _Skip(f"unparsable address {text!r}: {exc}") from None
+        if ip not in ips:
+            ips.append(ip)
+    return Sandbox(id=status.id, pod_uid=labels[POD_UID_LABEL], name=labels[POD_NAME_LABEL],
+                   namespace=labels[POD_NAMESPACE_LABEL], ips=tuple(ips),
+                   annotations=MappingProxyType(dict(status.annotations)),
+                   created_ns=status.created_at)
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return f"{code.name if code else 'error'}: {details}"
+
+
+class RuntimeClient:
+    """Synchronous CRI client; call `poll()` from one thread (the poller's)."""
+
+    def __init__(self, endpoint: str, *, timeout: float = 2.0,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._clock_ns = clock_ns
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        # id -> Sandbox (or None: skipped). Only READY answers are cached.
+        self._cache: dict[str, Sandbox | None] = {}
+        self._skipped_logged: set[str] = set()
+        self._conflicts_logged: set[str] = set()
+        self._last_ids: tuple[str, ...] = ()
+        self._last_view: RuntimeView | None = None
+        self.stats: dict[str, int] = {"polls": 0, "status_calls": 0, "errors": 0,
+                                      "skipped_sandboxes": 0, "conflicts": 0}
+
+    def _runtime(self) -> Any:
+        with self._lock:
+            if self._stub is None:
+                self._channel = grpc.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+                self._stub = cri_grpc.RuntimeServiceStub(self._channel)
+            return self._stub
+
+    def _reset(self) -> None:
+        """Drop the channel after a failure: the next call dials afresh (a restarted
+        runtime is a new socket, and a half-dead channel would only add its own backoff)."""
+        with self._lock:
+            channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            channel.close()
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._runtime(), method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and method == "PodSandboxStatus":
+                raise   # the sandbox went away between list and status: not an outage
+            self.stats["errors"] += 1
+            self._reset()
+            raise RuntimeUnavailable(
+                f"CRI endpoint {self.endpoint}: {method}: {_describe(exc)}") from None
+        except Exception as exc:   # e.g. a malformed target; still "no usable answer"
+            self.stats["errors"] += 1
+            self._reset()
+            raise RuntimeUnavailable(
+                f"CRI endpoint {self.endpoint}: {method}: {type(exc).__name__}: {exc}") from None
+
+    def version(self) -> str:
+        """Runtime name and version, for the start log line."""
+        answer = self._call("Version", cri.VersionRequest(version="v1"))
+        return f"{answer.runtime_name} {answer.runtime_version} (CRI {answer.runtime_api_version})"
+
+    def poll(self) -> RuntimeView:
+        """One observation of the node's READY sandboxes and the addresses they own."""
+        ready_only = cri.PodSandboxFilter(state=cri.PodSandboxStateValue(state=cri.SANDBOX_READY))
+        started_ns = self._clock_ns()   # before the request leaves: the freshness proof's S
+        listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only)).items
+        self.stats["polls"] += 1
+        ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
+        if ready_ids == self._last_ids and self._last_view is not None:
+            # nothing started or stopped since: same owners, observed at this poll's time
+            return dataclasses.replace(self._last_view, started_ns=started_ns)
+        sandboxes = []
+        for sandbox_id in ready_ids:
+            if sandbox_id not in self._cache:
+                entry = self._status(sandbox_id)
+                if entry is _GONE:
+                    continue
+                self._cache[sandbox_id] = entry   # type: ignore[assignment]
+            entry = self._cache[sandbox_id]
+            if entry is not None:
+                sandboxes.append(entry)
+        listed_ids = set(ready_ids)
+        for stale in [k for k in self._cache if k not in listed_ids]:
+            del self._cache[stale]
+        self._skipped_logged &= listed_ids
+        view = self._view(started_ns, sandboxes)
+        # a sandbox left out because it vanished mid-poll (NOT_FOUND) must be asked again
+        complete = all(sandbox_id in self._cache for sandbox_id in ready_ids)
+        self._last_ids, self._last_view = (ready_ids, view) if complete else ((), None)
+        return view
+
+    def _status(self, sandbox_id: str) -> Sandbox | None | object:
+        """Status of a newly listed sandbox: its entry, None (skipped: cached as such), or
+        _GONE (removed or no longer READY meanwhile: not cached, absent from this view)."""
+        self.stats["status_calls"] += 1
+        try:
+            status = self._call("PodSandboxStatus",
+                                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)).status
+        except grpc.RpcError:   # NOT_FOUND only; everything else is RuntimeUnavailable
+            return _GONE
+        if status.state != cri.SANDBOX_READY:
+            return _GONE
+        try:
+            return sandbox_from_status(status)
+        except _Skip as why:
+            self._log_skip(sandbox_id, str(why))
+        except Exception as exc:   # a garbage answer must not stop the poll
+            self._log_skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}")
+        return None
+
+    def _log_skip(self, sandbox_id: str, why: str) -> None:
+        if sandbox_id not in self._skipped_logged:
+            self._skipped_logged.add(sandbox_id)
+            self.stats["skipped_sandboxes"] += 1
+            log.warning("CRI %s: sandbox %s skipped (owns no address): %s",
+                        self.endpoint, sandbox_id, why)
+
+    def _view(self, started_ns: int, sandboxes: list[Sandbox]) -> RuntimeView:
+        claims: dict[str, list[Sandbox]] = {}
+        for sandbox in sandboxes:
+            for ip in sandbox.ips:
+                claims.setdefault(ip, []).append(sandbox)
+        owners = {ip: claimants[0] for ip, claimants in claims.items() if len(claimants) == 1}
+        conflicts = frozenset(ip for ip, claimants in claims.items() if len(claimants) > 1)
+        for ip in conflicts - self._conflicts_logged:
+            self.stats["conflicts"] += 1
+            log.warning("CRI %s: address %s claimed by %d READY sandboxes (%s): owned by "
+                        "nobody until only one claims it", self.endpoint, ip, len(claims[ip]),
+                        ", ".join(f"{s.namespace}/{s.name} {s.id[:12]}" for s in claims[ip]))
+        ended = self._conflicts_logged - conflicts
+        if ended:
+            log.info("CRI %s: address conflict over for %s", self.endpoint,
+                     ", ".join(sorted(ended)))
+        self._conflicts_logged = set(conflicts)
+        return RuntimeView(started_ns=started_ns, sandboxes=tuple(sandboxes),
+                           owners=MappingProxyType(owners), conflicts=conflicts)
+
+    def close(self) -> None:
+        self._reset()
+
+
+_GONE = object()
+
+
+class RuntimePoller:
+    """Runs polls on one worker thread; on demand and periodically; coalesced.
+
+    `need()` and `run()` belong to one event loop; `need()` may also be called from another
+    thread. `on_view` and `on_state` are called on the event loop thread. `on_state` is
+    called at every change of health, the first poll's outcome included.
+    """
+
+    def __init__(self, client: RuntimeClient, *, on_view: Callable[[RuntimeView], None],
+                 on_state: Callable[[bool, str], None], interval: float = 1.0,
+                 backoff_max: float = 30.0, backoff_min: float = 0.2, rng: Any = None,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self.client = client
+        self._on_view = on_view
+        self._on_state = on_state
+        self.interval = interval
+        self.backoff_max = backoff_max
+        self.backoff_min = min(backoff_min, backoff_max)
+        self._rng = rng or random.Random()
+        self._clock_ns = clock_ns
+        self.healthy = False
+        self.last_error = ""
+        self.last_view_ns = 0        # clock_ns() when the last view was applied (for /healthz)
+        self._reported: bool | None = None
+        self._wanted_ns = -1         # the largest after_ns asked for by need()
+        self._last_started_ns = -1   # started_ns of the last view handed to on_view
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self.stats: dict[str, int] = {"polls": 0, "failed_polls": 0, "outages": 0,
+                                      "needs": 0, "demand_polls": 0}
+
+    @property
+    def last_view_started_ns(self) -> int:
+        return self._last_started_ns
+
+    def need(self, after_ns: int) -> None:
+        """A request needs a view whose started_ns >= after_ns (a connection accepted at after_ns).
+        If a poll is running that started before after_ns, another one follows immediately after it;
+        requests arriving while a poll runs are coalesced into one following poll."""
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:
+                on_loop = False
+            if not on_loop:
+                loop.call_soon_threadsafe(self.need, after_ns)
+                return
+        self.stats["needs"] += 1
+        # a view started from now on satisfies any honest after_ns; one from the future
+        # (another clock, a bug) must not make the poller poll back to back forever
+        after_ns = min(after_ns, self._clock_ns())
+        if after_ns > self._wanted_ns:
+            self._wanted_ns = after_ns
+        if self._wake is not None and self._wanted_ns > self._last_started_ns:
+            self._wake.set()
+
+    def _demanded(self) -> bool:
+        return self._wanted_ns > self._last_started_ns
+
+    async def run(self) -> None:
+        """Forever: poll every `interval` s, or at once when need() asks. Never raises for
+        runtime faults; cancel it to stop."""
+        loop = asyncio.get_running_loop()
+        self._loop, self._wake = loop, asyncio.Event()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiamfast-cri")
+        failures = 0
+        try:
+            while True:
+                demanded = self._demanded()
+                self._wake.clear()
+                self.stats["polls"] += 1
+                if demanded:
+                    self.stats["demand_polls"] += 1
+                try:
+                    view = await loop.run_in_executor(executor, self.client.poll)
+                except Exception as exc:   # RuntimeUnavailable, or a bug: never out of run()
+                    failures += 1
+                    self.stats["failed_polls"] += 1
+                    self._unhealthy(exc)
+                    await asyncio.sleep(self._backoff(failures))   # need() does not cut it short
+                    continue
+                failures = 0
+                self._last_started_ns = view.started_ns
+                self.last_view_ns = self._clock_ns()
+                self._healthy()
+                try:
+                    self._on_view(view)
+                except Exception:
+                    log.exception("CRI %s: on_view failed", self.client.endpoint)
+                if not self._demanded():
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
+                    except TimeoutError:
+                        pass
+        finally:
+            self._loop = self._wake = None
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _backoff(self, failures: int) -> float:
+        """Jittered exponential: between half and all of min(cap, min * 2^(n-1))."""
+        ceiling = min(self.backoff_max, self.backoff_min * 2 ** min(failures - 1, 30))
+        return ceiling * (0.5 + 0.5 * self._rng.random())
+
+    def _unhealthy(self, exc: Exception) -> None:
+        message = str(exc) if isinstance(exc, RuntimeUnavailable) else (
+            f"CRI endpoint {self.client.endpoint}: {type(exc).__name__}: {exc}")
+        self.healthy, self.last_error = False, message
+        if self._reported is not False:
+            self._reported = False
+            self.stats["outages"] += 1
+            log.warning("container runtime unavailable (retrying with backoff): %s", message)
+            self._tell_state(False, message)
+
+    def _healthy(self) -> None:
+        self.healthy, self.last_error = True, ""
+        if self._reported is not True:
+            if self._reported is False:
+                log.info("container runtime %s reachable again", self.client.endpoint)
+            self._reported = True
+            self._tell_state(True, "")
+
+    def _tell_state(self, healthy: bool, message: str) -> None:
+        try:
+            self._on_state(healthy, message)
+        except Exception:
+            log.exception("CRI %s: on_state failed", self.client.endpoint)
