@@ -9,7 +9,7 @@ flag once (name, type, default, help, whether kube2iam has it); the command-line
 
 :class:`Config` is what the rest of the program receives. Building one validates and
 normalises it (a trailing ``/`` on the base role ARN, the session duration derived from
-kube2iam's ``--iam-role-session-ttl``, the kubelet URL derived from the host IP, ...), and a
+kube2iam's ``--iam-role-session-ttl``, ...), and a
 setting that makes no sense raises :class:`ConfigError` naming the flag, so a misconfigured
 DaemonSet fails at once with one clear line instead of serving wrong credentials later.
 
@@ -322,11 +322,17 @@ FLAGS: tuple[Flag, ...] = (
     _f("token-key-file", "str", "/dev/shm/kiamfast-token-key", "File holding the HMAC key "
        "that signs IMDSv2 tokens, created (random, mode 0600) if missing, so tokens survive "
        "agent restarts; \"\" = a new random key at every start."),
-    _f("kubelet-url", "str", "", "Kubelet base URL, asked for /pods when a request comes from "
-       "an IP the API server has not reported yet. \"\" disables.",
-       shown_default='"https://<host-ip>:10250" when --host-ip is set, else ""'),
-    _f("kubelet-insecure", "bool", True, "Skip TLS verification of the kubelet (its serving "
-       "certificate is usually self-signed)."),
+    _f("cri-endpoint", "str", "auto", "Container runtime (CRI v1) socket the agent asks which "
+       "sandbox holds an address: the runtime knows a pod's address the moment CNI assigns "
+       "it and when a stopped sandbox gives it up, seconds before the API server. auto = the "
+       "first of unix:///run/containerd/containerd.sock, "
+       "unix:///var/run/containerd/containerd.sock, unix:///var/run/crio/crio.sock that "
+       "exists at start; \"\" or none = the API server's view only."),
+    _f("kubelet-url", "str", "", "Accepted for compatibility with earlier kiamfast versions; no "
+       "effect: the kubelet's /pods only mirrors the API server for ordinary pods, the "
+       "container runtime (--cri-endpoint) knows first."),
+    _f("kubelet-insecure", "bool", False, "Accepted for compatibility; no effect (see "
+       "--kubelet-url)."),
     _f("sts-endpoint", "str", "", "STS endpoint URL; falls back to $AWS_ENDPOINT_URL_STS, "
        "then botocore's regional endpoint.", env=("AWS_ENDPOINT_URL_STS",)),
     _f("sts-region", "str", "", "Region of the STS client (\"\" = botocore's default chain: "
@@ -431,7 +437,8 @@ class Config:
     wait_budget: float = _default("wait-budget")
     imdsv2: str = _default("imdsv2")
     token_key_file: str = _default("token-key-file")
-    kubelet_url: str | None = None  # None = derived from host_ip
+    cri_endpoint: str = _default("cri-endpoint")
+    kubelet_url: str = _default("kubelet-url")
     kubelet_insecure: bool = _default("kubelet-insecure")
     sts_endpoint: str = _default("sts-endpoint")
     sts_region: str = _default("sts-region")
@@ -475,7 +482,7 @@ class Config:
         return self.metrics_port == self.app_port
 
     def replace(self, **changes: Any) -> "Config":
-        """A copy with some fields changed, validated again; derived settings (kubelet URL,
+        """A copy with some fields changed, validated again; derived settings (
         session duration, IPv6 host address) are derived again unless given."""
         for name in self.derived:
             changes.setdefault(name, None if name != "host_ipv6" else "")
@@ -603,17 +610,10 @@ def _normalise_and_validate(c: Config) -> None:
             _ip(host, "metadata-addr", version=4)
 
     # URLs.
-    if c.kubelet_url is None:
-        derived.add("kubelet_url")
-        if c.host_ip:
-            ip = ipaddress.ip_address(c.host_ip)
-            h = f"[{ip}]" if ip.version == 6 else str(ip)
-            _set(c, "kubelet_url", f"https://{h}:10250")
-        else:
-            _set(c, "kubelet_url", "")
-    elif c.kubelet_url:
-        _url(c.kubelet_url, "kubelet-url")
-        _set(c, "kubelet_url", c.kubelet_url.rstrip("/"))
+    if c.cri_endpoint not in ("", "none", "auto") and not (
+            c.cri_endpoint.startswith("unix://") or c.cri_endpoint.startswith("/")):
+        raise ConfigError("cri-endpoint", "must be auto, none, \"\", a unix:// URL or a "
+                          "socket path", value=c.cri_endpoint)
     if c.sts_endpoint:
         _url(c.sts_endpoint, "sts-endpoint")
     if c.api_server:

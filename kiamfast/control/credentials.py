@@ -36,6 +36,12 @@ Permanent refusals (AccessDenied...) become the real-IMDS error document, cached
 ``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least ``error_ttl_floor`` so a
 misconfigured role cannot hammer STS), retried with growing intervals while pods use them.
 
+Restarts. Every slot also holds its key and expiry (``render.PART_KEY``), so a restarted
+control process adopts what the table holds (:meth:`adopt`): credentials still servable keep
+being served, to the same slots, and are refreshed on their old schedule instead of calling
+STS for every key at once (or losing them when STS is down). A slot is never freed, and so
+never reused for another key, while an address in the table names it (``slot_in_use``).
+
 What it must never do: serve credentials with less than ``min_lifetime`` left, hand a key's
 credentials to a slot of another key, call STS twice at once for one key, log a secret, or
 block the event loop (STS runs on the client's thread pool).
@@ -47,6 +53,7 @@ through hours of rotation without waiting. The table is any object with ``write_
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
 import heapq
 import itertools
 import logging
@@ -179,6 +186,7 @@ class CredentialManager:
                  backoff_base: float = 1.0, backoff_max: float = 30.0,
                  throttle_base: float = 1.0, throttle_max: float = 30.0,
                  release_grace: float = 120.0,
+                 slot_in_use: Callable[[int], bool] = lambda slot: False,
                  clock: Callable[[], float] = time.time,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                  registry: Any = None, rng: random.Random | None = None):
@@ -215,6 +223,7 @@ class CredentialManager:
         self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.throttle_base, self.throttle_max = throttle_base, throttle_max
         self.release_grace = release_grace
+        self.slot_in_use = slot_in_use
         self.clock = clock
         self.sleep = sleep
         self.rng = rng or random.Random()
@@ -224,7 +233,7 @@ class CredentialManager:
         self._by_slot: dict[int, _Entry] = {}
         self._pods: dict[str, CredentialKey] = {}
         self._free = list(range(capacity))          # a heap: lowest slot first
-        self._held: set[int] = set()                # see hold_slots()
+        self._held: set[int] = set()                # see adopt()
         self._ready: list[tuple[int, int, _Entry]] = []
         self._timers: list[tuple[float, int, int, str, _Entry]] = []
         self._seq = itertools.count()
@@ -364,24 +373,58 @@ class CredentialManager:
             return  # servable from our point of view; the worker's read was stale
         self._enqueue(entry, PRIO_WANTED)
 
-    def hold_slots(self, slots: Iterable[int]) -> None:
-        """Keep these slots out of allocation (a restarted control process: IP slots in the
-        table may still point at them, so reusing one for another key before the watch has
-        re-claimed every IP could serve one pod another key's credentials). Their contents
-        keep being served meanwhile. :meth:`release_held` clears and frees them."""
-        held = set(slots) & set(self._free)
-        self._held |= held
-        self._free = [s for s in self._free if s not in held]
+    def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
+        """A restarted control process: take over what a previous one left in the table, as
+        ``(slot, state, serve_until, parts)`` for every slot.  Servable credentials and
+        error documents become entries of their key (idle until a pod acquires them, freed
+        after ``release_grace`` otherwise); every other slot that holds anything is kept out
+        of allocation until no address names it (:meth:`reclaim`).  Returns how many keys
+        were adopted."""
+        now = self.clock()
+        adopted = 0
+        for slot, state, serve_until, parts in slots:
+            if not 0 <= slot < self.capacity or slot in self._by_slot:
+                continue
+            record = render.parse_key_part(parts)
+            if state == CRED_EMPTY and record is None:
+                continue
+            self._free = [s for s in self._free if s != slot]
+            key = None if record is None else CredentialKey(
+                record["role_arn"], record["external_id"], record["session"],
+                tuple(tuple(t) for t in record["tags"]))
+            if (key is None or key in self._entries or state != CRED_READY
+                    or serve_until <= now):
+                self._held.add(slot)
+                continue
+            entry = _Entry(key=key, slot=slot, serve_until=serve_until,
+                           fetched_at=record["fetched_at"], idle_since=now)
+            if record["denied"]:
+                entry.state = _DENIED
+            else:
+                entry.state = _READY
+                entry.creds = Credentials(
+                    access_key_id=record["access_key_id"], secret_access_key="",
+                    session_token="",
+                    expiration=_dt.datetime.fromtimestamp(record["expiration"], _dt.timezone.utc))
+                entry.refresh_at = self._refresh_time(record["fetched_at"],
+                                                      record["expiration"], serve_until)
+            self._entries[key] = entry
+            self._by_slot[slot] = entry
+            self._set_timer(entry, now + self.release_grace, "free")
+            adopted += 1
         heapq.heapify(self._free)
+        if adopted or self._held:
+            log.info("adopted %d credential keys from the table (%d slots held until free)",
+                     adopted, len(self._held))
+        return adopted
 
-    def release_held(self) -> None:
-        """The watch has re-claimed every IP: clear the held slots and make them usable."""
+    def reclaim(self) -> None:
+        """Free the held slots that no address names any more (call after commits)."""
         for slot in sorted(self._held):
-            self.table.clear_cred(slot)
-            heapq.heappush(self._free, slot)
-        if self._held:
-            self._held.clear()
-            self._notify()
+            if not self.slot_in_use(slot):
+                self._held.discard(slot)
+                self.table.clear_cred(slot)
+                heapq.heappush(self._free, slot)
 
     def slot_of(self, pod_uid: str) -> int | None:
         key = self._pods.get(pod_uid)
@@ -467,7 +510,8 @@ class CredentialManager:
 
     def _alloc_slot(self) -> int:
         if not self._free:
-            idle = [e for e in self._entries.values() if e.idle_since is not None]
+            idle = [e for e in self._entries.values()
+                    if e.idle_since is not None and not self.slot_in_use(e.slot)]
             if not idle:
                 raise CredentialSlotsExhausted(
                     f"all {self.capacity} credential slots are used by live keys")
@@ -478,6 +522,11 @@ class CredentialManager:
     def _free_entry(self, entry: _Entry) -> None:
         if entry.freed:
             return
+        if self.slot_in_use(entry.slot):
+            # An address still points here (a restart before the model caught up, or a
+            # release not yet committed): freeing now could hand it to another key.
+            self._set_timer(entry, self.clock() + 1.0, "free")
+            return
         entry.freed = True
         entry.timer += 1
         if entry.queued is not None:
@@ -485,6 +534,8 @@ class CredentialManager:
             self._queued -= 1
         self._entries.pop(entry.key, None)
         self._by_slot.pop(entry.slot, None)
+        if not any(k.role_arn == entry.key.role_arn for k in self._entries):
+            self._metrics.forget_role(entry.key.role_arn)
         self.table.clear_cred(entry.slot)
         heapq.heappush(self._free, entry.slot)
         self._notify()
@@ -658,6 +709,10 @@ class CredentialManager:
             access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
             session_token=creds.session_token, expiration=creds.expiration,
             last_updated=now)
+        parts.append(render.key_part(
+            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
+            session=entry.key.session, tags=entry.key.tags,
+            access_key_id=creds.access_key_id, expiration=expires, fetched_at=now))
         self.table.write_cred(entry.slot, parts, serve_until=serve_until, state=CRED_READY)
         entry.creds = creds
         entry.state = _READY
@@ -671,11 +726,7 @@ class CredentialManager:
         if refreshed:
             self._counts["refreshes"] += 1
             self._metrics.refreshes.inc()
-        # Refresh at half-life, but leave at least a third of the serving window for retries
-        # when the session is short; jitter spreads keys fetched together.
-        ahead = min((expires - now) * self.refresh_fraction, (serve_until - now) * 2 / 3)
-        ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
-        entry.refresh_at = now + ahead
+        entry.refresh_at = self._refresh_time(now, expires, serve_until)
         self._notify()
         self._audit("credentials issued", entry, pods=list(entry.users.items()),
                     session_name=session_name)
@@ -683,6 +734,23 @@ class CredentialManager:
             self._set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
         else:
             self._set_timer(entry, entry.idle_since + self.release_grace, "free")
+
+    def _refresh_time(self, fetched_at: float, expires: float, serve_until: float) -> float:
+        """Refresh at half-life, but leave at least a third of the serving window for retries
+        when the session is short; jitter spreads keys fetched together."""
+        ahead = min((expires - fetched_at) * self.refresh_fraction,
+                    (serve_until - fetched_at) * 2 / 3)
+        ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
+        return fetched_at + ahead
+
+    def _error_parts(self, entry: _Entry, code: str, now: float) -> list[bytes]:
+        parts = render.render_error(role_arn=entry.key.role_arn, code=code, last_updated=now,
+                                    base_role_arn=self.base_role_arn)
+        parts.append(render.key_part(
+            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
+            session=entry.key.session, tags=entry.key.tags, access_key_id="",
+            expiration=now + _ERROR_DOC_LIFETIME, fetched_at=now, denied=True))
+        return parts
 
     def _on_failure(self, entry: _Entry, err: StsError) -> None:
         now = self.clock()
@@ -716,8 +784,7 @@ class CredentialManager:
             return
         entry.not_before = now + delay
         if denied:
-            parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
-                                        last_updated=now, base_role_arn=self.base_role_arn)
+            parts = self._error_parts(entry, err.code, now)
             self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
                                   state=CRED_READY)
             entry.state = _DENIED
@@ -739,9 +806,7 @@ class CredentialManager:
             return
         self._counts["expired"] += 1
         if isinstance(entry.last_error, StsDenied):
-            parts = render.render_error(role_arn=entry.key.role_arn,
-                                        code=entry.last_error.code, last_updated=now,
-                                        base_role_arn=self.base_role_arn)
+            parts = self._error_parts(entry, entry.last_error.code, now)
             self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
                                   state=CRED_READY)
             entry.state = _DENIED
@@ -785,7 +850,16 @@ class CredentialManager:
 
 
 class _Metrics:
-    """Prometheus metrics of the manager, on the given registry or a private one."""
+    """Prometheus metrics of the manager, on the given registry or a private one.
+
+    kube2iam's per-role series (``role_arn`` label) grow with what pod authors write, so
+    they are bounded: a role's series go when no key of that role is left, and at most
+    ``ROLE_SERIES_MAX`` roles have series at a time (the rest are counted in
+    ``kiamfast_metrics_series_dropped_total``).  That bounds the text the control process
+    publishes for the workers (see ``METRICS_TEXT_MAX``)."""
+
+    ROLE_SERIES_MAX = 128
+    CODES_PER_ROLE_MAX = 3
 
     def __init__(self, registry: Any):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -793,7 +867,7 @@ class _Metrics:
         r = self.registry
         self.duration = Histogram(
             "kube2iam_iam_request_duration_seconds",
-            "Time taken to complete IAM (STS AssumeRole) requests",
+            "Time taken to complete IAM request in seconds.",
             ["code", "role_arn"], buckets=_STS_BUCKETS, registry=r)
         self.calls = Counter("kiamfast_sts_calls", "STS AssumeRole calls by result",
                              ["result"], registry=r)
@@ -802,14 +876,52 @@ class _Metrics:
         self.refreshes = Counter("kiamfast_credential_refreshes",
                                  "Credentials replaced ahead of expiry", registry=r)
         self.inflight = Gauge("kiamfast_sts_inflight", "STS calls in flight", registry=r)
-        self.hits = Counter("kube2iam_iam_cache_hits", "Number of cache hits to the IAM cache",
+        self.hits = Counter("kube2iam_iam_cache_hits", "Total number of IAM cache hits.",
                             ["role_arn"], registry=r)
+        self.dropped = Counter("kiamfast_metrics_series_dropped",
+                               "Observations not recorded per role because the number of "
+                               "role series is at its bound", registry=r)
+        for code in ("Success", "UnknownError"):     # as kube2iam, present from the start
+            self.duration.labels(code=code, role_arn="")
+        self._codes: dict[str, set[str]] = {}         # role -> codes with a series
+
+    def _room(self, role_arn: str, code: str | None = None) -> bool:
+        codes = self._codes.get(role_arn)
+        if codes is None:
+            if len(self._codes) >= self.ROLE_SERIES_MAX:
+                self.dropped.inc()
+                return False
+            codes = self._codes[role_arn] = set()
+        if code is not None and code not in codes:
+            if len(codes) >= self.CODES_PER_ROLE_MAX:
+                self.dropped.inc()
+                return False
+            codes.add(code)
+        return True
 
     def sts_call(self, role_arn: str, code: str, result: str, elapsed: float) -> None:
-        self.duration.labels(code=code, role_arn=role_arn).observe(elapsed)
+        if self._room(role_arn, code):
+            self.duration.labels(code=code, role_arn=role_arn).observe(elapsed)
         self.calls.labels(result=result).inc()
         if result == "throttled":
             self.throttled.inc()
 
     def cache_hit(self, role_arn: str) -> None:
-        self.hits.labels(role_arn=role_arn).inc()
+        if self._room(role_arn):
+            self.hits.labels(role_arn=role_arn).inc()
+
+    def forget_role(self, role_arn: str) -> None:
+        """No key of this role is left: its series go."""
+        for code in self._codes.pop(role_arn, ()):
+            self.duration.remove(code, role_arn)
+        try:
+            self.hits.remove(role_arn)
+        except KeyError:
+            pass
+
+
+# Upper bound of the control process's metrics text, from the series bounds above (about
+# 2.2 KB per histogram series, 0.2 KB per counter series), plus its fixed gauges: the aux
+# blob it is published in is sized from this (kiamfast.supervisor).
+METRICS_TEXT_MAX = (_Metrics.ROLE_SERIES_MAX * (_Metrics.CODES_PER_ROLE_MAX * 2300 + 200)
+                    + 64 * 1024)

@@ -28,8 +28,10 @@ def _request(addr: str, method: str, path: str, headers: dict[str, str]) -> tupl
         conn.request(method, path, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
-    except OSError as e:
-        raise ImdsError(f"{method} http://{addr}{path}: {e}") from None
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        # A refused or dropped connection, and garbage too (a truncated body, a bad status
+        # line): the metadata service is outside, its answers are input like any other.
+        raise ImdsError(f"{method} http://{addr}{path}: {type(e).__name__}: {e}") from None
     finally:
         conn.close()
 
@@ -40,7 +42,7 @@ def get(addr: str, path: str) -> bytes:
                              {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
     headers = {}
     if status == 200:
-        headers["X-aws-ec2-metadata-token"] = token.decode().strip()
+        headers["X-aws-ec2-metadata-token"] = _text(token, "the token")
     elif status not in (403, 404, 405):
         raise ImdsError(f"token request answered {status}")
     status, body = _request(addr, "GET", path, headers)
@@ -49,18 +51,28 @@ def get(addr: str, path: str) -> bytes:
     return body
 
 
+def _text(body: bytes, what: str) -> str:
+    try:
+        return body.decode().strip()
+    except UnicodeDecodeError:
+        raise ImdsError(f"{what} is not text") from None
+
+
 def instance_id(addr: str) -> str:
-    return get(addr, "/latest/meta-data/instance-id").decode().strip()
+    return _text(get(addr, "/latest/meta-data/instance-id"), "instance-id")
 
 
 def instance_role_arn(addr: str) -> str:
     """The role of the node's instance profile, derived from iam/info as kube2iam does."""
-    info = orjson.loads(get(addr, "/latest/meta-data/iam/info"))
-    profile = info.get("InstanceProfileArn", "")
+    try:
+        info = orjson.loads(get(addr, "/latest/meta-data/iam/info"))
+        profile = str(info.get("InstanceProfileArn", ""))
+    except (orjson.JSONDecodeError, AttributeError):
+        raise ImdsError("iam/info is not a JSON object") from None
     # arn:aws:iam::123456789012:instance-profile/path/name -> the role shares the account
     # and name; kube2iam reads the role name from security-credentials/.
     prefix = profile.split(":instance-profile/")[0]
-    name = get(addr, "/latest/meta-data/iam/security-credentials/").decode().strip()
+    name = _text(get(addr, "/latest/meta-data/iam/security-credentials/"), "the role listing")
     if not prefix.startswith("arn:") or not name:
         raise ImdsError(f"cannot derive the instance role from {profile!r}")
     return f"{prefix}:role/{name}"

@@ -6,9 +6,12 @@ credential manager → synced → bounded prefetch → ready → remove the node
 Until ready, workers hold requests for unknown pods (bounded) and then answer 503: a pod
 never gets another identity, and never the node's role.
 
-It also answers the workers' messages (unknown IP → ask the kubelet; credentials wanted →
-fetch now), publishes the aux blobs workers serve (/metrics text, /debug/store, /healthz)
-and heartbeats the table.  On SIGTERM it leaves the DNAT rule in place unless
+With a container runtime (--cri-endpoint), the runtime poller tells the ownership model
+which sandbox holds each address; a worker whose caller connected after the last applied
+poll asks for a new one.  The control process also answers "credentials wanted" (fetch
+now), publishes the aux blobs workers serve (/metrics text, /debug/store, /healthz) and
+heartbeats the table.  Nothing from outside (API server, STS, metadata service, runtime)
+can end it: every task logs and retries what fails.  On SIGTERM it leaves the DNAT rule in place unless
 --iptables-remove-on-exit: a pod without its agent gets a refused connection.
 """
 
@@ -28,7 +31,7 @@ from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config
-from kiamfast.control import iptables, imds_client, taint
+from kiamfast.control import iptables, imds_client, runtime, taint
 from kiamfast.control.credentials import CredentialManager
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher
@@ -57,8 +60,14 @@ class ControlProcess:
         self._stop = asyncio.Event()
         self.watcher = None
         self.manager: CredentialManager | None = None
+        self.poller: runtime.RuntimePoller | None = None
+        self.runtime_state = "disabled"       # for /healthz: disabled | ok | unreachable: ...
+        self.runtime_settled = asyncio.Event()  # the runtime answered, or failed, once
         self.ready = False
         self.healthy = False
+        self.instance_id = ""
+        self.health_error = "no health check yet"
+        self.publish_failures = 0
 
     # ---- waking the workers ------------------------------------------------------------------
 
@@ -80,8 +89,8 @@ class ControlProcess:
             if msg is None:
                 continue
             kind, value = msg
-            if kind == channel.UNKNOWN_IP and self.watcher is not None:
-                self.watcher.unknown_ip(value)   # the 16-byte key as sent
+            if kind == channel.NEED_RUNTIME and self.poller is not None:
+                self.poller.need(value)          # the asking connection's accept time
             elif kind == channel.WANT_CREDENTIALS and self.manager is not None:
                 self.manager.wanted(value)
 
@@ -101,14 +110,21 @@ class ControlProcess:
         self.sts = StsClient.from_config(self.config)
         self.manager = CredentialManager.from_config(
             self.config, table=self.table, sts=self.sts, notify=self.notify,
-            registry=self.registry)
-        # A restarted control process: IP slots may still point at credential slots of the
-        # previous one.  Keep those out of allocation until the first sync has re-claimed
-        # every address, or one pod could be served another key's credentials.
-        self.manager.hold_slots({ip["cred_slot"] for ip in self.table.snapshot()
-                                 if ip["cred_slot"] >= 0})
+            registry=self.registry, slot_in_use=lambda slot: self.model.slot_in_use(slot))
+        # A restarted control process starts from what the table holds: the addresses keep
+        # their slots and servable credentials stay served until the model has decided
+        # again (ownership.py, "Restarts").
+        self.manager.adopt(self._credential_slots())
+        self.poller = self._runtime_poller()
         self.model = Ownership(policy=RolePolicy.from_config(self.config), table=self.table,
-                               sink=self.manager, notify=self.notify)
+                               sink=self.manager, notify=self.notify,
+                               adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
+                                                   ip["cred_slot"])
+                                        for ip in self.table.snapshot()},
+                               expect_runtime=self.poller is not None)
+        # Until the runtime's first answer, a request from a connection newer than the last
+        # applied poll waits for one, never for the API's guess.
+        self.table.set_status(runtime_mode=self.model.runtime_mode)
         self.watcher = PodWatcher.from_config(self.config, model=self.model)
         tasks = [
             asyncio.create_task(self.manager.run(), name="credentials"),
@@ -117,6 +133,8 @@ class ControlProcess:
             asyncio.create_task(self._health(), name="health"),
             asyncio.create_task(self._publish(), name="publish"),
         ]
+        if self.poller is not None:
+            tasks.append(asyncio.create_task(self.poller.run(), name="runtime"))
         starting = asyncio.create_task(self._become_ready(), name="ready")
         starting.add_done_callback(self._log_failure)
         stop = asyncio.create_task(self._stop.wait())
@@ -137,9 +155,54 @@ class ControlProcess:
         elif task.get_name() != "ready":
             log.error("control task %s ended", task.get_name())
 
+    def _credential_slots(self) -> list[tuple[int, int, float, list[bytes]]]:
+        out = []
+        for slot in range(self.table.layout["cred_capacity"]):
+            try:
+                out.append((slot, *self.table.read_cred(slot)))
+            except tbl.TableError:     # unreadable: held until no address names it
+                out.append((slot, tbl.CRED_PENDING, 0.0, []))
+        return out
+
+    # ---- the container runtime -----------------------------------------------------------
+
+    def _runtime_poller(self) -> runtime.RuntimePoller | None:
+        if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:
+            log.warning("--kubelet-url and --kubelet-insecure have no effect any more: the "
+                        "container runtime (--cri-endpoint) knows a pod's address first")
+        endpoint = runtime.resolve_endpoint(self.config.cri_endpoint)
+        if endpoint is None:
+            log.info("no container runtime endpoint (--cri-endpoint=%s): addresses follow "
+                     "the API server", self.config.cri_endpoint or '""')
+            return None
+        self.runtime_state = "connecting"
+        return runtime.RuntimePoller(runtime.RuntimeClient(endpoint), on_view=self._on_view,
+                                     on_state=self._on_runtime_state)
+
+    def _on_view(self, view: runtime.RuntimeView) -> None:
+        self.model.apply_runtime(view)
+        self.model.commit()
+        self.runtime_settled.set()
+
+    def _on_runtime_state(self, reachable: bool, message: str) -> None:
+        self.runtime_state = "ok" if reachable else f"unreachable: {message}"
+        if not reachable:
+            self.model.runtime_lost()
+            self.model.commit()
+        if self.instance_id:
+            self._publish_health()
+        self.runtime_settled.set()
+
     async def _become_ready(self) -> None:
         await self.watcher.wait_synced()
-        self.manager.release_held()
+        if self.poller is not None:
+            try:
+                await asyncio.wait_for(self.runtime_settled.wait(),
+                                       self.config.ready_prefetch_timeout)
+            except asyncio.TimeoutError:
+                log.warning("the container runtime has not answered yet; ready anyway "
+                            "(requests wait for its first answer)")
+        self.manager.reclaim()
         log.info("pods of node %s synced", self.config.node or "(all nodes)")
         deadline = time.monotonic() + self.config.ready_prefetch_timeout
         while time.monotonic() < deadline and not self._prefetched():
@@ -170,6 +233,7 @@ class ControlProcess:
     async def _heartbeat(self) -> None:
         while True:
             self.table.heartbeat()
+            self.manager.reclaim()     # slots a restart held, once no address names them
             await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     async def _health(self) -> None:
@@ -177,45 +241,93 @@ class ControlProcess:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                iid = await loop.run_in_executor(None, imds_client.instance_id,
-                                                 self.config.metadata_addr)
-                body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": iid})
-                self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
-                self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
-                self.healthy = True
+                self.instance_id = await loop.run_in_executor(None, imds_client.instance_id,
+                                                              self.config.metadata_addr)
+                self.health_error = ""
             except imds_client.ImdsError as e:
-                self.healthy = False
-                self.table.write_aux(tbl.AUX_HEALTH, b"")
-                self.table.write_aux(tbl.AUX_HEALTH_ERROR, str(e).encode())
+                self.instance_id, self.health_error = "", str(e)
+            self._publish_health()
             await asyncio.sleep(HEALTH_INTERVAL)
 
+    def _publish_health(self) -> None:
+        """kube2iam's /healthz body, plus where addresses come from (the runtime's state)."""
+        self.healthy = bool(self.instance_id)
+        if self.healthy:
+            body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": self.instance_id,
+                                 "runtime": self.runtime_state})
+            self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
+            self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
+        else:
+            self.table.write_aux(tbl.AUX_HEALTH, b"")
+            self.table.write_aux(tbl.AUX_HEALTH_ERROR, self.health_error.encode()[:4096])
+
     async def _publish(self) -> None:
-        """Metrics text and /debug/store JSON for the workers to serve."""
+        """Metrics text and /debug/store JSON for the workers to serve.  What pods write
+        (roles, annotations) sizes these texts: a text that does not fit is logged and
+        counted, and the smaller form is published; it never ends the process."""
         while True:
-            text = prometheus_client.generate_latest(self.registry)
-            text += self._own_metrics()
-            self.table.write_aux(tbl.AUX_METRICS, text)
+            text = prometheus_client.generate_latest(self.registry) + self._own_metrics()
+            if not self._write_aux(tbl.AUX_METRICS, text, "metrics"):
+                self._write_aux(tbl.AUX_METRICS, self._own_metrics(), "metrics")
             if self.config.debug and self.watcher is not None:
-                self.table.write_aux(tbl.AUX_DEBUG_STORE,
-                                     orjson.dumps(self.model.debug_store(),
-                                                  option=orjson.OPT_SORT_KEYS))
+                store = orjson.dumps(self.model.debug_store(), option=orjson.OPT_SORT_KEYS)
+                if not self._write_aux(tbl.AUX_DEBUG_STORE, store, "/debug/store"):
+                    self._write_aux(tbl.AUX_DEBUG_STORE, b'{"error":"too large"}', "")
             await asyncio.sleep(PUBLISH_INTERVAL)
+
+    def _write_aux(self, index: int, data: bytes, what: str) -> bool:
+        try:
+            self.table.write_aux(index, data)
+            return True
+        except tbl.ValueTooLarge:
+            self.publish_failures += 1
+            if what and (self.publish_failures in (1, 10, 100)
+                         or self.publish_failures % 1000 == 0):
+                log.error("%s text of %d bytes does not fit its %d-byte slot; publishing a "
+                          "shorter one (%d times so far)", what, len(data),
+                          self.table.layout["aux_size"], self.publish_failures)
+            return False
 
     def _own_metrics(self) -> bytes:
         """The control process's gauges and the watch's counters, in Prometheus text."""
         commit, built = build_info()
         lines = [
-            "# HELP kube2iam_healthcheck_status Result of the last metadata health check.",
+            "# HELP kube2iam_healthcheck_status The healthcheck status at scrape time. A value "
+            "of 1 means it is passing, 0 means it is failing.",
             "# TYPE kube2iam_healthcheck_status gauge",
             f"kube2iam_healthcheck_status {1 if self.healthy else 0}",
-            "# HELP kube2iam_info Build information (kube2iam-compatible name).",
+            "# HELP kube2iam_info Informational labels about the kube2iam process.",
             "# TYPE kube2iam_info gauge",
             f'kube2iam_info{{version="{__version__}",build_date="{built}",'
             f'commit_hash="{commit}"}} 1',
+            # kube2iam's duplicate-IP API lookups (--resolve-duplicate-cache-ips): kiamfast
+            # never asks the API which of two pods holds an address (the runtime, or the
+            # order of the API's own writes, decides), so these stay 0.
+            "# HELP kube2iam_iam_k8s_dup_req_count Total number of K8s API requests performed "
+            "when duplicated pods are identified in the cache (kiamfast makes none: 0).",
+            "# TYPE kube2iam_iam_k8s_dup_req_count counter",
+            "kube2iam_iam_k8s_dup_req_count 0",
+            "# HELP kube2iam_iam_k8s_dup_req_success_count Total number of times we "
+            "successfully retrieve the pod from the K8s API (kiamfast makes no such request: 0).",
+            "# TYPE kube2iam_iam_k8s_dup_req_success_count counter",
+            "kube2iam_iam_k8s_dup_req_success_count 0",
             "# HELP kiamfast_ready Whether the agent is ready (synced and prefetched).",
             "# TYPE kiamfast_ready gauge",
             f"kiamfast_ready {1 if self.ready else 0}",
+            "# HELP kiamfast_publish_failures_total Metrics or debug texts too large to publish.",
+            "# TYPE kiamfast_publish_failures_total counter",
+            f"kiamfast_publish_failures_total {self.publish_failures}",
+            "# HELP kiamfast_runtime_up Whether the container runtime answers (addresses "
+            "follow it); 0 = unreachable or not configured (addresses follow the API server).",
+            "# TYPE kiamfast_runtime_up gauge",
+            f"kiamfast_runtime_up {1 if self.runtime_state == 'ok' else 0}",
         ]
+        if self.poller is not None:
+            lines += ["# HELP kiamfast_runtime_total Container runtime activity by kind.",
+                      "# TYPE kiamfast_runtime_total counter"]
+            lines += [f'kiamfast_runtime_total{{kind="{k}"}} {v}'
+                      for k, v in sorted(self.poller.stats.items())
+                      if isinstance(v, int) and not isinstance(v, bool)]
         if self.watcher is not None:
             stats = self.watcher.stats()
             lines += ["# HELP kiamfast_pods Pods of this node the agent knows.",
@@ -224,7 +336,7 @@ class ControlProcess:
                       "# TYPE kiamfast_pending_pods gauge",
                       f"kiamfast_pending_pods {stats['pending_pods']}",
                       "# HELP kiamfast_watch_total Watch activity by kind (events, bookmarks, "
-                      "lists, relists, gone = 410, errors, unknown_ips).",
+                      "lists, relists, gone = 410, errors).",
                       "# TYPE kiamfast_watch_total counter"]
             lines += [f'kiamfast_watch_total{{kind="{k}"}} {v}' for k, v in stats.items()
                       if isinstance(v, int) and not isinstance(v, bool)

@@ -1,76 +1,63 @@
-"""Which pod owns which address, decided from everything the control process has heard.
+"""Which pod owns which address on this node, and what its requests are answered with.
 
 Every agent before kiamfast lost credentials (or handed out another pod's) in the moments
 when its picture of the node was incomplete: a pod asking before its IP reached the watch,
-an address reused while the old pod's delete was still on its way, a watch that dropped
-and came back.  This module is the one place that decides, from the events the watch, the
-relists and the kubelet deliver, which pod owns each address, and it writes exactly that
-into the shared table.  It is synchronous and does no I/O besides table writes and calls
-into the credential sink; `kiamfast.control.pods` feeds it.
+an address reused while the API server still showed the old pod with it, a watch that
+dropped and came back.  This module is the one place that decides who owns each address,
+and it writes exactly that into the shared table.  It is synchronous and does no I/O
+besides table writes and calls into the credential sink; `kiamfast.control.pods` feeds it
+the API's pods and namespaces, the control process the container runtime's views.
 
-Rules:
+Two sources, one rule each:
+
+* **The container runtime** (`apply_runtime`, `kiamfast.control.runtime`) is the source of
+  address ownership wherever it is reachable: an address belongs to the pod of the one READY
+  sandbox that holds it, and to nobody else, whatever the API server says.  CNI gives a
+  sandbox its address before any container of the pod starts, and a stopped sandbox no
+  longer holds one; the API server learns both seconds later (reference: cri.md).  An
+  address two READY sandboxes claim belongs to nobody.  Each applied view is dated by when
+  its poll began (`table.set_verified`), so workers answer a connection only from a view
+  begun after the connection was accepted (docs/architecture.md, "Freshness").
+* **The API server** is the source of the role policy: annotations, namespaces, default
+  role.  A pod the runtime shows but the watch has not delivered yet is decided from its
+  sandbox's annotations (the kubelet copies the pod's), unless the policy needs a namespace
+  the agent has not seen yet.  Where no runtime is reachable (no endpoint, or an outage),
+  the API is also the source of ownership, with the rules below; the runtime's view is
+  dropped as soon as it is stale, never mixed with the API's.
+
+API ownership (only without a runtime view):
 
 * A pod owns its addresses (`status.podIPs`, falling back to `status.podIP`) while its phase
-  is Pending, Running or Unknown and it is not hostNetwork.  A terminal phase (Succeeded,
-  Failed) or the delete releases them at once.  A terminating pod (deletionTimestamp) keeps
-  them until one of those.
-* Two pods can claim one address at once: the API server still shows a dead pod Running
-  after its address went to a new pod (kube2iam #107, kiam "multiple running pods").  Each
-  (pod, address) claim gets a key when it is first seen, and the claim with the highest key
-  owns the address:
-  1. the resourceVersion that first showed it: the watch event's, or the list's for a claim
-     first seen in a list.  resourceVersions order the API writes, and an address is
-     written to a pod's status only after its previous owner gave it up, so a claim seen
-     later is newer.  (Claims new in a relist happened during the gap, so they are newer
-     than anything seen before it.)
-  2. at the same resourceVersion, the kubelet's observations over the API's, later ones over
-     earlier ones;
-  3. creationTimestamp (newer wins), then non-terminating over terminating, then UID: only
-     for claims first seen in the same list (the initial list after a restart), where
-     nothing better is known.
-  A claim keeps its first key: a late event of an old pod never makes it newer.
-* High-water mark: an address remembers the highest key that ever owned it for as long as any
-  pod still claims it.  A claim below the mark never owns the address, so when the new owner
-  goes away the address becomes free, never the stale old pod's again.
-* The kubelet's view (`apply_kubelet`) adds addresses the API has not published for a pod,
-  or a pod the watch has not delivered yet.  It never releases an address the API gave
-  (it only takes back what it said itself), never re-ranks what the API published, never
-  resurrects a deleted or terminal pod, and is ignored for a pod whose object it holds in
-  an older version than the watch delivered.  A publication of the pod's addresses newer
-  than the kubelet's copy supersedes what the kubelet said.  Pods known only from the
-  kubelet expire unless the watch confirms them.
-* Dating the kubelet's view: `/pods` carries no list resourceVersion.  A kubelet copy of a
-  pod newer than the watch's (or of a pod the watch has not delivered) may just mirror the
-  API at that version, so its claims are as new as that object's resourceVersion.  A copy
-  of the same version as the one we hold that names other addresses is the kubelet's own
-  knowledge: "now", the highest resourceVersion seen in the kubelet's pods or
-  from the watch; so is the claim of the newest pod among several the kubelet shows with
-  one address, or one the kubelet just took back from another pod.  The kubelet's copies
-  of pods the watch has not delivered yet are remembered, so an older API version of such
-  a pod cannot claim what the kubelet no longer shows.
-  Known limits (tests/control/test_ownership_property.py holds the model exact when the
-  kubelet races the API's publication of addresses, the race it is asked for): when the
-  watch itself lags, the kubelet's and the watch's versions of the same pods interleave
-  and stale claims are ranked heuristically; e.g. a watch lagging by the whole life of a
-  since-deleted pod can rank that pod's stale publication above the kubelet's newer claim
-  until the pod's end arrives.
-* Identity: `RolePolicy.decide` per pod; denied pods are written `POD_DENIED` (workers answer
-  404 at once), pods without a role `POD_NO_ROLE`, pods with a role `POD_ROLE` with the slot
-  the credential sink hands out (`sink.acquire`, which also starts the prefetch, even before
-  the pod has an address).  A pod whose namespace the agent has not seen yet (and whose
-  decision depends on it) is undecided: its addresses are not written (nor left to anyone
-  else) and it counts as pending, for at most `namespace_grace` seconds, then denied.
-* `pending_pods` (published in the table) counts live pods that have no address yet or are
-  undecided: while it is above zero, a worker with an unknown caller waits for the table to
-  change instead of answering 404.  It is lowered only after the addresses are written.
+  is Pending, Running or Unknown and it is not hostNetwork.  A terminal phase or the delete
+  releases them at once; a terminating pod (deletionTimestamp) keeps them until then.
+* Two pods can claim one address: the API still shows a dead pod Running after its address
+  went to a new pod.  Each (pod, address) claim is keyed by the resourceVersion that first
+  showed it (the watch event's, or the list's), then creationTimestamp, non-terminating over
+  terminating, UID; the highest key owns the address.  An address is written to a pod's
+  status only after its previous owner gave it up, so a claim seen later is newer.  A claim
+  keeps its first key: a late event of an old pod never makes it newer.
+* High-water mark: an address remembers the highest key that ever owned it while any pod
+  still claims it, so when the new owner goes away the address becomes free, never the
+  stale old pod's again.
 
-Writes are batched: the mutators only record what changed; `commit()` acquires credentials,
-writes claims before releases (a moved address is one write, a relist never leaves a live pod
-missing), releases credentials of pods that no longer need them, publishes `pending_pods` and
-`synced`, and calls `notify()` once if anything changed.
+Identity: `RolePolicy.decide` per pod; denied pods are written `POD_DENIED` (workers answer
+404 at once), pods without a role `POD_NO_ROLE`, pods with a role `POD_ROLE` with the slot
+the credential sink hands out (`sink.acquire`, which also starts the prefetch, before the
+pod has an address).  An owner whose decision needs a namespace the agent has not seen is
+written `POD_UNDECIDED` (workers wait) for at most `namespace_grace` seconds, then denied.
 
-What it must never do: map an address to a pod that does not own it, give an address back to
-a pod that lost it, or let the kubelet's (possibly stale) view undo what the watch said.
+Restarts: the model starts from what the table holds (`adopted`).  The first sync (or the
+first runtime view) makes the table equal to what the model knows: every address nobody
+owns any more is released, so no address keeps pointing at a credential slot that a new key
+could take over (`slot_in_use` tells the credential manager which slots are still named).
+
+Writes are batched: the mutators only record what changed; `commit()` decides identities,
+writes claims before releases (a moved address is one write), releases credentials of pods
+that no longer need them, publishes the status words and the runtime view's date, and calls
+`notify()` once if anything changed.
+
+What it must never do: map an address to a pod that does not own it, give an address back
+to a pod that lost it, or keep an address the runtime says nobody holds.
 """
 from __future__ import annotations
 
@@ -86,14 +73,13 @@ from kiamfast.control.roles import IdentityKind, NamespaceRules, PodIdentity, Ro
 log = logging.getLogger("kiamfast.ownership")
 
 # kiamfast.table pod states (checked against the table module by the tests).
-POD_ROLE, POD_NO_ROLE, POD_DENIED = 1, 2, 3
+POD_ROLE, POD_NO_ROLE, POD_DENIED, POD_UNDECIDED = 1, 2, 3, 4
 
 LIVE_PHASES = frozenset({"", "Pending", "Running", "Unknown"})
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
-# Claim key: (seen resourceVersion, kubelet observation sequence (0 = from the API),
-# creationTimestamp, not terminating, uid)
-ClaimKey = tuple[int, int, str, int, str]
+# Claim key: (resourceVersion that first showed it, creationTimestamp, not terminating, uid)
+ClaimKey = tuple[int, str, int, str]
+Written = tuple[str, int, int]          # (pod uid, pod state, credential slot)
 
 
 class CredentialSink(Protocol):
@@ -113,7 +99,24 @@ class TableWriter(Protocol):
 
     def set_status(self, *, synced: bool | None = None, ready: bool | None = None,
                    pending_pods: int | None = None,
-                   default_cred_slot: int | None = None) -> None: ...
+                   runtime_mode: bool | None = None) -> None: ...
+
+    def set_verified(self, started_ns: int) -> None: ...
+
+
+class SandboxLike(Protocol):
+    """What the model reads of a `kiamfast.control.runtime.Sandbox`."""
+    pod_uid: str
+    name: str
+    namespace: str
+    ips: tuple[str, ...]
+    annotations: Mapping[str, str]
+
+
+class RuntimeViewLike(Protocol):
+    """What the model reads of a `kiamfast.control.runtime.RuntimeView`."""
+    started_ns: int
+    owners: Mapping[str, SandboxLike]
 
 
 def _default_request_factory(**fields: Any) -> Any:
@@ -164,6 +167,7 @@ class _Pod:
     uid: str
     namespace: str
     name: str
+    from_api: bool = True                 # False: known only from a runtime sandbox
     rv: int = 0
     created: str = ""
     phase: str = ""
@@ -172,35 +176,20 @@ class _Pod:
     annotations: Mapping[str, str] = field(default_factory=dict)
     service_account: str = ""
     api_ips: tuple[str, ...] = ()
-    api_ips_rv: int = 0                  # version at which api_ips last changed
-    kubelet_ips: tuple[str, ...] = ()    # addresses only the kubelet has reported
-    kubelet_rv: int = 0                  # resourceVersion of the kubelet's latest copy
-    kubelet_shown: frozenset[str] = frozenset()   # every address that copy showed
-    api_known: bool = False          # seen in a watch event or list (not only the kubelet)
-    kubelet_seen: float = 0.0        # monotonic time of the last kubelet observation
     identity: PodIdentity | None = None   # None: undecided (not yet evaluated / ns unknown)
     undecided_since: float | None = None
     cred_slot: int = -1
     cred_key: tuple[str, str, str | None] | None = None   # (role, external id, ip) acquired
-    claims: dict[str, ClaimKey] = field(default_factory=dict)
+    claims: dict[str, ClaimKey] = field(default_factory=dict)   # API ownership only
 
     @property
     def live(self) -> bool:
         return self.phase in LIVE_PHASES and not self.host_network
 
-    @property
-    def ips(self) -> tuple[str, ...]:
-        api = self.api_ips
-        if self.kubelet_rv and self.api_ips_rv <= self.kubelet_rv:
-            # The kubelet has seen the version that published these addresses (or a newer
-            # one) and shows others: they are already superseded.
-            api = tuple(ip for ip in api if ip in self.kubelet_shown)
-        return api + self.kubelet_ips
-
 
 class Ownership:
     """The node's pods, their identities and their addresses; the table's only writer of
-    IP slots.  Feed it events, then `commit()`."""
+    IP slots.  Feed it events and runtime views, then `commit()`."""
 
     def __init__(
         self,
@@ -210,27 +199,38 @@ class Ownership:
         sink: CredentialSink,
         notify: Callable[[], None] = lambda: None,
         request_factory: Callable[..., Any] = _default_request_factory,
-        provisional_ttl: float = 30.0,
         namespace_grace: float = 10.0,
         tombstones: int = 16384,
         clock: Callable[[], float] = time.monotonic,
+        adopted: Mapping[str, Written] | None = None,
+        expect_runtime: bool = False,
     ) -> None:
         self.policy = policy
         self.table = table
         self.sink = sink
         self.notify = notify
         self.request_factory = request_factory
-        self.provisional_ttl = provisional_ttl
         self.namespace_grace = namespace_grace
         self.clock = clock
-        self.pods: dict[str, _Pod] = {}
+        self.pods: dict[str, _Pod] = {}              # from the API
+        self.sandbox_pods: dict[str, _Pod] = {}      # shown by the runtime, not (yet) the API
         self.namespaces: dict[str, NamespaceRules] = {}
         self._by_ns: dict[str, set[str]] = {}
-        self._claimants: dict[str, set[str]] = {}
+        self._claimants: dict[str, set[str]] = {}    # API ownership: ip -> claiming uids
         self._hw: dict[str, ClaimKey] = {}
-        self._written: dict[str, tuple[str, int, int]] = {}
+        # What the table holds: at start whatever a previous control process left there.
+        self._written: dict[str, Written] = dict(adopted or {})
+        self._reconciled = not self._written
+        self._runtime: dict[str, str] | None = None  # ip -> uid; None: no runtime view
+        # A runtime is configured but has not answered yet: nothing is decided by the API's
+        # rules meanwhile, and workers wait for the first poll (runtime_mode is published).
+        self._awaiting_runtime = expect_runtime
+        self._runtime_ips: dict[str, set[str]] = {}  # uid -> ips, the same view inverted
+        self._sandboxes: dict[str, SandboxLike] = {}  # uid -> its READY sandbox
+        self._verified_ns = 0                        # date of the view to publish
+        self._published_verified = 0
+        self._published_mode: bool | None = None
         self._tombstones: OrderedDict[str, None] = OrderedDict()
-        self._hints: OrderedDict[str, tuple[int, frozenset[str]]] = OrderedDict()
         self._tombstone_cap = tombstones
         self._dirty_ips: set[str] = set()
         self._dirty_pods: set[str] = set()
@@ -239,11 +239,10 @@ class Ownership:
         self._retry: set[str] = set()          # pods whose credential acquire failed
         self._published: tuple[int, bool] | None = None
         self._synced = False
-        self.watermark = 0                     # highest resourceVersion seen from the API
-        self._kseq = 0                         # kubelet observations so far
         self.counters: dict[str, int] = {
-            "claims": 0, "releases": 0, "commits": 0, "stale_events": 0,
-            "kubelet_claims": 0, "displaced": 0, "table_full": 0, "acquire_errors": 0,
+            "claims": 0, "releases": 0, "commits": 0, "stale_events": 0, "displaced": 0,
+            "table_full": 0, "acquire_errors": 0, "runtime_views": 0, "runtime_only_pods": 0,
+            "reconciled_releases": 0,
         }
 
     # ---- queries ------------------------------------------------------------------------------
@@ -251,6 +250,11 @@ class Ownership:
     @property
     def synced(self) -> bool:
         return self._synced
+
+    @property
+    def runtime_mode(self) -> bool:
+        """Whether workers must wait for a runtime poll newer than their connection."""
+        return self._runtime is not None or self._awaiting_runtime
 
     @property
     def pending_pods(self) -> int:
@@ -262,16 +266,20 @@ class Ownership:
         w = self._written.get(c) if c else None
         return w[0] if w else None
 
-    def mapping(self) -> dict[str, tuple[str, int, int]]:
+    def mapping(self) -> dict[str, Written]:
         """ip -> (uid, pod state, credential slot) as written to the table."""
         return dict(self._written)
+
+    def slot_in_use(self, slot: int) -> bool:
+        """Does any address in the table point at this credential slot?"""
+        return any(w[2] == slot for w in self._written.values())
 
     def debug_store(self) -> dict[str, Any]:
         """kube2iam's /debug/store view: namespaceByIP, rolesByIP, rolesByNamespace."""
         ns_by_ip: dict[str, str] = {}
         roles_by_ip: dict[str, str] = {}
         for ip, (uid, _, _) in sorted(self._written.items()):
-            pod = self.pods.get(uid)
+            pod = self._pod(uid)
             if pod is None:
                 continue
             ns_by_ip[ip] = pod.namespace
@@ -291,17 +299,15 @@ class Ownership:
             return
         rv = resource_version(obj)
         pod = self.pods.get(uid)
-        if pod is not None and pod.api_known and rv and rv < pod.rv:
+        if pod is not None and rv and rv < pod.rv:
             self.counters["stale_events"] += 1
             return
-        self.watermark = max(self.watermark, rv)
         if pod is None:
             pod = _Pod(uid=uid, namespace=meta.get("namespace") or "", name=meta.get("name") or "")
-            hint = self._hints.pop(uid, None)
-            if hint is not None:
-                pod.kubelet_rv, pod.kubelet_shown = hint
             self.pods[uid] = pod
             self._by_ns.setdefault(pod.namespace, set()).add(uid)
+            if self.sandbox_pods.pop(uid, None) is not None:
+                self._dirty_ips.update(self._runtime_ips.get(uid, ()))
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
         annotations = meta.get("annotations") or {}
@@ -315,55 +321,32 @@ class Ownership:
         pod.terminating = bool(meta.get("deletionTimestamp"))
         pod.annotations = annotations
         pod.service_account = spec.get("serviceAccountName") or spec.get("serviceAccount") or ""
-        api_ips = pod_ips(obj)
-        if api_ips != pod.api_ips:
-            pod.api_ips = api_ips
-            pod.api_ips_rv = rv
-            if rv > pod.kubelet_rv:
-                # A publication newer than the kubelet's copy supersedes what it told us.
-                pod.kubelet_ips = ()
-            else:
-                pod.kubelet_ips = tuple(ip for ip in pod.kubelet_ips if ip not in api_ips)
-        pod.api_known = True
+        pod.api_ips = pod_ips(obj)
         new_ann = (annotations.get(self.policy.role_key),
                    annotations.get(self.policy.external_id_key))
         if pod.identity is None or was_live != pod.live or old_ann != new_ann:
             self._dirty_pods.add(uid)
         self._set_claims(pod, seen=rv if seen is None else seen)
 
-    def note_resource_version(self, obj: Mapping[str, Any]) -> None:
-        """A watch bookmark: the API server has progressed this far (dates kubelet views)."""
-        self.watermark = max(self.watermark, resource_version(obj))
-
     def delete_pod(self, obj: Mapping[str, Any]) -> None:
         """A DELETED pod: it loses its addresses (only where it still owns them)."""
         uid = (obj.get("metadata") or {}).get("uid") or ""
-        self.watermark = max(self.watermark, resource_version(obj))
         if uid:
             self._remove(uid)
 
-    def replace_pods(self, items: Iterable[Mapping[str, Any]], *, list_rv: int = 0,
-                     started: float | None = None) -> None:
+    def replace_pods(self, items: Iterable[Mapping[str, Any]], *, list_rv: int = 0) -> None:
         """A full list (initial or relist) at `list_rv`: adds and updates first, then the pods
-        that are no longer listed are removed.  Pods known only from the kubelet and seen
-        after `started` (when the list was requested) are kept: the list may predate them."""
+        that are no longer listed are removed."""
         items = list(items)
         if not list_rv:
-            list_rv = max([self.watermark] + [resource_version(o) for o in items])
+            list_rv = max([0] + [resource_version(o) for o in items])
         listed: set[str] = set()
         for obj in items:
             uid = (obj.get("metadata") or {}).get("uid")
             if uid:
                 listed.add(uid)
                 self.apply_pod(obj, seen=list_rv)
-        self.watermark = max(self.watermark, list_rv)
-        for uid, pod in list(self.pods.items()):
-            if uid in listed:
-                if pod.kubelet_ips and pod.live:
-                    self._rerank_kubelet_claims(pod, list_rv)
-                continue
-            if not pod.api_known and started is not None and pod.kubelet_seen >= started:
-                continue
+        for uid in [u for u in self.pods if u not in listed]:
             self._remove(uid)
 
     # ---- namespaces ---------------------------------------------------------------------------
@@ -378,6 +361,8 @@ class Ownership:
             self.namespaces[name] = rules
             if self.policy.uses_namespaces:
                 self._dirty_pods.update(self._by_ns.get(name, ()))
+                self._dirty_pods.update(u for u, p in self.sandbox_pods.items()
+                                        if p.namespace == name)
 
     def delete_namespace(self, obj: Mapping[str, Any]) -> None:
         """A deleted namespace keeps its rules: its pods are deleted before it, but the pod
@@ -392,143 +377,107 @@ class Ownership:
             if name not in names and not self._by_ns.get(name):
                 del self.namespaces[name]
 
-    # ---- the kubelet --------------------------------------------------------------------------
+    # ---- the container runtime -----------------------------------------------------------------
 
-    def apply_kubelet(self, items: Iterable[Mapping[str, Any]]) -> int:
-        """The kubelet's /pods: addresses the API server has not published yet.  Returns how
-        many pods got addresses from it."""
-        items = list(items)
-        now = self.clock()
-        self._kseq += 1
-        kseq = self._kseq
-        newest = max([self.watermark] + [resource_version(o) for o in items])
-        shown: dict[str, set[str]] = {}
-        holders: dict[str, tuple[str, str]] = {}
-        dup: set[str] = set()
-        for obj in items:
-            meta = obj.get("metadata") or {}
-            uid = meta.get("uid") or ""
-            live = ((obj.get("status") or {}).get("phase") or "") in LIVE_PHASES and \
-                not (obj.get("spec") or {}).get("hostNetwork")
-            ips = set(pod_ips(obj)) if live else set()
-            shown[uid] = ips
-            for ip in ips:
-                cand = (meta.get("creationTimestamp") or "", uid)
-                if ip in holders:
-                    dup.add(ip)
-                    cand = max(cand, holders[ip])
-                holders[ip] = cand
-        # The kubelet takes back what it said before and no longer says (only its own
-        # claims: what the API published is never touched).
-        withdrawn: set[str] = set()
-        for obj in items:
-            uid = (obj.get("metadata") or {}).get("uid") or ""
-            pod = self.pods.get(uid)
-            obj_rv = resource_version(obj)
+    def apply_runtime(self, view: RuntimeViewLike) -> None:
+        """A runtime poll: from now on its READY sandboxes own the node's addresses."""
+        owners: dict[str, str] = {}
+        by_uid: dict[str, set[str]] = {}
+        sandboxes: dict[str, SandboxLike] = {}
+        for ip, sandbox in view.owners.items():
+            c = canonical_ip(ip)
+            if c is None or not sandbox.pod_uid:
+                continue
+            owners[c] = sandbox.pod_uid
+            by_uid.setdefault(sandbox.pod_uid, set()).add(c)
+            sandboxes[sandbox.pod_uid] = sandbox
+            pod = self.pods.get(sandbox.pod_uid)
             if pod is None:
-                # Not delivered by the watch yet: remember which version the kubelet saw,
-                # so an older version arriving later cannot claim what it no longer shows.
-                if uid and uid not in self._tombstones:
-                    self._hints[uid] = (obj_rv, frozenset(shown.get(uid, ())))
-                    self._hints.move_to_end(uid)
-                    while len(self._hints) > self._tombstone_cap:
-                        self._hints.popitem(last=False)
-                continue
-            if not pod.live or (pod.api_known and obj_rv < pod.rv) or obj_rv < pod.kubelet_rv:
-                continue
-            before = pod.ips
-            pod.kubelet_rv = obj_rv
-            pod.kubelet_shown = frozenset(shown.get(uid, ()))
-            if pod.ips != before:
-                self._set_claims(pod, seen=pod.rv)
-        for uid, pod in self.pods.items():
-            if not pod.kubelet_ips:
-                continue
-            here = shown.get(uid, set())
-            gone = [ip for ip in pod.kubelet_ips if ip not in here]
-            if gone and not (pod.api_known and uid in shown and
-                             self._kubelet_copy_older(items, uid, pod)):
-                withdrawn.update(gone)
-                pod.kubelet_ips = tuple(ip for ip in pod.kubelet_ips if ip in here)
-                self._set_claims(pod, seen=pod.rv)
-        n = 0
-        for obj in items:
-            meta = obj.get("metadata") or {}
-            uid = meta.get("uid") or ""
-            ips = tuple(sorted(shown.get(uid, ())))
-            if not uid or not ips or uid in self._tombstones:
-                continue
-            pod = self.pods.get(uid)
-            obj_rv = resource_version(obj)
-            if pod is not None and (not pod.live or (pod.api_known and obj_rv < pod.rv)):
-                continue   # ended, or the kubelet's copy is older than what the watch said
-            # Dating.  A copy newer than ours (or of a pod the watch has not delivered) may
-            # just mirror the API at that version: as new as that version.  The kubelet's own
-            # knowledge is "now": the same version as ours with other addresses, the newest
-            # of several pods it shows with one address, or an address it just took back
-            # from another pod.
-            own = any((ip in dup and holders[ip][1] == uid) or ip in withdrawn for ip in ips)
-            if pod is not None and obj_rv == pod.rv:
-                fresh_ips = {ip for ip in ips if ip not in pod.api_ips}
-                own = own or pod.api_known or fresh_ips != set(pod.kubelet_ips)
-            if pod is None:
-                spec = obj.get("spec") or {}
-                pod = _Pod(uid=uid, namespace=meta.get("namespace") or "",
-                           name=meta.get("name") or "", rv=obj_rv,
-                           created=meta.get("creationTimestamp") or "",
-                           phase=(obj.get("status") or {}).get("phase") or "",
-                           terminating=bool(meta.get("deletionTimestamp")),
-                           annotations=meta.get("annotations") or {},
-                           service_account=spec.get("serviceAccountName") or "")
-                self.pods[uid] = pod
-                self._by_ns.setdefault(pod.namespace, set()).add(uid)
-                self._dirty_pods.add(uid)
-            elif not pod.api_known:
-                pod.rv = max(pod.rv, obj_rv)
-            pod.kubelet_seen = now
-            extra = tuple(ip for ip in ips if ip not in pod.api_ips)
-            if not extra:
-                continue
-            pod.kubelet_ips = extra
-            if obj_rv >= pod.kubelet_rv:
-                pod.kubelet_rv = obj_rv
-                pod.kubelet_shown = frozenset(ips)
-            seen = newest if own else max(obj_rv, self.watermark)
-            self._set_claims(pod, seen=seen, kubelet=(seen, kseq), refresh=own)
-            n += 1
-        self.counters["kubelet_claims"] += n
-        return n
+                self._sandbox_pod(sandbox)
+            elif pod.cred_key is not None and pod.cred_key[2] is None:
+                self._dirty_pods.add(pod.uid)   # tell the credential manager its address
+        for uid in [u for u in self.sandbox_pods if u not in by_uid]:
+            self._forget_sandbox_pod(uid)
+        if self._runtime is None:
+            # From the API's rules to the runtime's: every address may change hands.
+            log.info("addresses now follow the container runtime (%d sandboxes)", len(by_uid))
+            self._dirty_ips.update(self._written)
+            self._dirty_ips.update(self._claimants)
+            self._dirty_ips.update(owners)
+        else:
+            for ip in owners.keys() | self._runtime.keys():
+                if owners.get(ip) != self._runtime.get(ip):
+                    self._dirty_ips.add(ip)
+        self._runtime = owners
+        self._awaiting_runtime = False
+        self._runtime_ips = by_uid
+        self._sandboxes = sandboxes
+        self._verified_ns = max(self._verified_ns, view.started_ns)
+        self.counters["runtime_views"] += 1
+        self._reconcile()
 
-    @staticmethod
-    def _kubelet_copy_older(items: list[Mapping[str, Any]], uid: str, pod: "_Pod") -> bool:
-        for obj in items:
-            if (obj.get("metadata") or {}).get("uid") == uid:
-                return resource_version(obj) < pod.rv
-        return False
+    def runtime_lost(self) -> None:
+        """The runtime cannot be asked: fall back to the API's view of the addresses."""
+        if self._awaiting_runtime:
+            self._awaiting_runtime = False
+            self._dirty_ips.update(self._written)
+            self._dirty_ips.update(self._claimants)
+        if self._runtime is None:
+            return
+        log.warning("addresses follow the API server until the container runtime answers again")
+        self._dirty_ips.update(self._written)
+        self._dirty_ips.update(self._runtime)
+        self._dirty_ips.update(self._claimants)
+        self._runtime = None
+        self._runtime_ips = {}
+        self._sandboxes = {}
+        for uid in list(self.sandbox_pods):
+            self._forget_sandbox_pod(uid)
 
-    def knows_ip(self, ip: str) -> bool:
-        c = canonical_ip(ip)
-        return bool(c and self._claimants.get(c))
+    def _sandbox_pod(self, sandbox: SandboxLike) -> None:
+        pod = self.sandbox_pods.get(sandbox.pod_uid)
+        annotations = dict(sandbox.annotations)
+        if pod is None:
+            pod = _Pod(uid=sandbox.pod_uid, namespace=sandbox.namespace, name=sandbox.name,
+                       from_api=False, phase="Running", annotations=annotations)
+            self.sandbox_pods[pod.uid] = pod
+            self._dirty_pods.add(pod.uid)
+            self.counters["runtime_only_pods"] += 1
+        elif pod.annotations != annotations:
+            pod.annotations = annotations
+            self._dirty_pods.add(pod.uid)
 
-    # ---- time ---------------------------------------------------------------------------------
+    def _forget_sandbox_pod(self, uid: str) -> None:
+        pod = self.sandbox_pods.pop(uid)
+        self._dirty_ips.update(self._runtime_ips.get(uid, ()))
+        if pod.cred_key is not None:
+            self._gone.add(uid)
+        self._dirty_pods.discard(uid)
+
+    # ---- time and sync ------------------------------------------------------------------------
 
     def expire(self) -> None:
-        """Drop kubelet-only pods the watch never confirmed; deny pods whose namespace stayed
-        unknown past the grace period.  Call every second or so."""
+        """Retry failed credential acquires; deny pods whose namespace stayed unknown past the
+        grace period.  Call every second or so."""
         now = self.clock()
-        self._dirty_pods.update(u for u in self._retry if u in self.pods)
+        self._dirty_pods.update(u for u in self._retry if self._pod(u) is not None)
         self._retry.clear()
-        for uid, pod in list(self.pods.items()):
-            if not pod.api_known and now - pod.kubelet_seen > self.provisional_ttl:
-                log.info("pod %s/%s known only from the kubelet for %.0fs; forgetting it",
-                         pod.namespace, pod.name, now - pod.kubelet_seen)
-                self._remove(uid, tombstone=False)
-            elif (pod.undecided_since is not None
-                  and now - pod.undecided_since > self.namespace_grace):
+        for uid, pod in [*self.pods.items(), *self.sandbox_pods.items()]:
+            if (pod.undecided_since is not None
+                    and now - pod.undecided_since > self.namespace_grace):
                 self._dirty_pods.add(uid)
 
     def set_synced(self, synced: bool) -> None:
         self._synced = synced
+        if synced:
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Once the model knows the node (synced, or a runtime view), every address a
+        previous control process left in the table is decided again."""
+        if not self._reconciled:
+            self._reconciled = True
+            self._dirty_ips.update(self._written)
 
     # ---- commit -------------------------------------------------------------------------------
 
@@ -536,13 +485,15 @@ class Ownership:
         """Write everything recorded since the last commit; returns whether the table changed."""
         changed = False
         for uid in sorted(self._dirty_pods):
-            pod = self.pods.get(uid)
+            pod = self._pod(uid)
             if pod is not None:
                 self._decide(pod)
         self._dirty_pods.clear()
-        claims: list[tuple[str, tuple[str, int, int]]] = []
+        claims: list[tuple[str, Written]] = []
         releases: list[tuple[str, str]] = []
         for ip in sorted(self._dirty_ips):
+            if self.runtime_mode:
+                self._api_owner(ip)   # keeps the API's high-water marks for a fallback
             want = self._desired(ip)
             have = self._written.get(ip)
             if want == have:
@@ -571,12 +522,22 @@ class Ownership:
             self.counters["releases"] += 1
             changed = True
         for uid in self._gone:
-            self.sink.release(uid)
+            if self._pod(uid) is None or self._pod(uid).cred_key is None:
+                self.sink.release(uid)
         self._gone.clear()
         status = (len(self._pending), self._synced)
         if status != self._published:
             self.table.set_status(pending_pods=status[0], synced=status[1])
             self._published = status
+            changed = True
+        # The view's date last: workers trust the slots above for connections older than it.
+        if self._runtime is not None and self._verified_ns > self._published_verified:
+            self.table.set_verified(self._verified_ns)
+            self._published_verified = self._verified_ns
+            changed = True
+        if self._published_mode != self.runtime_mode:
+            self.table.set_status(runtime_mode=self.runtime_mode)
+            self._published_mode = self.runtime_mode
             changed = True
         self.counters["commits"] += 1
         if changed:
@@ -585,13 +546,21 @@ class Ownership:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _remove(self, uid: str, *, tombstone: bool = True) -> None:
+    def _pod(self, uid: str) -> _Pod | None:
+        return self.pods.get(uid) or self.sandbox_pods.get(uid)
+
+    def _ips_of(self, pod: _Pod) -> Iterable[str]:
+        """The addresses this pod owns under the current source of ownership."""
+        if self._runtime is not None:
+            return self._runtime_ips.get(pod.uid, ())
+        return pod.claims
+
+    def _remove(self, uid: str) -> None:
         pod = self.pods.pop(uid, None)
-        if tombstone:
-            self._tombstones[uid] = None
-            self._tombstones.move_to_end(uid)
-            while len(self._tombstones) > self._tombstone_cap:
-                self._tombstones.popitem(last=False)
+        self._tombstones[uid] = None
+        self._tombstones.move_to_end(uid)
+        while len(self._tombstones) > self._tombstone_cap:
+            self._tombstones.popitem(last=False)
         if pod is None:
             return
         members = self._by_ns.get(pod.namespace)
@@ -605,68 +574,27 @@ class Ownership:
         if pod.cred_key is not None:
             self._gone.add(uid)
         self._dirty_pods.discard(uid)
+        if uid in self._sandboxes:
+            # Deleted from the API while its sandbox still runs (a forced delete): the
+            # processes asking from its address are still this pod's.
+            self._sandbox_pod(self._sandboxes[uid])
 
-    def _set_claims(self, pod: _Pod, *, seen: int, kubelet: tuple[int, int] | None = None,
-                    refresh: bool = False) -> None:
-        """Make the pod's claims match its addresses.  New claims on published addresses get
-        keys at `seen`; on kubelet-only addresses at `kubelet` (resourceVersion, kubelet
-        sequence); with `refresh`, existing kubelet claims are raised to it (the kubelet says
-        the pod has the address now)."""
-        wanted = set(pod.ips) if pod.live else set()
+    def _set_claims(self, pod: _Pod, *, seen: int) -> None:
+        """Make the pod's API claims match its published addresses; new claims are keyed at
+        `seen`."""
+        wanted = set(pod.api_ips) if pod.live else set()
         for ip in list(pod.claims):
             if ip not in wanted:
                 self._drop_claim(pod, ip)
         rank = 0 if pod.terminating else 1
         for ip in wanted:
-            key = pod.claims.get(ip)
-            from_kubelet = ip not in pod.api_ips
-            if key is None:
-                if from_kubelet and kubelet is not None:
-                    at, k = kubelet
-                else:
-                    at, k = seen, 0
-                pod.claims[ip] = (at, k, pod.created, rank, pod.uid)
+            if ip not in pod.claims:
+                pod.claims[ip] = (seen, pod.created, rank, pod.uid)
                 self._claimants.setdefault(ip, set()).add(pod.uid)
                 self._dirty_ips.add(ip)
-            elif from_kubelet and kubelet is not None and refresh:
-                fresh: ClaimKey = (kubelet[0], kubelet[1], pod.created, rank, pod.uid)
-                if fresh > key:
-                    pod.claims[ip] = fresh
-                    self._dirty_ips.add(ip)
-        if pod.cred_key is not None and pod.cred_key[2] is None and pod.ips:
+        if pod.cred_key is not None and pod.cred_key[2] is None and pod.api_ips:
             self._dirty_pods.add(pod.uid)   # tell the credential manager the pod's address
         self._refresh_pending(pod)
-
-    def _rerank_kubelet_claims(self, pod: _Pod, list_rv: int) -> None:
-        """After a relist: a claim only the kubelet reported (still unpublished) stays newer
-        than the claims this list showed for the first time, unless one of those objects was
-        written after the kubelet's view (then it may be the newer claim, and it wins)."""
-        for ip in pod.kubelet_ips:
-            key = pod.claims.get(ip)
-            if key is None or key[1] == 0:
-                continue
-            ahead: list[ClaimKey] = []
-            passable = True
-            for u in self._claimants.get(ip, ()):
-                if u == pod.uid:
-                    continue
-                r = self.pods[u]
-                rk = r.claims[ip]
-                if rk < key:
-                    continue
-                ahead.append(rk)
-                # Only claims this list showed first, on objects no newer than the kubelet's
-                # view, are older than what the kubelet said.
-                if not (rk[0] == list_rv and rk[1] == 0 and r.rv <= key[0]):
-                    passable = False
-                    break
-            hw = self._hw.get(ip)
-            if not passable or not ahead or (hw is not None and hw > max(ahead)):
-                continue   # nothing to pass, or the address's history says the claim is old
-            fresh: ClaimKey = (list_rv, key[1], pod.created, key[3], pod.uid)
-            if fresh > key:
-                pod.claims[ip] = fresh
-                self._dirty_ips.add(ip)
 
     def _drop_claim(self, pod: _Pod, ip: str) -> None:
         del pod.claims[ip]
@@ -679,12 +607,12 @@ class Ownership:
         self._dirty_ips.add(ip)
 
     def _refresh_pending(self, pod: _Pod) -> None:
-        if pod.live and (not pod.ips or pod.identity is None):
+        if pod.from_api and pod.live and (not pod.api_ips or pod.identity is None):
             self._pending.add(pod.uid)
         else:
             self._pending.discard(pod.uid)
 
-    def _owner(self, ip: str) -> str | None:
+    def _api_owner(self, ip: str) -> str | None:
         members = self._claimants.get(ip)
         if not members:
             return None
@@ -703,14 +631,20 @@ class Ownership:
         self._hw[ip] = best_key
         return best
 
-    def _desired(self, ip: str) -> tuple[str, int, int] | None:
-        uid = self._owner(ip)
+    def _desired(self, ip: str) -> Written | None:
+        if self._awaiting_runtime:
+            return self._written.get(ip)       # the runtime decides, once it answers
+        uid = self._runtime.get(ip) if self._runtime is not None else self._api_owner(ip)
         if uid is None:
+            if not self._reconciled:
+                return self._written.get(ip)   # a restart: keep serving until we know
             return None
-        pod = self.pods[uid]
+        pod = self._pod(uid)
+        if pod is None:
+            return None
         ident = pod.identity
         if ident is None:
-            return None   # undecided: no answer yet; workers wait (pending_pods)
+            return (uid, POD_UNDECIDED, -1)   # known owner, policy still open: workers wait
         if ident.kind == IdentityKind.ROLE:
             return (uid, POD_ROLE, pod.cred_slot)
         if ident.kind == IdentityKind.NO_ROLE:
@@ -726,6 +660,7 @@ class Ownership:
                 pod.cred_slot = -1
             pod.identity = PodIdentity.denied("not running")
             pod.undecided_since = None
+            self._dirty_ips.update(self._ips_of(pod))
             self._refresh_pending(pod)
             return
         self._gone.discard(pod.uid)
@@ -743,7 +678,8 @@ class Ownership:
         if ident is not None:
             pod.undecided_since = None
         if ident is not None and ident.kind == IdentityKind.ROLE:
-            ip = pod.ips[0] if pod.ips else None
+            ips = list(self._ips_of(pod)) or list(pod.api_ips)
+            ip = sorted(ips)[0] if ips else None
             want = (ident.role_arn, ident.external_id, ip)
             if pod.cred_key != want:
                 try:
@@ -762,7 +698,6 @@ class Ownership:
             self._gone.add(pod.uid)   # released after the table stops naming the slot
             pod.cred_key = None
             pod.cred_slot = -1
-        if ident != pod.identity:
-            pod.identity = ident
-            self._dirty_ips.update(pod.claims)
+        pod.identity = ident
+        self._dirty_ips.update(self._ips_of(pod))
         self._refresh_pending(pod)

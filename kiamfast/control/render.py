@@ -11,6 +11,7 @@ failure) into the list of parts described in docs/architecture.md:
     PART_DOCUMENT      full HTTP response, the IMDS credentials document
     PART_EXT_DOCUMENT  full HTTP response, the document plus ``AccountId`` (IMDS spec 2.1)
     PART_INFO          full HTTP response, ``iam/info`` for the pod's role
+    PART_KEY           the key the slot holds credentials for, and their expiry (no secret)
 
 What it must never do: put a ``Date`` header or anything else time-of-request into the bytes
 (they are served for up to an hour), emit an ``Expiration`` in any form but
@@ -26,6 +27,7 @@ import base64
 import datetime as _dt
 import hashlib
 from email.utils import formatdate
+from typing import Any
 
 import orjson
 
@@ -34,7 +36,8 @@ PART_LISTING = 1
 PART_DOCUMENT = 2
 PART_EXT_DOCUMENT = 3
 PART_INFO = 4
-PART_COUNT = 5
+PART_KEY = 5          # JSON: the credential key and expiry, for a restarted control process
+PART_COUNT = 6
 
 #: The table copies at most this many bytes of PART_NAMES when matching a URL name.
 NAMES_LIMIT = 1024
@@ -243,3 +246,35 @@ def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
         headers[name.strip().lower()] = value.strip()
     return status, headers, body
 
+
+
+def key_part(*, role_arn: str, external_id: str | None, session: str,
+             tags: tuple[tuple[str, str], ...], access_key_id: str, expiration: float,
+             fetched_at: float, denied: bool = False) -> bytes:
+    """PART_KEY: what a restarted control process needs to adopt a slot (no secrets)."""
+    return orjson.dumps({"v": 1, "role_arn": role_arn, "external_id": external_id,
+                         "session": session, "tags": [list(t) for t in tags],
+                         "access_key_id": access_key_id, "expiration": expiration,
+                         "fetched_at": fetched_at, "denied": denied})
+
+
+def parse_key_part(parts: list[bytes]) -> dict[str, Any] | None:
+    """PART_KEY of a slot's parts as written by key_part, or None if absent or malformed."""
+    if len(parts) <= PART_KEY:
+        return None
+    try:
+        record = orjson.loads(parts[PART_KEY])
+        if record.get("v") != 1:
+            return None
+        out = {"role_arn": str(record["role_arn"]),
+               "external_id": None if record["external_id"] is None
+               else str(record["external_id"]),
+               "session": str(record["session"]),
+               "tags": [(str(k), str(v)) for k, v in record["tags"]],
+               "access_key_id": str(record["access_key_id"]),
+               "expiration": float(record["expiration"]),
+               "fetched_at": float(record["fetched_at"]),
+               "denied": bool(record["denied"])}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return out

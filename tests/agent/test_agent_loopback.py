@@ -57,7 +57,7 @@ def agent(tmp_path_factory):
          "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
          f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}",
          "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
-         f"--token-key-file={d / 'key'}", f"--kubelet-url={api.kubelet_url('n1')}",
+         f"--token-key-file={d / 'key'}", "--cri-endpoint=none",
          "--iptables=false", "--debug"],
         env=env, stderr=open(d / "agent.log", "wb"))
     deadline = time.monotonic() + 30
@@ -94,8 +94,10 @@ def test_healthz_has_kube2iams_shape(agent):
     status, body = http(agent["port"], "/healthz")
     doc = orjson.loads(body)
     assert status == 200
-    assert set(doc) == {"hostIP", "instanceId"}
+    # kube2iam's two fields, plus where addresses come from (no runtime socket here)
+    assert set(doc) == {"hostIP", "instanceId", "runtime"}
     assert doc["hostIP"] == "127.0.0.1" and doc["instanceId"].startswith("i-")
+    assert doc["runtime"] == "disabled"
 
 
 def test_debug_store_has_kube2iams_shape(agent):
@@ -125,6 +127,44 @@ def test_metrics_carry_kube2iams_names(agent):
                  "kiamfast_http_requests_total", 'kiamfast_watch_total{kind="lists"} 1'):
         assert name in text, name
     assert "_created" not in text
+
+
+# kube2iam 0.15's metrics (its metrics/metrics.go): name -> (type, label names).
+KUBE2IAM_METRICS = {
+    "kube2iam_iam_request_duration_seconds": ("histogram", {"code", "role_arn"}),
+    "kube2iam_iam_cache_hits": ("counter", {"role_arn"}),          # kube2iam_iam_cache_hits_total
+    "kube2iam_iam_k8s_dup_req_count": ("counter", set()),
+    "kube2iam_iam_k8s_dup_req_success_count": ("counter", set()),
+    "kube2iam_iam_k8s_pod_not_in_pod_cache": ("counter", set()),
+    "kube2iam_http_request_duration_seconds": ("histogram", {"code", "method", "handler"}),
+    "kube2iam_healthcheck_status": ("gauge", set()),
+    "kube2iam_info": ("gauge", {"version", "build_date", "commit_hash"}),
+}
+
+
+def test_metrics_carry_every_kube2iam_metric_by_name_type_and_labels(agent):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    http(agent["port"], "/latest/meta-data/iam/security-credentials/", source=POD_IP)
+    http(agent["port"], "/latest/meta-data/iam/security-credentials/", source="127.0.0.99")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        body = http(agent["port"], "/metrics")[1].decode()
+        if 'code="Success",role_arn="arn:' in body:
+            break
+        time.sleep(0.2)
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name, (kind, labels) in KUBE2IAM_METRICS.items():
+        assert name in families, name
+        family = families[name]
+        assert family.type == kind, (name, family.type)
+        # A cache hit needs a second pod of the same key; kube2iam too shows none before.
+        assert family.samples or name == "kube2iam_iam_cache_hits", name
+        for sample in family.samples:
+            assert set(sample.labels) - {"le"} == labels, (name, sample.labels)
+    assert "kube2iam_iam_k8s_pod_not_in_pod_cache 1" in body     # the unknown 127.0.0.99
+    assert ('kube2iam_http_request_duration_seconds_count{code="200",'
+            'handler="securityCredentialsHandler",method="GET"} ') in body
 
 
 def test_sigterm_stops_every_process_cleanly(agent):

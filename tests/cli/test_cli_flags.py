@@ -61,7 +61,7 @@ KUBE2IAM_DEFAULTS = {
 
 OUR_DEFAULTS = {
     "workers": 1, "wait_budget": 0.35, "imdsv2": "optional", "kubelet_url": "",
-    "kubelet_insecure": True, "sts_endpoint": "", "sts_region": "", "sts_qps": 5.0,
+    "kubelet_insecure": False, "cri_endpoint": "auto", "sts_endpoint": "", "sts_region": "", "sts_qps": 5.0,
     "sts_burst": 20, "session_duration": 3600.0, "min_credential_lifetime": 900.0,
     "session_name_policy": "node-role", "session_tags": False,
     "node_startup_taint": "kiamfast.io/agent-not-ready", "iptables_remove_on_exit": False,
@@ -127,7 +127,7 @@ def test_typical_kube2iam_daemonset_args_parse_unchanged():
     assert cfg.host_ip == "10.0.1.23"
     assert cfg.node == "ip-10-0-1-23.ec2.internal"
     assert cfg.host_interface == "eni+"
-    assert cfg.kubelet_url == "https://10.0.1.23:10250"
+    assert cfg.cri_endpoint == "auto"
     # The chart's other common flags.
     cfg = parse_args(TYPICAL_ARGS + [
         "--auto-discover-default-role=false", "--app-port=8181", "--log-level=info",
@@ -222,8 +222,6 @@ def test_host_ips_fills_the_ipv6_address():
                                                    "HOST_IPS": "10.1.2.3,2600:1f18::7"})
     assert cfg.host_ipv6 == "2600:1f18::7"
     assert parse_args([], environ={"HOST_IP": "2600:1f18::7"}).host_ipv6 == "2600:1f18::7"
-    assert parse_args([], environ={"HOST_IP": "2600:1f18::7"}).kubelet_url == \
-        "https://[2600:1f18::7]:10250"
 
 
 def test_bad_environment_value_names_the_flag_and_the_variable():
@@ -290,14 +288,15 @@ def test_session_duration_follows_kube2iams_ttl_only_when_given():
         parse_args(["--session-duration=15m"], environ={})
 
 
-def test_kubelet_url_derivation():
-    assert parse_args(["--host-ip=10.0.0.5"], environ={}).kubelet_url == \
-        "https://10.0.0.5:10250"
-    assert parse_args(["--host-ip=10.0.0.5", "--kubelet-url="], environ={}).kubelet_url == ""
-    assert parse_args(["--kubelet-url=http://127.0.0.1:10255/"],
-                      environ={}).kubelet_url == "http://127.0.0.1:10255"
-    with pytest.raises(UsageError, match="--kubelet-url"):
-        parse_args(["--kubelet-url=10.0.0.5:10250"], environ={})
+def test_cri_endpoint_values_and_the_kubelet_flags_kept_for_compatibility():
+    for value in ("auto", "none", "", "unix:///run/containerd/containerd.sock",
+                  "/var/run/crio/crio.sock"):
+        assert parse_args([f"--cri-endpoint={value}"], environ={}).cri_endpoint == value
+    with pytest.raises(UsageError, match="--cri-endpoint"):
+        parse_args(["--cri-endpoint=tcp://10.0.0.5:1234"], environ={})
+    # Earlier kiamfast DaemonSets keep starting: accepted, and without effect.
+    cfg = parse_args(["--kubelet-url=https://10.0.0.5:10250", "--kubelet-insecure"], environ={})
+    assert cfg.kubelet_url == "https://10.0.0.5:10250" and cfg.kubelet_insecure
 
 
 @pytest.mark.parametrize("args,flag", [
@@ -338,14 +337,10 @@ def test_config_is_frozen_and_constructible_directly():
     cfg = Config(node="n1", host_ip="10.0.0.1")
     with pytest.raises(AttributeError):
         cfg.node = "n2"  # type: ignore[misc]
-    assert cfg.kubelet_url == "https://10.0.0.1:10250"
     assert cfg.replace(app_port=9000).app_port == 9000
     # Derived settings follow the fields they derive from; given ones stay.
-    assert cfg.replace(host_ip="10.0.0.2").kubelet_url == "https://10.0.0.2:10250"
     assert cfg.replace(iam_role_session_ttl=1200.0).session_duration == 2400.0
-    given = Config(host_ip="10.0.0.1", kubelet_url="http://127.0.0.1:10255",
-                   session_duration=1800.0)
-    assert given.replace(host_ip="10.0.0.2").kubelet_url == "http://127.0.0.1:10255"
+    given = Config(host_ip="10.0.0.1", session_duration=1800.0)
     assert given.replace(iam_role_session_ttl=1200.0).session_duration == 1800.0
     v6 = Config(host_ip="fd00::1")
     assert v6.host_ipv6 == "fd00::1"

@@ -9,7 +9,8 @@ ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DE
 
 
 def test_pod_states_match_the_table_module():
-    assert (ownership.POD_ROLE, ownership.POD_NO_ROLE, ownership.POD_DENIED) == (ROLE, NO_ROLE, DENIED)
+    assert (ownership.POD_ROLE, ownership.POD_NO_ROLE, ownership.POD_DENIED,
+            ownership.POD_UNDECIDED) == (ROLE, NO_ROLE, DENIED, tablemod.POD_UNDECIDED)
 
 
 def test_pod_with_role_is_written_with_its_credential_slot(make_model, table, sink):
@@ -241,7 +242,8 @@ def test_pod_in_a_namespace_not_seen_yet_waits_then_is_denied(make_model, table,
     m = make_model(namespace_restrictions=True)
     m.apply_pod(pod("a", ns="late", ips=("10.0.0.1",), role="app"))
     m.commit()
-    assert lookup(table, "10.0.0.1") is None and table.pending_pods == 1
+    assert lookup(table, "10.0.0.1") == ("a", tablemod.POD_UNDECIDED, -1)
+    assert table.pending_pods == 1
     m.apply_namespace(namespace("late", {NS_KEY: '["app"]'}))
     m.commit()
     assert lookup(table, "10.0.0.1")[:2] == ("a", ROLE) and table.pending_pods == 0
@@ -273,83 +275,126 @@ def test_role_annotation_change_re_acquires(make_model, table, sink):
     assert "a" not in sink.holders
 
 
-# ---- the kubelet --------------------------------------------------------------------------
+# ---- the container runtime ----------------------------------------------------------------------
 
-def test_kubelet_address_maps_the_pod_to_its_own_role(make_model, table, sink):
-    m = make_model(default_role="fallback")
-    m.apply_pod(pod("a", phase="Pending", role="own", rv=5))
-    m.commit()
-    assert table.pending_pods == 1
-    assert m.apply_kubelet([pod("a", ips=("10.0.0.3",), role="own", rv=5)]) == 1
-    m.commit()
-    assert lookup(table, "10.0.0.3") == ("a", ROLE, sink.slot_for(BASE + "own"))
-    assert table.pending_pods == 0
-    # The API catches up with the same address: nothing moves.
-    m.apply_pod(pod("a", ips=("10.0.0.3",), role="own", rv=7))
-    assert m.commit() is False
+def view(*sandboxes, started_ns=1_000):
+    """A runtime poll: (uid, ip or ips, annotations) per READY sandbox."""
+    from kiamfast.control.runtime import RuntimeView, Sandbox
+    sbs = []
+    for uid, ips, ann in sandboxes:
+        ips = (ips,) if isinstance(ips, str) else tuple(ips)
+        sbs.append(Sandbox(id=f"sb-{uid}", pod_uid=uid, name=f"pod-{uid}", namespace="default",
+                           ips=ips, annotations=ann, created_ns=0))
+    return RuntimeView(started_ns=started_ns, sandboxes=tuple(sbs),
+                       owners={ip: sb for sb in sbs for ip in sb.ips}, conflicts=frozenset())
 
 
-def test_kubelet_beats_a_stale_api_claim_on_the_same_address(make_model, table):
+def test_runtime_owner_gets_its_role_before_the_api_has_its_address(make_model, table, sink):
     m = make_model()
-    m.apply_pod(pod("dead", ips=("10.0.0.3",), role="x", rv=5))
+    m.apply_pod(pod("a", phase="Pending", role="app"))
+    m.commit()
+    m.apply_runtime(view(("a", "10.0.0.3", {"iam.amazonaws.com/role": "app"})))
+    m.commit()
+    assert lookup(table, "10.0.0.3") == ("a", ROLE, sink.slot_for(BASE + "app"))
+    assert table.runtime_mode and table.verified_ns == 1_000
+    assert sink.requests["a"].pod_ip == "10.0.0.3"
+
+
+def test_runtime_beats_the_api_on_a_reused_address(make_model, table, sink):
+    m = make_model()
+    m.apply_pod(pod("old", ips=("10.0.0.3",), role="x", rv=5))
     m.apply_pod(pod("new", phase="Pending", role="y", rv=6))
     m.commit()
-    m.apply_kubelet([pod("new", ips=("10.0.0.3",), role="y", rv=6),
-                     pod("dead", ips=("10.0.0.3",), role="x", rv=5)])
+    assert lookup(table, "10.0.0.3")[0] == "old"
+    m.apply_runtime(view(("new", "10.0.0.3", {})))
+    m.commit()
+    assert lookup(table, "10.0.0.3") == ("new", ROLE, sink.slot_for(BASE + "y"))
+    m.apply_pod(pod("old", ips=("10.0.0.3",), role="x", rv=7))   # the API, still late
     m.commit()
     assert lookup(table, "10.0.0.3")[0] == "new"
 
 
-def test_kubelet_never_resurrects_or_releases(make_model, table):
+def test_no_ready_sandbox_means_no_owner_whatever_the_api_says(make_model, table):
     m = make_model()
-    m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=3))
-    m.apply_pod(pod("gone", ips=("10.0.0.2",), role="r", rv=4))
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))
     m.commit()
-    m.delete_pod(pod("gone", rv=8))
-    m.apply_pod(pod("new", ips=("10.0.0.1",), role="r", rv=9))   # a's address reused
+    m.apply_runtime(view())
     m.commit()
-    # A stale kubelet view: both old pods still alive, new pod without an address.
-    m.apply_kubelet([pod("a", ips=("10.0.0.1",), role="r", rv=3),
-                     pod("gone", ips=("10.0.0.2",), role="r", rv=4),
-                     pod("new", role="r", rv=2, phase="Pending")])
-    m.commit()
-    assert lookup(table, "10.0.0.1")[0] == "new"
-    assert lookup(table, "10.0.0.2") is None
+    assert lookup(table, "10.0.0.4") is None
 
 
-def test_stale_kubelet_copy_of_a_pod_is_ignored(make_model, table):
+def test_pod_only_the_runtime_knows_is_decided_from_its_sandbox(make_model, table, sink):
     m = make_model()
-    m.apply_pod(pod("a", ips=("10.0.0.5",), role="r", rv=10))   # sandbox recreated: new IP
-    m.apply_pod(pod("b", ips=("10.0.0.4",), role="r", rv=11))   # old IP went to b
+    m.apply_runtime(view(("k", "10.0.0.8", {"iam.amazonaws.com/role": "from-sandbox"})))
     m.commit()
-    m.apply_kubelet([pod("a", ips=("10.0.0.4",), role="r", rv=8)])
+    assert lookup(table, "10.0.0.8") == ("k", ROLE, sink.slot_for(BASE + "from-sandbox"))
+    m.apply_pod(pod("k", ips=("10.0.0.8",), role="from-api"))        # the API wins the policy
+    m.commit()
+    assert lookup(table, "10.0.0.8") == ("k", ROLE, sink.slot_for(BASE + "from-api"))
+    m.delete_pod(pod("k"))           # deleted (forced) while its sandbox runs: still its own
+    m.commit()
+    assert lookup(table, "10.0.0.8") == ("k", ROLE, sink.slot_for(BASE + "from-sandbox"))
+    m.apply_runtime(view(started_ns=2_000))                           # the sandbox stopped
+    m.commit()
+    assert lookup(table, "10.0.0.8") is None and "k" not in sink.holders
+
+
+def test_runtime_owner_whose_namespace_is_unknown_waits(make_model, table, clock):
+    m = make_model(namespace_restrictions=True)
+    m.apply_runtime(view(("w", "10.0.0.9", {"iam.amazonaws.com/role": "r"})))
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("w", tablemod.POD_UNDECIDED, -1)
+    m.apply_namespace(namespace("default", {NS_KEY: '["r"]'}))
+    m.commit()
+    assert lookup(table, "10.0.0.9")[:2] == ("w", ROLE)
+
+
+def test_losing_the_runtime_falls_back_to_the_api(make_model, table):
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))
+    m.apply_runtime(view(("b", "10.0.0.4", {})))
     m.commit()
     assert lookup(table, "10.0.0.4")[0] == "b"
+    m.runtime_lost()
+    m.commit()
+    assert not table.runtime_mode
+    assert lookup(table, "10.0.0.4")[0] == "a"
 
 
-def test_kubelet_only_pod_is_mapped_then_forgotten_unless_confirmed(make_model, table, clock):
+def test_view_date_is_published_after_its_addresses(make_model, table):
+    """Workers trust the slots for connections older than verified_ns: the date must never
+    be visible before the addresses it vouches for."""
+    order = []
+    real_claim, real_verified = table.claim_ip, table.set_verified
+    table_calls = type("T", (), {})()
     m = make_model()
-    m.apply_kubelet([pod("k", ips=("10.0.0.8",), role="r", rv=3)])
+    m.table = table_calls
+    table_calls.claim_ip = lambda *a, **k: (order.append("claim"), real_claim(*a, **k))
+    table_calls.release_ip = table.release_ip
+    table_calls.set_status = table.set_status
+    table_calls.set_verified = lambda ns: (order.append("verified"), real_verified(ns))
+    m.apply_runtime(view(("a", "10.0.0.1", {}), ("b", "10.0.0.2", {})))
     m.commit()
-    assert lookup(table, "10.0.0.8")[0] == "k"
-    clock.advance(m.provisional_ttl + 1)
-    m.expire()
-    m.commit()
-    assert lookup(table, "10.0.0.8") is None
+    assert order == ["claim", "claim", "verified"]
 
 
-def test_relist_keeps_kubelet_only_pods_seen_after_the_list_started(make_model, table, clock):
-    m = make_model()
-    started = clock()
-    clock.advance(0.1)
-    m.apply_kubelet([pod("k", ips=("10.0.0.8",), role="r", rv=3)])
-    m.replace_pods([], list_rv=2, started=started)
+# ---- a restarted control process -------------------------------------------------------------------
+
+def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
+    from kiamfast.control.ownership import Ownership
+    from kiamfast.control.roles import RolePolicy
+    table.claim_ip("10.0.0.5", "uid-a", ROLE, 0)          # what the dead process left
+    table.claim_ip("10.0.0.6", "uid-b", ROLE, 1)
+    adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
+    m = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink, adopted=adopted)
+    assert m.slot_in_use(0) and m.slot_in_use(1)
+    m.replace_pods([pod("uid-b", ips=("10.0.0.6",), role="b")], list_rv=50)
     m.commit()
-    assert lookup(table, "10.0.0.8")[0] == "k"
-    clock.advance(0.1)
-    m.replace_pods([], list_rv=4, started=clock())
+    assert lookup(table, "10.0.0.5") is not None           # not synced: keep serving
+    m.set_synced(True)
     m.commit()
-    assert lookup(table, "10.0.0.8") is None
+    assert lookup(table, "10.0.0.5") is None               # a was deleted meanwhile
+    assert m.mapping() == {"10.0.0.6": ("uid-b", ROLE, sink.slot_for(BASE + "b"))}
 
 
 # ---- status, notify, credentials ---------------------------------------------------------------
@@ -389,7 +434,8 @@ def test_acquire_failure_leaves_the_pod_waiting_and_is_retried(make_model, table
     m = make_model()
     m.apply_pod(pod("a", ips=("10.0.0.1",), role="r"))
     m.commit()
-    assert lookup(table, "10.0.0.1") is None and table.pending_pods == 1
+    assert lookup(table, "10.0.0.1") == ("a", tablemod.POD_UNDECIDED, -1)
+    assert table.pending_pods == 1
     sink.fail = False
     m.expire()
     m.commit()

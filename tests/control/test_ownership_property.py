@@ -9,14 +9,15 @@ The test simulates one node at three levels:
   (its address, its death) is published *later* than the truth, so the API can show a dead
   pod Running with an address that already belongs to a newer pod;
 * what the model hears: the watch delivers the writes in order but may drop (a relist of
-  the API state follows, as after a 410), and the kubelet can be asked (it knows the truth
-  about its own sandboxes, and mirrors the API for the rest) when the watch has no backlog:
-  it races the API's publication of addresses, the seed race (see ownership.py on the
-  limits when the watch itself lags).
+  the API state follows, as after a 410); the container runtime's polls show the truth
+  (READY sandboxes and their addresses) at the moment they are taken; the runtime can
+  become unreachable; the control process can be killed and restarted from the table a
+  previous one left, while the world goes on (pods die, addresses are reused).
 
-The oracle knows, for every address, the order in which the CNI gave it to pods.  A mapping
-ip -> pod is wrong when the model has been told of a newer owner of that ip, or that the
-pod's claim ended, or was never told the pod has that ip at all.
+Two oracles.  While the model follows the runtime, the table must equal the last poll: every
+address maps to the pod whose sandbox held it then, and to nobody if no sandbox did.  While
+it follows the API, a mapping ip -> pod is wrong when the model has been told of a newer
+owner of that ip, or that the pod's claim ended, or was never told the pod has that ip.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 from kiamfast import table as tablemod
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.roles import IdentityKind, RolePolicy
+from kiamfast.control.runtime import RuntimeView, Sandbox
 
 POOL = ["10.0.0.1", "10.0.0.2"]
 NAMESPACES = ("a", "b")
@@ -52,6 +54,8 @@ class World:
         self.assigned: dict[tuple[str, str], int] = {}   # (uid, ip) -> seq of its latest assignment
         self.ns = {"a": '["r1"]', "b": '["r1", "r2"]'}
         self.n = 0
+        self.created: dict[str, dict] = {}        # uid -> the object as created (sandbox copy)
+        self.polls = 0
 
     # ---- truth ------------------------------------------------------------------------------
     def api_claims(self, uid: str) -> dict[str, int]:
@@ -90,8 +94,10 @@ class World:
         self.order[uid] = self.n
         self.alive[uid] = True
         self.truth_ip[uid] = None
-        self.write(uid, pod(uid, ns=ns, role=role, phase="Pending",
-                            created=f"2024-01-01T{self.n // 3600:02d}:{self.n // 60 % 60:02d}:{self.n % 60:02d}Z"))
+        obj = pod(uid, ns=ns, role=role, phase="Pending",
+                  created=f"2024-01-01T{self.n // 3600:02d}:{self.n // 60 % 60:02d}:{self.n % 60:02d}Z")
+        self.created[uid] = copy.deepcopy(obj)
+        self.write(uid, obj)
 
     def set_status(self, uid: str, *, ips=None, phase=None, terminating=None, role=None) -> None:
         obj = copy.deepcopy(self.api[uid])
@@ -110,22 +116,18 @@ class World:
                 ann[ROLE_KEY] = role
         self.write(uid, obj)
 
-    def kubelet_view(self) -> tuple[list[dict], dict[tuple[str, str], int]]:
-        """The kubelet's /pods: the API's objects, with the truth about its own sandboxes."""
-        items, claims = [], {}
-        for uid, obj in self.api.items():
-            o = copy.deepcopy(obj)
-            ip = self.truth_ip.get(uid)
-            if self.alive[uid] and ip and o["status"]["phase"] in ("Pending", "Running"):
-                o["status"]["podIPs"] = [{"ip": ip}]
-                o["status"]["podIP"] = ip
-                o["status"]["phase"] = "Running"
-                claims[(uid, ip)] = self.assigned[(uid, ip)]
-            else:   # mirrored from the API (possibly stale)
-                for a, seq in self.api_claims(uid).items():
-                    claims[(uid, a)] = seq
-            items.append(o)
-        return items, claims
+    def runtime_view(self) -> RuntimeView:
+        """A runtime poll now: the READY sandboxes, with the pod's annotations as created."""
+        sbs = []
+        for ip, uid in sorted(self.cni.items()):
+            obj = self.created[uid]
+            sbs.append(Sandbox(id=f"sb-{uid}-{ip}", pod_uid=uid, name=obj["metadata"]["name"],
+                               namespace=obj["metadata"]["namespace"], ips=(ip,),
+                               annotations=dict(obj["metadata"]["annotations"]),
+                               created_ns=0))
+        self.polls += 1
+        return RuntimeView(started_ns=self.polls, sandboxes=tuple(sbs),
+                           owners={sb.ips[0]: sb for sb in sbs}, conflicts=frozenset())
 
 
 class Oracle:
@@ -160,6 +162,11 @@ class Oracle:
         else:
             self.api_obj[uid] = obj
 
+    def check_runtime(self, t: tablemod.Table, view: RuntimeView) -> None:
+        mapped = {e["ip"]: e["pod_uid"] for e in t.snapshot()}
+        shown = {ip: sb.pod_uid for ip, sb in view.owners.items()}
+        assert mapped == shown, f"table {mapped} != the last runtime poll {shown}"
+
     def check(self, t: tablemod.Table, sink: SlotSink) -> None:
         for entry in t.snapshot():
             ip, uid = entry["ip"], entry["pod_uid"]
@@ -179,8 +186,8 @@ class Oracle:
 
 # Weighted towards churn on the small address pool, where the races are.
 ACTIONS = (["create"] * 3 + ["sandbox"] * 4 + ["publish"] * 3 + ["die"] * 3 + ["publish_death"] * 2
-           + ["delete"] * 2 + ["deliver"] * 8 + ["kubelet"] * 2
-           + ["terminate", "recreate", "role", "ns", "relist"])
+           + ["delete"] * 2 + ["deliver"] * 8 + ["runtime"] * 3
+           + ["terminate", "recreate", "role", "ns", "relist", "runtime_lost", "restart"])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -194,12 +201,28 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
     os.close(fd)
     t = tablemod.Table.create(path, ip_capacity=64, cred_capacity=8, value_size=256,
                               aux_count=0, aux_size=64, max_workers=1)
-    try:
-        model = Ownership(policy=policy, table=t, sink=sink)
+    last_view: list[RuntimeView] = []
+
+    def start_model(adopted=None) -> Ownership:
+        m = Ownership(policy=policy, table=t, sink=sink, adopted=adopted)
         for name, ann in world.ns.items():
-            obj = namespace(name, {NS_KEY: ann})
-            model.apply_namespace(obj)
+            m.apply_namespace(namespace(name, {NS_KEY: ann}))
             oracle.ns_rules[name] = policy.namespace_rules(name, {NS_KEY: ann})
+        return m
+
+    def relist(m: Ownership) -> None:
+        world.queue.clear()
+        items = [copy.deepcopy(o) for o in world.api.values()]
+        m.replace_pods(items, list_rv=world.rv)
+        listed = {o["metadata"]["uid"] for o in items}
+        for uid in list(oracle.api_obj):
+            if uid not in listed:
+                oracle.heard_api(oracle.api_obj[uid], {}, deleted=True)
+        for o in items:
+            oracle.heard_api(o, world.api_claims(o["metadata"]["uid"]))
+
+    try:
+        model = start_model()
         model.set_synced(True)
         model.commit()
 
@@ -294,33 +317,45 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
             elif action == "relist":
                 # The watch dropped (or 410): relist the API as it is now; the watch resumes
                 # after it, so the queued writes are covered by the list.
-                world.queue.clear()
-                items = [copy.deepcopy(o) for o in world.api.values()]
-                model.replace_pods(items, list_rv=world.rv)
-                listed = {o["metadata"]["uid"] for o in items}
-                for uid in list(oracle.api_obj):
-                    if uid not in listed:
-                        oracle.heard_api(oracle.api_obj[uid], {}, deleted=True)
-                for o in items:
-                    oracle.heard_api(o, world.api_claims(o["metadata"]["uid"]))
-            elif action == "kubelet":
-                items, claims = world.kubelet_view()
-                if world.queue:
-                    # The kubelet races the API's publication of addresses here, not a
-                    # lagging watch: with a backlog, kubelet and watch views of the same
-                    # pods interleave in ways ownership.py resolves only heuristically
-                    # (documented limits there).
-                    continue
-                model.apply_kubelet(items)
-                for (uid, ip), seq in claims.items():
-                    oracle.heard_claim(uid, ip, seq, api=False)
+                relist(model)
+            elif action == "runtime":
+                v = world.runtime_view()
+                model.apply_runtime(v)
+                last_view[:] = [v]
+            elif action == "runtime_lost":
+                model.runtime_lost()
+                last_view.clear()
+            elif action == "restart":
+                # kill -9 of the control process; a new one starts from the table, lists the
+                # API (the world went on meanwhile) and polls the runtime if it has one.  It
+                # knows what the table and the list say, no more: the API oracle starts over
+                # (with the API alone, a dead pod the list still shows Running with an
+                # address looks like its owner; the runtime view settles that).
+                oracle = Oracle(policy)
+                oracle.ns_rules = {n: policy.namespace_rules(n, {NS_KEY: a})
+                                   for n, a in world.ns.items()}
+                model = start_model(adopted={e["ip"]: (e["pod_uid"], e["pod_state"],
+                                                       e["cred_slot"]) for e in t.snapshot()})
+                relist(model)
+                model.set_synced(True)
+                if last_view:
+                    v = world.runtime_view()
+                    model.apply_runtime(v)
+                    last_view[:] = [v]
             note(f"{action}: api={ {u: (o['status']['phase'], [e['ip'] for e in o['status'].get('podIPs', [])], o['metadata']['resourceVersion']) for u, o in world.api.items()} } "
                  f"truth={ {u: ip for u, ip in world.truth_ip.items() if ip} } queue={len(world.queue)} "
                  f"table={ {e['ip']: e['pod_uid'] for e in t.snapshot()} }")
             model.commit()
-            oracle.check(t, sink)
+            if model.runtime_mode:
+                oracle.check_runtime(t, last_view[0])
+            else:
+                oracle.check(t, sink)
 
         # Everything arrives: every address the API shows for a live owner is mapped to it.
+        if model.runtime_mode:
+            model.runtime_lost()
+            model.commit()
+            oracle.check(t, sink)
         while world.queue:
             note(f"final deliver {world.queue[0][0]} {world.queue[0][1]['metadata']['uid']} rv={world.queue[0][1]['metadata']['resourceVersion']}")
             deliver_one()

@@ -10,7 +10,7 @@ import pytest
 from control_support import BASE, NS_KEY, ROLE_KEY, SlotSink, lookup
 
 from kiamfast import table as tablemod
-from kiamfast.control.kubelet import KubeletClient
+from kiamfast.control.runtime import RuntimeView, Sandbox
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher, make_api_client
 from kiamfast.control.roles import RolePolicy
@@ -37,7 +37,7 @@ def run(coro, timeout: float = 60.0):
 class Harness:
     """A model + watcher on a real table, talking to the emulator over HTTP."""
 
-    def __init__(self, srv: ApiServer, table, *, node: str | None = NODE, kubelet: bool = True,
+    def __init__(self, srv: ApiServer, table, *, node: str | None = NODE,
                  policy: dict | None = None, **watch_kw):
         self.srv = srv
         self.table = table
@@ -49,9 +49,7 @@ class Harness:
         watch_kw.setdefault("backoff", (0.02, 0.5))
         self.watcher = PodWatcher(
             api_client=make_api_client(api_server=srv.url, api_token=srv.token),
-            model=self.model, node=node,
-            kubelet=KubeletClient(srv.kubelet_url(node or NODE), token=srv.token) if kubelet else None,
-            **watch_kw)
+            model=self.model, node=node, **watch_kw)
 
     def _notify(self):
         self.notifications += 1
@@ -115,25 +113,33 @@ def test_without_node_all_pods_are_watched(cluster, table):
     cluster.create_pod("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running")
 
     async def body():
-        async with Harness(cluster, table, node=None, kubelet=False) as h:
+        async with Harness(cluster, table, node=None) as h:
             assert h.at("10.2.0.1") == (uid_of(cluster, "default", "elsewhere"), NO_ROLE, -1)
     run(body())
 
 
-# ---- seed race 1: the pod asks before its IP reaches the API server ----------------------------
+# ---- the runtime's view beside the API's (real containerd: tests/cri, tests/e2e) -------------
 
-def test_kubelet_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table):
+def runtime_view(*sandboxes: tuple[str, str, str, str, dict]) -> RuntimeView:
+    """A runtime poll showing READY sandboxes (uid, namespace, name, ip, annotations)."""
+    sbs = tuple(Sandbox(id=f"sb-{uid}", pod_uid=uid, name=name, namespace=ns, ips=(ip,),
+                        annotations=ann, created_ns=0) for uid, ns, name, ip, ann in sandboxes)
+    return RuntimeView(started_ns=time.monotonic_ns(), sandboxes=sbs,
+                       owners={sb.ips[0]: sb for sb in sbs}, conflicts=frozenset())
+
+
+def test_runtime_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table):
+    """Seed race 1: the pod asks before its IP reaches the API server."""
     async def body():
         async with Harness(cluster, table, policy={"default_role": "fallback"}) as h:
             cluster.create_pod("default", "early", node=NODE, annotations={ROLE_KEY: "own"})
             uid = uid_of(cluster, "default", "early")
             await h.until(lambda: uid in h.model.pods, what="pod seen")
-            cluster.set_pod_ips("default", "early", ["10.1.0.9"], api=False)  # kubelet only
-            assert h.at("10.1.0.9") is None and table.pending_pods == 1
-            h.watcher.unknown_ip("10.1.0.9")
-            await h.until(lambda: h.at("10.1.0.9") is not None, timeout=5, what="kubelet lookup")
+            h.model.apply_runtime(runtime_view((uid, "default", "early", "10.1.0.9",
+                                                {ROLE_KEY: "own"})))
+            h.model.commit()
             assert h.at("10.1.0.9") == (uid, ROLE, h.slot("own"))
-            assert table.pending_pods == 0
+            assert table.runtime_mode and table.verified_ns > 0
             # The API catches up: nothing changes.
             cluster.set_pod_ips("default", "early", ["10.1.0.9"])
             cluster.set_pod_phase("default", "early", "Running")
@@ -142,30 +148,44 @@ def test_kubelet_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table
     run(body())
 
 
-def test_unknown_ip_lookups_are_coalesced_and_rate_limited(cluster, table):
+def test_runtime_wins_over_a_dead_pod_the_api_still_shows_running(cluster, table):
+    """Seed race 2 with the API late: the new sandbox holds the address, not the old pod."""
     async def body():
         async with Harness(cluster, table) as h:
-            before = cluster.stats()["kubelet_requests"]
-            for i in range(50):
-                h.watcher.unknown_ip(f"10.9.0.{i}")
-            await asyncio.sleep(0.6)
-            for i in range(50):
-                h.watcher.unknown_ip(f"10.9.0.{i}")   # negative cache: not asked again yet
-            await asyncio.sleep(0.1)
-            asked = cluster.stats()["kubelet_requests"] - before
-            assert 1 <= asked <= 2, asked
-            assert h.watcher.stats()["kubelet"]["suppressed"] == 50
+            cluster.create_pod("default", "old", node=NODE, ips=["10.1.0.5"], phase="Running",
+                               annotations={ROLE_KEY: "old-role"})
+            cluster.create_pod("default", "new", node=NODE, annotations={ROLE_KEY: "new-role"})
+            old, new = uid_of(cluster, "default", "old"), uid_of(cluster, "default", "new")
+            await h.until(lambda: h.at("10.1.0.5") is not None, what="old pod")
+            h.model.apply_runtime(runtime_view((new, "default", "new", "10.1.0.5",
+                                                {ROLE_KEY: "new-role"})))
+            h.model.commit()
+            assert h.at("10.1.0.5") == (new, ROLE, h.slot("new-role"))
+            cluster.set_pod_phase("default", "old", "Running")   # a late event of the old pod
+            await asyncio.sleep(0.2)
+            assert h.at("10.1.0.5") == (new, ROLE, h.slot("new-role"))
+            # Its sandbox stopped too: nobody owns the address, whatever the API says.
+            h.model.apply_runtime(runtime_view())
+            h.model.commit()
+            assert h.at("10.1.0.5") is None
+            assert old in h.model.pods
     run(body())
 
 
-def test_unknown_ip_given_as_a_table_key(cluster, table):
+def test_runtime_outage_falls_back_to_the_api_view(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.create_pod("default", "p", node=NODE, annotations={ROLE_KEY: "r"})
-            await h.until(lambda: h.model.pending_pods == 1, what="pod seen")
-            cluster.set_pod_ips("default", "p", ["10.1.0.3"], api=False)
-            h.watcher.unknown_ip(tablemod.ip_key("10.1.0.3"))
-            await h.until(lambda: h.at("10.1.0.3") is not None, what="kubelet lookup")
+            cluster.create_pod("default", "p", node=NODE, ips=["10.1.0.6"], phase="Running",
+                               annotations={ROLE_KEY: "r"})
+            uid = uid_of(cluster, "default", "p")
+            await h.until(lambda: h.at("10.1.0.6") is not None, what="pod")
+            h.model.apply_runtime(runtime_view())             # the runtime: no such sandbox
+            h.model.commit()
+            assert h.at("10.1.0.6") is None
+            h.model.runtime_lost()
+            h.model.commit()
+            assert not table.runtime_mode
+            assert h.at("10.1.0.6") == (uid, ROLE, h.slot("r"))
     run(body())
 
 

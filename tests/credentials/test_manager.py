@@ -443,28 +443,76 @@ def test_slots_run_out_only_when_every_key_is_live(h):
     assert s in (0, 1) and stats["evicted"] == 1
 
 
-def test_restart_keeps_slots_the_table_still_points_at(h):
-    """A restarted control process must not hand a slot that an IP still points at to
-    another key before the watch has re-claimed that IP."""
+def _slots(table):
+    return [(i, *table.read_cred(i)) for i in range(table.layout["cred_capacity"])]
+
+
+def test_restart_with_sts_down_keeps_serving_the_exact_credentials(h):
+    """A restarted control process adopts what the table holds: the pod's slot keeps its
+    credentials (same access key), and STS is not asked again, even when it is down."""
     async def main():
         async with h.manager() as first:
-            old = first.acquire("uid-1", h.req("a"))
-            h.table.claim_ip("10.0.0.9", "uid-1", tbl.POD_ROLE, cred_slot=old)
-            await h.wait_state(old, tbl.CRED_READY)
-        before = h.state(old)
-        async with h.manager() as second:   # fresh state, same table
-            held = {ip["cred_slot"] for ip in h.table.snapshot()}
-            second.hold_slots(held)
-            new = second.acquire("uid-2", h.req("b"))
-            await h.wait_state(new, tbl.CRED_READY)
-            still = h.state(old)
-            second.release_held()
-            return old, new, before, still, h.state(old), second.stats()
+            slot = first.acquire("uid-1", h.req("a"))
+            await h.wait_state(slot, tbl.CRED_READY)
+        before = h.document(slot)
+        calls = len(h.proxy.assume_role_calls())
+        h.proxy.add_fault("down")
+        async with h.manager() as second:       # fresh manager, same table
+            assert second.adopt(_slots(h.table)) == 1
+            again = second.acquire("uid-1", h.req("a"))
+            await asyncio.sleep(0.2)
+            return slot, again, before, h.document(again), h.state(again)[0], calls, second.stats()
 
-    old, new, before, still, cleared, stats = h.run(main())
-    assert new != old
-    assert still == before                      # kept serving the old pod meanwhile
-    assert cleared[0] == tbl.CRED_EMPTY and stats["slots_held"] == 0
+    slot, again, before, after, state, calls, stats = h.run(main())
+    assert again == slot and state == tbl.CRED_READY
+    assert after["AccessKeyId"] == before["AccessKeyId"] and after == before
+    assert len(h.proxy.assume_role_calls()) == calls       # no STS call on the restart
+    assert stats["keys_ready"] == 1
+
+
+def test_restart_never_frees_a_slot_an_address_still_names(h):
+    """The identity bug of a restart: an address left pointing at a slot that a new key
+    takes over would answer with that key's credentials."""
+    named = {"10.0.0.5": 0}
+
+    async def main():
+        async with h.manager() as first:
+            old = first.acquire("uid-a", h.req("a"))
+            await h.wait_state(old, tbl.CRED_READY)
+        named["10.0.0.5"] = old
+        async with h.manager(release_grace=0.05,
+                             slot_in_use=lambda s: s in named.values()) as second:
+            second.adopt(_slots(h.table))
+            await asyncio.sleep(0.3)            # pod a never comes back: its grace ends
+            c = second.acquire("uid-c", h.req("c"))
+            await h.wait_state(c, tbl.CRED_READY)
+            kept = h.state(old)
+            named.clear()                       # the model released the address
+            await asyncio.sleep(1.5)
+            return old, c, kept, h.state(old), second.stats()
+
+    old, c, kept, cleared, stats = h.run(main())
+    assert c != old
+    assert kept[0] == tbl.CRED_READY            # still a's credentials while named
+    assert cleared[0] == tbl.CRED_EMPTY         # freed once nothing names it
+
+
+def test_restart_holds_unadoptable_slots_until_no_address_names_them(h):
+    h.table.write_cred(3, [b"garbage"], serve_until=0.0, state=tbl.CRED_PENDING)
+    named = {3}
+
+    async def main():
+        async with h.manager(slot_in_use=lambda s: s in named) as mgr:
+            assert mgr.adopt(_slots(h.table)) == 0
+            slots = {mgr.acquire(f"uid-{i}", h.req(f"r{i}")) for i in range(8)}
+            mgr.reclaim()
+            held = mgr.stats()["slots_held"]
+            named.clear()
+            mgr.reclaim()
+            return slots, held, mgr.stats()["slots_held"]
+
+    slots, held, after = h.run(main())
+    assert 3 not in slots and held == 1 and after == 0
 
 
 # ---- session names, tags, audit, metrics --------------------------------------------------------

@@ -32,7 +32,9 @@ def test_part_indices_match_the_table():
             render.PART_EXT_DOCUMENT, render.PART_INFO) == (
         tbl.PART_NAMES, tbl.PART_LISTING, tbl.PART_DOCUMENT, tbl.PART_EXT_DOCUMENT,
         tbl.PART_INFO)
-    assert len(creds_parts()) == render.PART_COUNT <= tbl.MAX_PARTS
+    # The five response parts; the manager adds PART_KEY (render.key_part) after them.
+    assert render.PART_KEY == tbl.PART_KEY == len(creds_parts())
+    assert render.PART_COUNT == render.PART_KEY + 1 <= tbl.MAX_PARTS
 
 
 def test_names_listing_name_first_then_kube2iam_form_then_arn():
@@ -163,3 +165,16 @@ def test_botocore_gets_no_credentials_from_the_error_document(imds_stub):
     with imds_stub(lambda: parts) as stub:
         fetcher = InstanceMetadataFetcher(timeout=2, num_attempts=1, base_url=stub.url, env={})
         assert InstanceMetadataProvider(iam_role_fetcher=fetcher).load() is None
+
+
+def test_key_part_round_trips_and_garbage_is_refused():
+    part = render.key_part(role_arn="arn:aws:iam::1:role/a", external_id="x", session="node",
+                           tags=(("kiamfast-pod", "p"),), access_key_id="ASIA1",
+                           expiration=2000.0, fetched_at=1000.0)
+    assert b"secret" not in part.lower()
+    rec = render.parse_key_part([b""] * render.PART_KEY + [part])
+    assert rec["role_arn"] == "arn:aws:iam::1:role/a" and rec["tags"] == [("kiamfast-pod", "p")]
+    assert rec["expiration"] == 2000.0 and rec["denied"] is False
+    for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"role_arn":"a"}'):
+        assert render.parse_key_part([b""] * render.PART_KEY + [junk]) is None
+    assert render.parse_key_part([b""] * 3) is None
