@@ -35,7 +35,6 @@ AGENT_CALLS = [
     ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"),
     ("", "namespaces", "list"), ("", "namespaces", "watch"), ("", "namespaces", "get"),
     ("", "nodes", "get"), ("", "nodes", "patch"),  # the startup taint
-    ("", "nodes/proxy", "get"),  # the kubelet's /pods
 ]
 
 
@@ -106,9 +105,12 @@ def test_daemonset_args_parse_with_our_parser(kustomization):
     assert container["image"] == "ghcr.io/kiamfast/kiamfast:0.1.0"
     ports = {p["containerPort"] for p in container["ports"]}
     assert ports == {cfg.app_port}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": cfg.app_port}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": cfg.app_port}
-    assert container["resources"]["requests"] == {"cpu": "50m", "memory": "64Mi"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": cfg.app_port,
+                                                      "scheme": "HTTP"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": cfg.app_port,
+                                                     "scheme": "HTTP"}
+    # Sized from the benchmarks' RSS (control ~96 MiB + worker ~27 MiB, and the table).
+    assert container["resources"]["requests"] == {"cpu": "50m", "memory": "160Mi"}
     assert "cpu" not in container["resources"].get("limits", {})
     caps = container["securityContext"]["capabilities"]["add"]
     assert container["securityContext"].get("privileged") or "NET_ADMIN" in caps
@@ -127,8 +129,10 @@ def test_eks_overlay_changes_only_what_it_says():
     eks = one(objects("deploy/overlays/eks"), "DaemonSet")
     base_args = base["spec"]["template"]["spec"]["containers"][0]["args"]
     eks_c = eks["spec"]["template"]["spec"]["containers"][0]
-    assert eks_c["args"][0] == "--base-role-arn=arn:aws:iam::111122223333:role/"
-    assert eks_c["args"][1:len(base_args)] == base_args[1:]
+    placeholder = base_args.index("--base-role-arn=arn:aws:iam::123456789012:role/")
+    expected = list(base_args)
+    expected[placeholder] = "--base-role-arn=arn:aws:iam::111122223333:role/"
+    assert eks_c["args"][:len(base_args)] == expected
     cfg = parse_args([expand(a, container_env(eks_c)) for a in eks_c["args"]], environ={})
     assert cfg.sts_region == "us-east-1"
     assert cfg.imdsv2 == "required"
@@ -174,6 +178,8 @@ def test_rbac_covers_every_call_the_agent_makes(kustomization):
     assert not allowed("", "secrets", "get")
     assert not allowed("", "pods", "delete")
     assert not allowed("", "nodes", "delete")
+    # The kubelet is not asked (no nodes/proxy: it would reach every kubelet API).
+    assert not allowed("", "nodes/proxy", "get")
 
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
                                   "kind": "ClusterRole", "name": role["metadata"]["name"]}
@@ -183,14 +189,3 @@ def test_rbac_covers_every_call_the_agent_makes(kustomization):
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
     assert ds["metadata"]["namespace"] == sa["metadata"]["namespace"]
 
-
-def test_dockerfile_builds_a_wheel_and_runs_kiamfast():
-    text = (REPO / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM\s+(\S+)", text, re.M)
-    assert stages == ["python:3.11-slim", "python:3.11-slim"]
-    assert "pip wheel" in text and "--from=builder" in text
-    assert re.search(r"apt-get install[^\n]*\biptables\b", text)
-    assert 'ENTRYPOINT ["kiamfast"]' in text
-    ignored = (REPO / ".dockerignore").read_text().split()
-    assert "README.md" not in ignored  # pyproject's readme, needed by the wheel build
-    assert ".git" in ignored

@@ -1,0 +1,126 @@
+{{/*
+Names, labels, the image, the agent's arguments and its default resources. The checks that
+refuse values kiamfast cannot mean the way kube2iam's chart meant them are in _validate.tpl.
+*/}}
+
+{{- define "kiamfast.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release name alone when it already names the chart (kube2iam's rule too). */}}
+{{- define "kiamfast.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "kiamfast.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The DaemonSet selector: immutable, so it is exactly what kube2iam's chart selects on. */}}
+{{- define "kiamfast.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kiamfast.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kiamfast.labels" -}}
+{{ include "kiamfast.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kiamfast
+{{- end -}}
+
+{{- define "kiamfast.serviceAccountName" -}}
+{{- if .Values.rbac.create -}}
+{{- include "kiamfast.fullname" . -}}
+{{- else -}}
+{{- .Values.rbac.serviceAccountName -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether image.repository names kube2iam's own published image. */}}
+{{- define "kiamfast.isKube2iamImage" -}}
+{{- $repo := trimPrefix "docker.io/" .Values.image.repository -}}
+{{- if eq (trimPrefix "index.docker.io/" $repo) "jtblin/kube2iam" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kiamfast.image" -}}
+{{- $repo := .Values.image.repository -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag -}}
+{{- if include "kiamfast.isKube2iamImage" . -}}
+{{- $repo = "ghcr.io/kiamfast/kiamfast" -}}
+{{- $tag = .Chart.AppVersion -}}
+{{- end -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" $repo .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kiamfast.metricsPort" -}}
+{{- default .Values.host.port .Values.prometheus.metricsPort -}}
+{{- end -}}
+
+{{/* The runtime endpoint flag value: the mounted socket, or none. */}}
+{{- define "kiamfast.criEndpoint" -}}
+{{- if .Values.cri.enabled -}}
+{{- printf "unix://%s" .Values.cri.socketPath -}}
+{{- else -}}
+none
+{{- end -}}
+{{- end -}}
+
+{{/*
+The container's args, in kube2iam's chart order: the same flags in the same places, so where a
+flag is repeated (extraArgs after host-interface/node/host-ip/iptables, before app-port and
+metrics-port) the same one wins, the last, as pflag and kiamfast's parser both take it.
+kiamfast's own flags come last.
+*/}}
+{{- define "kiamfast.args" -}}
+- --host-interface={{ .Values.host.interface }}
+- --node=$(NODE_NAME)
+{{- if .Values.host.ip }}
+- --host-ip={{ .Values.host.ip }}
+{{- end }}
+- --iptables={{ .Values.host.iptables }}
+{{- range $key, $value := .Values.extraArgs }}
+{{- if or (kindIs "invalid" $value) (eq (toString $value) "") }}
+- --{{ $key }}
+{{- else }}
+- --{{ $key }}={{ $value }}
+{{- end }}
+{{- end }}
+{{- if .Values.verbose }}
+- --verbose
+{{- end }}
+- --app-port={{ .Values.host.port }}
+- --metrics-port={{ include "kiamfast.metricsPort" . }}
+- --workers={{ .Values.workers }}
+- --node-startup-taint={{ .Values.startupTaint.key }}
+- --cri-endpoint={{ include "kiamfast.criEndpoint" . }}
+{{- end -}}
+
+{{/* The default resources, from the measured RSS (values.yaml, resources). */}}
+{{- define "kiamfast.minimumMemoryMi" -}}
+{{- add 128 (mul 32 (int .Values.workers)) -}}
+{{- end -}}
+
+{{- define "kiamfast.resources" -}}
+{{- if .Values.resources -}}
+{{- toYaml .Values.resources -}}
+{{- else -}}
+{{- $memory := int (include "kiamfast.minimumMemoryMi" .) -}}
+requests:
+  cpu: 50m
+  memory: {{ $memory }}Mi
+# No CPU limit: a throttled agent makes the SDKs' 1 s metadata calls time out.
+limits:
+  memory: {{ mul 2 $memory }}Mi
+{{- end -}}
+{{- end -}}

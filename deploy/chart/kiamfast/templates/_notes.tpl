@@ -1,0 +1,65 @@
+{{/*
+The install notes, a template of their own so tests can render them with `helm template`
+(which prints no NOTES.txt).
+*/}}
+{{- define "kiamfast.notes" -}}
+kiamfast runs on every node as DaemonSet {{ .Release.Namespace }}/{{ include "kiamfast.fullname" . }}.
+
+Ready agents (their DNAT rule installed, their node's pods and credentials loaded):
+
+  kubectl --namespace {{ .Release.Namespace }} get pods -l app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/name={{ include "kiamfast.name" . }}
+
+From a pod annotated iam.amazonaws.com/role=<role>:
+
+  curl -s http://169.254.169.254/latest/meta-data/iam/security-credentials/
+{{- if not .Values.host.iptables }}
+
+NOTE: host.iptables is false: no DNAT rule is installed, so pods still reach the node's real
+metadata service (and the node's role) unless something else redirects them.
+{{- end }}
+{{- if and (contains "kube2iam" .Release.Name) (ne (include "kiamfast.name" .) "kube2iam") }}
+
+NOTE: upgrading the kube2iam release "{{ .Release.Name }}"? Its DaemonSet is replaced by a new one,
+{{ include "kiamfast.fullname" . }}, whose pods cannot bind port {{ .Values.host.port }} on a node until the old pod there
+is gone. --set nameOverride=kube2iam keeps the DaemonSet's name and selector, updating it in place.
+{{- end }}
+{{- if include "kiamfast.isKube2iamImage" . }}
+
+NOTE: image.repository {{ .Values.image.repository }} is kube2iam's image; running
+{{ include "kiamfast.image" . }} instead.
+{{- end }}
+{{- if .Values.podSecurityPolicy.enabled }}
+
+NOTE: podSecurityPolicy.* is ignored: PodSecurityPolicy was removed in Kubernetes 1.25. The
+agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities{{ if .Values.cri.enabled }}, and a hostPath mount of {{ .Values.cri.socketPath }}{{ end }}: label the namespace for the privileged Pod Security level.
+{{- end }}
+{{- if not .Values.rbac.create }}
+
+NOTE: rbac.create is false: the ServiceAccount "{{ .Values.rbac.serviceAccountName }}" needs get, list, watch
+on pods and namespaces and get, patch on nodes (for the startup taint).
+{{- end }}
+{{- if and .Values.startupTaint.key .Values.startupTaint.tolerate }}
+
+Register new nodes with the taint {{ .Values.startupTaint.key }}=true:NoExecute: the agent removes it
+once it is ready, so no pod starts on a node before its agent serves.
+{{- end }}
+{{- with .Values.lifecycle }}
+{{- with .preStop }}
+{{- if contains "169.254.169.254" (toYaml .) }}
+
+WARNING: lifecycle.preStop deletes the metadata DNAT rule (kube2iam's chart did). Between an
+agent stopping and the next one starting, pods then reach the node's own role. kiamfast keeps
+the rule on purpose; remove lifecycle from your values (or, to remove the rule on exit anyway,
+use extraArgs.iptables-remove-on-exit: true).
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.resources }}
+{{- with .limits }}
+{{- if .cpu }}
+
+WARNING: resources.limits.cpu is set: a throttled agent makes the SDKs' metadata calls time out.
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,102 @@
+{{/*
+The checks: every value kiamfast cannot mean the way kube2iam's chart meant it fails the
+render here, with the reason. Every template includes "kiamfast.validate" first.
+*/}}
+
+{{/*
+kiamfast's flags (`kiamfast --help`), booleans and the others, so a mistyped or unknown flag
+in extraArgs fails the render instead of the agent's start. tests/deploy/test_chart.py keeps
+these lists equal to the CLI's flag table (--version excepted: it stops the agent).
+*/}}
+{{- define "kiamfast.boolFlags" -}}
+debug insecure iptables auto-discover-base-arn auto-discover-default-role
+namespace-restrictions resolve-duplicate-cache-ips use-regional-sts-endpoint verbose
+kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6
+{{- end -}}
+
+{{- define "kiamfast.valueFlags" -}}
+kubeconfig api-server api-token app-port metrics-port base-role-arn default-role
+iam-role-key iam-external-id iam-role-session-ttl iam-role-error-ttl metadata-addr
+host-interface namespace-restriction-format namespace-key cache-resync-period host-ip node
+backoff-max-interval backoff-max-elapsed-time log-format log-level workers wait-budget
+imdsv2 token-key-file cri-endpoint kubelet-url sts-endpoint sts-region sts-qps sts-burst
+session-duration min-credential-lifetime session-name-policy node-startup-taint
+iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
+listen-host
+{{- end -}}
+
+{{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
+{{- define "kiamfast.mebibytes" -}}
+{{- $q := toString . -}}
+{{- $units := dict "Ki" 0.0009765625 "Mi" 1.0 "Gi" 1024.0 "Ti" 1048576.0 "k" 0.00095367431640625 "M" 0.95367431640625 "G" 953.67431640625 "T" 953674.31640625 "" 0.00000095367431640625 -}}
+{{- $unit := regexFind "[A-Za-z]+$" $q -}}
+{{- $number := trimSuffix $unit $q -}}
+{{- if not (and (hasKey $units $unit) (regexMatch "^[0-9]+(\\.[0-9]+)?$" $number)) -}}
+{{- fail (printf "resources: memory quantity %q: kiamfast's chart understands whole numbers with Ki, Mi, Gi, Ti, k, M, G, T or no suffix" $q) -}}
+{{- end -}}
+{{- mulf (float64 $number) (get $units $unit) | floor | int -}}
+{{- end -}}
+
+{{/*
+Every value kiamfast cannot mean the way kube2iam's chart did fails here, with the reason.
+*/}}
+{{- define "kiamfast.validate" -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "global" -}}
+{{- range $key, $_ := .Values -}}
+{{- if eq $key "probe" -}}
+{{- fail "probe: the old stable/kube2iam switch is livenessProbe.enabled and readinessProbe.enabled in kube2iam's chart 2.x and here; set those instead" -}}
+{{- end -}}
+{{- if not (has $key $known) -}}
+{{- fail (printf "%s: not a value of kube2iam's chart nor of kiamfast's, so kiamfast cannot know what it means; remove it (values.yaml lists them all)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $boolFlags := include "kiamfast.boolFlags" . | splitList "\n" | join " " | splitList " " -}}
+{{- $valueFlags := include "kiamfast.valueFlags" . | splitList "\n" | join " " | splitList " " -}}
+{{- range $key, $value := .Values.extraArgs -}}
+{{- if not (or (has $key $boolFlags) (has $key $valueFlags)) -}}
+{{- fail (printf "extraArgs.%s: kiamfast has no flag --%s for a running agent (python -m kiamfast --help lists them; every kube2iam flag is one)" $key $key) -}}
+{{- end -}}
+{{- if and (has $key $valueFlags) (or (kindIs "invalid" $value) (eq (toString $value) "")) -}}
+{{- fail (printf "extraArgs.%s: empty: a bare --%s takes the next argument as its value (in kube2iam too); give it a value" $key $key) -}}
+{{- end -}}
+{{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
+{{- fail (printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default" $key $value $key $key) -}}
+{{- end -}}
+{{- if has $key (list "workers" "node-startup-taint" "cri-endpoint") -}}
+{{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get (dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath") $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.host.iptables (not .Values.host.ip) -}}
+{{- fail "host.iptables: the DNAT rule needs host.ip (the node's address, $(HOST_IP))" -}}
+{{- end -}}
+{{- if and (not .Values.existingSecret) (or .Values.aws.access_key .Values.aws.secret_key) (not (and .Values.aws.access_key .Values.aws.secret_key)) -}}
+{{- fail "aws.access_key and aws.secret_key: set both or neither (kube2iam's chart silently used neither when one was missing)" -}}
+{{- end -}}
+{{- $repo := trimPrefix "docker.io/" .Values.image.repository -}}
+{{- if and (not (include "kiamfast.isKube2iamImage" .)) (or (eq $repo "kube2iam") (hasSuffix "/kube2iam" $repo)) -}}
+{{- fail (printf "image.repository %s: looks like a mirror of kube2iam's image, which would run kube2iam, not kiamfast; point it at your mirror of ghcr.io/kiamfast/kiamfast" .Values.image.repository) -}}
+{{- end -}}
+{{- $workers := .Values.workers -}}
+{{- if not (and (or (kindIs "float64" $workers) (kindIs "int64" $workers) (kindIs "int" $workers)) (ge (int $workers) 1) (le (int $workers) 64)) -}}
+{{- fail (printf "workers: %v: a number of worker processes from 1 to 64" $workers) -}}
+{{- end -}}
+{{- if and .Values.cri.enabled (not (hasPrefix "/" (toString .Values.cri.socketPath))) -}}
+{{- fail (printf "cri.socketPath %q: an absolute path of the runtime's socket on the node" (toString .Values.cri.socketPath)) -}}
+{{- end -}}
+{{- with .Values.resources -}}
+{{- with .limits -}}
+{{- with .memory -}}
+{{- $need := int (include "kiamfast.minimumMemoryMi" $) -}}
+{{- if lt (int (include "kiamfast.mebibytes" .)) $need -}}
+{{- fail (printf "resources.limits.memory %v: kiamfast needs at least %dMi with %v worker(s) (control process ~96 MiB and ~27 MiB per worker measured, plus the shared table in /dev/shm, counted against the limit); kube2iam, one Go process, fit in less" . $need $.Values.workers) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if not (or (kindIs "string" .Values.updateStrategy) (kindIs "map" .Values.updateStrategy)) -}}
+{{- fail "updateStrategy: RollingUpdate, OnDelete, or a DaemonSet updateStrategy map" -}}
+{{- end -}}
+{{- if and (kindIs "string" .Values.updateStrategy) (not (has .Values.updateStrategy (list "RollingUpdate" "OnDelete"))) -}}
+{{- fail (printf "updateStrategy %s: a DaemonSet updates by RollingUpdate or OnDelete" .Values.updateStrategy) -}}
+{{- end -}}
+{{- end -}}
