@@ -1,0 +1,59 @@
+"""The suite's skip policy: in CI nothing may silently stop being tested.
+
+A test that lacks a tool skips with a reason naming it (see ``tests/needs.py``), which is
+right on a laptop and wrong in CI: there ``tests/run`` has installed everything, so a skip
+means a test quietly stopped running. With ``CI=true`` every skip therefore becomes a
+failure whose message is the skip reason, at collection time too (a module that skips as a
+whole is a collection error). ``xfail`` is not used in this project; in CI an xfail or an
+unexpected pass of one fails as well. Outside CI, skips stay skips.
+
+The policy is registered as a plugin of its own (not as hooks of this conftest), so it also
+covers ``bench/`` in the same session: conftest hooks only see their own directory's tests.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_reason(longrepr: object) -> str:
+    """A skip report's reason ("Skipped: ..."), whatever form pytest gave it."""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+class FailSkipsInCi:
+    """Turns skip and xfail outcomes into failures (installed only when CI=true)."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        rep = outcome.get_result()
+        if hasattr(rep, "wasxfail"):
+            rep.outcome = "failed"
+            rep.longrepr = (f"CI=true: xfail is not allowed in this project "
+                            f"({rep.wasxfail or 'no reason given'})")
+            del rep.wasxfail
+        elif rep.skipped:
+            rep.outcome = "failed"
+            rep.longrepr = f"CI=true: a skipped test fails the run. {_skip_reason(rep.longrepr)}"
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_make_collect_report(self, collector):
+        outcome = yield
+        rep = outcome.get_result()
+        if rep.skipped:
+            rep.outcome = "failed"
+            rep.longrepr = (f"CI=true: a skipped module fails the run. "
+                            f"{_skip_reason(rep.longrepr)}")
+
+
+def pytest_configure(config):
+    if in_ci() and not config.pluginmanager.has_plugin("kiamfast-ci-skip-policy"):
+        config.pluginmanager.register(FailSkipsInCi(), "kiamfast-ci-skip-policy")
