@@ -9,8 +9,10 @@ tight cases (10 ms and 0 ms) and reports what it finds.
 from __future__ import annotations
 
 import churn
+from needs import tool_mark
 
 
+@tool_mark("nginx")  # the agent's metadata upstream (bench_agent)
 def test_churn_never_names_another_pods_role():
     r = churn.run(ips=64, roles=8, rate=20.0, gap=0.2, requests=5000, max_seconds=60,
                   min_replacements=20, idle_samples=3, log=lambda *_: None)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
-
 import agent_load as al
+from needs import tool_mark
 
 
-@pytest.mark.skipif(not shutil.which("nginx"), reason="nginx not installed")
+@tool_mark("nginx")  # the C ceiling and the agent's metadata upstream
 def test_hot_path_every_answer_is_right_for_every_server():
     opts = al.Options(pods=256, connections=(1, 32), rounds=1, duration=0.4, warmup=0.1,
                       paced_rate=400.0, paced_duration=0.4, wrk=False)

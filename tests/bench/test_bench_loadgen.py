@@ -7,7 +7,6 @@ addresses, every answer is checked, and the ceilings send the same bytes as the 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import threading
 import urllib.request
@@ -17,6 +16,7 @@ import pytest
 import bench_servers as bs
 from benchutil import pod_addresses
 from loadgen import Spec, run_load
+from needs import tool_mark
 
 REQ = b"GET /latest/meta-data/iam/security-credentials/r HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -102,7 +102,7 @@ def test_paced_run_keeps_to_its_rate(echo):
     assert 250 <= r.count <= 750     # a count, not a timing: the pacing works at all
 
 
-@pytest.mark.skipif(not shutil.which("nginx"), reason="nginx not installed")
+@tool_mark("nginx")
 def test_nginx_baseline_sends_the_exact_body():
     body = b'{"Code" : "Success", "Token" : "a$b${x}\\\\c\\"d", "k": \'q\'}\n'
     with bs.nginx(body) as srv:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import node_start
+from needs import tool_mark
 
 
+@tool_mark("nginx")  # the agent's metadata upstream (bench_agent)
 def test_ready_means_every_pod_is_served():
     res = node_start.run(pod_counts=(0, 30), reps=1, limits=("relaxed (100/s, burst 40)",),
                          log=lambda *_: None)

@@ -9,8 +9,12 @@ import sys
 import pytest
 
 from benchutil import BENCH
+from needs import tool_mark
+
+requires_nginx = tool_mark("nginx")  # the agent benchmarks' metadata upstream
 
 
+@requires_nginx
 def test_run_writes_a_report_for_the_sections_asked(tmp_path):
     p = subprocess.run([str(BENCH / "run"), "--quick", "--only", "scale", "--out",
                         str(tmp_path)], capture_output=True, text=True, timeout=240)
@@ -30,6 +34,7 @@ def test_run_refuses_an_unknown_section(tmp_path):
 
 
 @pytest.mark.slow
+@requires_nginx
 def test_quick_run_of_everything(tmp_path):
     p = subprocess.run([str(BENCH / "run"), "--quick", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=280)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import scale_sim
+from needs import tool_mark
 
 
 def test_watch_fanout_counts_every_event_once():
@@ -30,6 +31,7 @@ def test_floor_rss_reads_live_processes():
     assert len(floors) == 3 and all(v > 5 * 2**20 for v in floors.values())
 
 
+@tool_mark("nginx")  # the agent's metadata upstream (bench_agent)
 def test_agent_footprint():
     r = scale_sim.agent_footprint(20, roles=5, events=200)
     assert r.processed, "the agent never caught up with the API server"

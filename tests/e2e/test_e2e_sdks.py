@@ -10,11 +10,10 @@ request ever reaches the node's metadata service.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from e2e_cluster import NODE_ACCESS_KEY_PREFIX, Node
+from needs import need_js_sdk
 
 pytestmark = pytest.mark.root
 
@@ -95,7 +94,7 @@ def test_aws_cli_get_caller_identity(cluster):
 
 
 def test_javascript_sdk_v3(cluster):
-    assert shutil.which("node"), "node (Node.js) is not installed; CI installs it"
+    need_js_sdk()
     pod = cluster.pods["js"]
     creds = pod.js_credentials()
     assert creds.get("exit") == 0, creds

@@ -8,7 +8,6 @@ the pod's own source address (the agent identifies pods by it).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from kiamfast.control.iptables import (
     IptablesNotFound,
     Rule,
 )
+from needs import missing_tool, not_root_reason
 
 # --------------------------------------------------------------------------------------------
 # Pure argv builders (no root needed)
@@ -75,12 +75,7 @@ def test_rules_for_config():
 # --------------------------------------------------------------------------------------------
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    for tool in ("iptables", "ip6tables", "ip"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (apt-get install iptables iproute2)"
-    return None
+    return (not_root_reason("network namespaces") or missing_tool("iptables", "ip6tables", "ip"))
 
 
 needs_root = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
