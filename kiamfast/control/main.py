@@ -336,7 +336,8 @@ class ControlProcess:
                       "# TYPE kiamfast_pending_pods gauge",
                       f"kiamfast_pending_pods {stats['pending_pods']}",
                       "# HELP kiamfast_watch_total Watch activity by kind (events, bookmarks, "
-                      "lists, relists, gone = 410, errors).",
+                      "lists, relists, gone = 410, errors, empty_watches and "
+                      "bad_watch_bodies = watches that were not streams).",
                       "# TYPE kiamfast_watch_total counter"]
             lines += [f'kiamfast_watch_total{{kind="{k}"}} {v}' for k, v in stats.items()
                       if isinstance(v, int) and not isinstance(v, bool)

@@ -22,6 +22,9 @@ on ERROR events (reference/techniques.md B4).  Protocol:
 * 410 Gone (an ERROR event with code 410, or HTTP 410): relist;
 * errors (429, 5xx, connection refused or dropped): retry with jittered exponential backoff
   (honouring Retry-After); never give up, never exit;
+* a watch that is not a stream (it ends at once with no event or bookmark, or its body is
+  not watch events, e.g. a list from a proxy that drops `watch=true`): an error, logged once
+  per episode, backed off with jitter, counted as `empty_watches` / `bad_watch_bodies`;
 * `--cache-resync-period`: a periodic relist-and-diff, as a safety net.
 
 Threads: each watch blocks in its own thread on the client's socket; events are handed to
@@ -46,8 +49,8 @@ from typing import Any, Callable
 
 import orjson
 
-from kiamfast.control.kubelet import KubeletClient, KubeletLookup, token_from_file
-from kiamfast.control.ownership import Ownership, canonical_ip
+from kiamfast.control.ownership import Ownership
+from kiamfast.control.ratelimit import backoff
 
 log = logging.getLogger("kiamfast.watch")
 
@@ -63,6 +66,21 @@ class WatchError(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+class WatchNotStreaming(Exception):
+    """A watch answered with something other than a live stream: it ended at once with no
+    event or bookmark (``kind="empty_watches"``), or its body was not watch events, e.g. a
+    plain list from a proxy that drops ``watch=true`` (``kind="bad_watch_bodies"``).
+    Retrying at once would hammer the API server, so this is backed off like an error."""
+
+    def __init__(self, message: str, *, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+# The event types of a watch stream (watch.Event in apimachinery).
+_WATCH_TYPES = frozenset(("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"))
 
 
 def make_api_client(*, kubeconfig: str = "", api_server: str = "", api_token: str = "",
@@ -86,24 +104,6 @@ def make_api_client(*, kubeconfig: str = "", api_server: str = "", api_token: st
     return kclient.ApiClient(cfg)
 
 
-def bearer_token(api_client: Any) -> Callable[[], str | None]:
-    """The API client's bearer token as a source (re-evaluated: in-cluster tokens rotate)."""
-    cfg = api_client.configuration
-
-    def get() -> str | None:
-        hook = getattr(cfg, "refresh_api_key_hook", None)
-        if hook is not None:
-            try:
-                hook(cfg)
-            except Exception:  # noqa: BLE001 - a failed refresh keeps the old token
-                pass
-        value = cfg.get_api_key_with_prefix("authorization") or ""
-        if value.lower().startswith("bearer "):
-            value = value[7:]
-        return value or None
-    return get
-
-
 @dataclass
 class _Resource:
     name: str                       # "pods" / "namespaces"
@@ -114,8 +114,7 @@ class _Resource:
 class PodWatcher:
     """List + watch of the node's pods (and namespaces when needed), fed into `model`.
 
-    Run `await watcher.run()` as a task; `await watcher.wait_synced()`; call
-    `watcher.unknown_ip(ip)` (on the loop) when a worker reports an unknown address;
+    Run `await watcher.run()` as a task; `await watcher.wait_synced()`;
     `await watcher.stop()` at shutdown.
     """
 
@@ -125,7 +124,6 @@ class PodWatcher:
         api_client: Any,
         model: Ownership,
         node: str | None = None,
-        kubelet: KubeletClient | None = None,
         watch_namespaces: bool | None = None,
         resync_period: float = 1800.0,
         watch_timeout: tuple[float, float] = (240.0, 300.0),
@@ -156,8 +154,6 @@ class PodWatcher:
         if watch_namespaces is None:
             watch_namespaces = model.policy.uses_namespaces
         self.watch_namespaces = watch_namespaces
-        self.kubelet = (KubeletLookup(kubelet, knows=model.knows_ip, apply=self._apply_kubelet)
-                        if kubelet is not None else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._ns_listed = threading.Event()
@@ -169,29 +165,21 @@ class PodWatcher:
         self._resp_lock = threading.Lock()
         self.counters: dict[str, int] = {
             "lists": 0, "relists": 0, "watches": 0, "events": 0, "bookmarks": 0,
-            "gone": 0, "errors": 0, "unknown_ips": 0, "batches": 0,
+            "gone": 0, "errors": 0, "batches": 0,
+            "empty_watches": 0, "bad_watch_bodies": 0,
         }
+        self._not_streaming: dict[str, int] = {}   # resource -> watches in a row that were not
         self.sync_seconds: float | None = None
 
     @classmethod
     def from_config(cls, config: Any, *, model: Ownership, api_client: Any = None,
                     **kw: Any) -> "PodWatcher":
-        """Build from `kiamfast.config.Config`: API client, node, resync, kubelet lookup."""
+        """Build from `kiamfast.config.Config`: API client, node, resync."""
         if api_client is None:
             api_client = make_api_client(kubeconfig=config.kubeconfig, api_server=config.api_server,
                                          api_token=config.api_token, insecure=config.insecure)
-        kubelet = None
-        if config.kubelet_url:
-            cfg = api_client.configuration
-            in_cluster = not (config.kubeconfig or (config.api_server and config.api_token))
-            kubelet = KubeletClient(
-                config.kubelet_url,
-                token=token_from_file() if in_cluster else bearer_token(api_client),
-                insecure=config.kubelet_insecure,
-                ca_file=None if config.kubelet_insecure else cfg.ssl_ca_cert,
-                cert_file=cfg.cert_file, key_file=cfg.key_file)
         return cls(api_client=api_client, model=model, node=config.node or None,
-                   kubelet=kubelet, resync_period=config.cache_resync_period, **kw)
+                   resync_period=config.cache_resync_period, **kw)
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -241,27 +229,12 @@ class PodWatcher:
             responses = list(self._responses.values())
         for resp in responses:
             _shutdown(resp)
-        if self.kubelet is not None:
-            await self.kubelet.close()
         loop = asyncio.get_running_loop()
         for t in self._threads:
             await loop.run_in_executor(None, t.join, 5.0)
         self._threads.clear()
 
-    # ---- worker reports -----------------------------------------------------------------------
-
-    def unknown_ip(self, ip: str | bytes) -> None:
-        """A worker had a request from `ip` (a string or a 16-byte table key) and found no
-        pod: ask the kubelet (coalesced, rate-limited).  Call on the loop."""
-        if isinstance(ip, (bytes, bytearray)):
-            from kiamfast import table
-            ip = table.key_ip(bytes(ip))
-        c = canonical_ip(ip)
-        if c is None:
-            return
-        self.counters["unknown_ips"] += 1
-        if self.kubelet is not None:
-            self.kubelet.request(c)
+    # ---- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
@@ -270,17 +243,9 @@ class PodWatcher:
         out["pending_pods"] = self.model.pending_pods
         out["synced"] = self.synced
         out["sync_seconds"] = self.sync_seconds
-        if self.kubelet is not None:
-            out["kubelet"] = dict(self.kubelet.counters)
         return out
 
     # ---- the loop side --------------------------------------------------------------------------
-
-    def _apply_kubelet(self, pods: list[dict[str, Any]]) -> None:
-        if self.node:
-            pods = [p for p in pods if (p.get("spec") or {}).get("nodeName") in (None, self.node)]
-        self.model.apply_kubelet(pods)
-        self.model.commit()
 
     def _deliver(self, res: str, kind: str, payload: Any) -> None:
         """Runs on the loop: apply a list or a batch of watch events, then commit."""
@@ -289,7 +254,7 @@ class PodWatcher:
             self.counters["batches"] += 1
             for typ, obj in payload:
                 if typ == "BOOKMARK":
-                    m.note_resource_version(obj)
+                    pass          # only moves the resourceVersion the watch resumes from
                 elif res == "pods":
                     if typ == "DELETED":
                         m.delete_pod(obj)
@@ -301,9 +266,9 @@ class PodWatcher:
                     else:
                         m.apply_namespace(obj)
         elif kind == "list":
-            items, list_rv, started = payload
+            items, list_rv, _ = payload
             if res == "pods":
-                m.replace_pods(items, list_rv=list_rv, started=started)
+                m.replace_pods(items, list_rv=list_rv)
             else:
                 m.replace_namespaces(items)
                 self._ns_listed.set()
@@ -357,6 +322,19 @@ class PodWatcher:
                     failures = 0
                 if self.resync_period > 0 and time.monotonic() >= next_resync:
                     need_list = True
+            except WatchNotStreaming as e:
+                if self._stopping.is_set():
+                    break
+                failures += 1
+                not_streaming = self._not_streaming[res.name] = \
+                    self._not_streaming.get(res.name, 0) + 1
+                self.counters[e.kind] += 1
+                delay = self._delay(failures, None)
+                if not_streaming == 1:   # once per episode; the counter has the rest
+                    log.warning("%s watch: %s; backing off (%.2fs, growing), counted as "
+                                "kiamfast_watch_total{kind=\"%s\"}, logged once until the "
+                                "watch streams again", res.name, e, delay, e.kind)
+                self._sleep(delay)
             except WatchGone:
                 self.counters["gone"] += 1
                 log.info("%s watch: resourceVersion %s expired (410); relisting", res.name, rv)
@@ -382,8 +360,7 @@ class PodWatcher:
 
     def _delay(self, failures: int, retry_after: float | None) -> float:
         base, cap = self.backoff
-        d = min(cap, base * (2 ** min(failures - 1, 16)))
-        d = random.uniform(d / 2, d)
+        d = backoff(failures, base=base, cap=cap)
         if retry_after is not None:
             d = max(d, retry_after)
         return d
@@ -426,6 +403,7 @@ class PodWatcher:
             self._responses[res.name] = resp
         got = False
         buf = b""
+        started = time.monotonic()
         try:
             if self._stopping.is_set():
                 return rv, got
@@ -438,9 +416,12 @@ class PodWatcher:
                 for line in lines:
                     if not line.strip():
                         continue
-                    ev = orjson.loads(line)
-                    typ = ev.get("type")
-                    obj = ev.get("object") or {}
+                    try:
+                        typ, obj = _watch_event(line)
+                    except WatchNotStreaming:
+                        if batch:
+                            self._post(res.name, "events", batch)
+                        raise
                     if typ == "ERROR":
                         if batch:
                             self._post(res.name, "events", batch)
@@ -452,6 +433,9 @@ class PodWatcher:
                     new_rv = (obj.get("metadata") or {}).get("resourceVersion")
                     if new_rv:
                         rv = new_rv
+                    if not got and self._not_streaming.get(res.name):
+                        log.info("%s watch streaming again after %d watches that were not",
+                                 res.name, self._not_streaming.pop(res.name))
                     got = True
                     if typ == "BOOKMARK":
                         self.counters["bookmarks"] += 1
@@ -460,12 +444,39 @@ class PodWatcher:
                     batch.append((typ, obj))
                 if batch:
                     self._post(res.name, "events", batch)
+            if buf.strip():
+                raise WatchNotStreaming(f"the body was not watch events ({_excerpt(buf)})",
+                                        kind="bad_watch_bodies")
+            # A quiet watch runs its whole timeout; one that ends long before, having sent
+            # not even a bookmark, is not a stream (a list, a proxy, a broken server).
+            if not got and not self._stopping.is_set() and (
+                    time.monotonic() - started < kw["timeout_seconds"] / 2):
+                raise WatchNotStreaming("the watch ended at once with no event or bookmark",
+                                        kind="empty_watches")
             return rv, got
         finally:
             with self._resp_lock:
                 if self._responses.get(res.name) is resp:
                     del self._responses[res.name]
             resp.release_conn()
+
+
+def _watch_event(line: bytes) -> tuple[str, dict[str, Any]]:
+    """(type, object) of one watch stream line; WatchNotStreaming if it is not an event."""
+    try:
+        ev = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        ev = None
+    if not isinstance(ev, dict) or ev.get("type") not in _WATCH_TYPES \
+            or not isinstance(ev.get("object") or {}, dict):
+        raise WatchNotStreaming(f"the body was not watch events ({_excerpt(line)})",
+                                kind="bad_watch_bodies")
+    return ev["type"], ev.get("object") or {}
+
+
+def _excerpt(data: bytes, limit: int = 80) -> str:
+    text = data.strip()[:limit].decode("utf-8", "replace")
+    return repr(text + ("..." if len(data.strip()) > limit else ""))
 
 
 def _int_rv(rv: str) -> int:

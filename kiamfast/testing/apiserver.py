@@ -110,6 +110,7 @@ class ApiServer(HttpFrontend):
         self._fault_lock = threading.Lock()
         self._slow_list = 0.0
         self._slow_kubelet = 0.0
+        self._watch_fault: str | None = None
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = self._zero_stats()
         self._stopping = False
@@ -409,6 +410,15 @@ class ApiServer(HttpFrontend):
             raise ValueError("target must be 'api', 'kubelet' or 'any'")
         with self._fault_lock:
             self._faults.append(_Fault(n, status, path_prefix, target))
+
+    def answer_watches_with(self, fault: str | None) -> None:
+        """Answer every watch request badly until called with None (then stream again):
+        ``"list"``: 200 with a plain list, as a proxy or server that ignores ``watch=true``
+        would; ``"empty"``: 200 with a stream that ends at once, with no event or bookmark.
+        Such requests count in ``watches`` and ``faults_injected``."""
+        if fault not in (None, "list", "empty"):
+            raise ValueError("fault must be 'list', 'empty' or None")
+        self._watch_fault = fault
 
     def slow_list(self, seconds: float) -> None:
         """Answer every LIST ``seconds`` late (the snapshot is taken before the wait)."""

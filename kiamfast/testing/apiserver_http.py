@@ -307,10 +307,7 @@ class HttpFrontend:
         self._count_node("lists_by_node", selector.node if kind == "Pod" else None)
         if self._slow_list:
             time.sleep(self._slow_list)
-        body = b"".join((b'{"kind":"', KINDS[kind][1].encode(),
-                         b'","apiVersion":"v1","metadata":{"resourceVersion":"',
-                         str(rv).encode(), b'"},"items":[', b",".join(items), b"]}"))
-        self._send(h, 200, body)
+        self._send(h, 200, _list_body(kind, rv=rv, items=items))
 
     def _patch(self, h: Handler, kind: str, key: tuple[str, str], body: bytes) -> None:
         self._count(patches=1)
@@ -367,6 +364,19 @@ class HttpFrontend:
         self._count_node("watches_by_node", selector.node if kind == "Pod" else None)
         head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                 b"Cache-Control: no-cache, private\r\nTransfer-Encoding: chunked\r\n\r\n")
+        fault = self._watch_fault
+        if fault is not None:   # answer_watches_with: not a stream at all
+            self._count(faults_injected=1)
+            if fault == "list":
+                rv, items = self._store.list(kind, selector if selector else None)
+                self._send(h, 200, _list_body(kind, rv=rv, items=items))
+            else:
+                try:
+                    h.connection.sendall(head + _CHUNK_END)
+                    self._count(bytes_sent=len(head) + len(_CHUNK_END))
+                except OSError:
+                    h.close_connection = True
+            return
         try:
             w = self._store.register_watch(kind, selector if selector else None,
                                            start_rv=start_rv, initial=initial,
@@ -494,6 +504,14 @@ class HttpFrontend:
         body = (b'{"kind":"PodList","apiVersion":"v1","metadata":{},"items":['
                 + b",".join(items) + b"]}")
         self._send(h, 200, body, stat="kubelet_bytes_sent")
+
+
+def _list_body(kind: str, *, rv: int, items: list[bytes]) -> bytes:
+    """A list response body from serialized items, as the API server writes it."""
+    return b"".join((b'{"kind":"', KINDS[kind][1].encode(),
+                     b'","apiVersion":"v1","metadata":{"resourceVersion":"',
+                     str(rv).encode(), b'"},"items":[', b",".join(items), b"]}"))
+
 
 def _parse_rv(value: str) -> int:
     try:
