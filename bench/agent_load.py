@@ -269,10 +269,10 @@ def run(opts: Options, *, log=print) -> HotPathResult:
 def _wrk_runs(opts: Options, plan, agent, token: bytes, role: str, ng, py_get, py_put,
               load_cpus, worker_pids, ng_pid) -> dict:
     """wrk -t1 from 127.0.0.1 (one pod): GET and PUT, per server, interleaved rounds."""
-    import test_server_load as tsl  # the server developer's wrk runner and scripts
+    import server_load as sl  # the server developer's wrk runner and scripts
 
-    get = tsl.WRK_GET.format(path=doc_path(role).decode(), token=token.decode())
-    put = tsl.WRK_PUT
+    get = sl.WRK_GET.format(path=doc_path(role).decode(), token=token.decode())
+    put = sl.WRK_PUT
     scripts = {("nginx", "get"): (ng.port, get, ng_pid),
                ("python", "get"): (py_get.port, get, py_get.pid),
                ("agent", "get"): (agent.port, get, worker_pids[0]),
@@ -283,7 +283,7 @@ def _wrk_runs(opts: Options, plan, agent, token: bytes, role: str, ng, py_get, p
     with tempfile.TemporaryDirectory(prefix="kiamfast-bench-wrk-") as tmp:
         for _ in range(opts.rounds):
             for key, (port, script, pid) in scripts.items():
-                r = tsl.run_wrk(port, script, connections=64, duration=opts.duration,
+                r = sl.run_wrk(port, script, connections=64, duration=opts.duration,
                                 cpus=load_cpus, server_pid=pid, tmp=tmp)
                 out.setdefault(key, []).append(r)
     return out

@@ -3,7 +3,7 @@
 This is the cheapest HTTP/1.1 server one can write on the same stack as the kiamfast worker:
 one ``HttpRequestParser`` per connection, ``on_url`` and ``on_message_complete`` only, no
 routing, no lookup, no token check, the same pre-built bytes for every request, keep-alive
-and pipelining (a batch answered with one write). bench/test_server_load.py measures the
+and pipelining (a batch answered with one write). bench/server_load.py measures the
 worker against it in the same run, so the ratio says what kiamfast's real work (routing,
 the shared-table lookup, token checks, splicing headers) costs on top of the event loop and
 the parser, independent of how fast or busy the machine is.

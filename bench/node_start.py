@@ -7,7 +7,7 @@ Baselines, measured in the same run:
   first list: what every start costs before any credential exists;
 * the **STS bound**: the least time 40 AssumeRole calls of 100 ms can take under the
   agent's limits (``max(ceil(40 / in-flight) x 100 ms, (40 - burst) / qps + 100 ms)``,
-  ``bench/test_prefetch.py``'s ``ideal_prefetch``), for the default limits (5/s, burst
+  ``bench/prefetch.py``'s ``ideal_prefetch``), for the default limits (5/s, burst
   20, 8 in flight: the rate limit dominates) and relaxed ones (100/s, burst 40).
 
 So ``ready - empty node`` is what prefetching costs, and its ratio to the STS bound is the
@@ -57,9 +57,9 @@ class NodeStartResult:
 
 
 def ideal(roles: int, limits: str) -> float:
-    import test_prefetch as tp
+    import prefetch as pf
     _, _, qps, burst = LIMITS[limits]
-    return tp.ideal_prefetch(roles, latency=LATENCY, concurrency=MAX_INFLIGHT, qps=qps,
+    return pf.ideal_prefetch(roles, latency=LATENCY, concurrency=MAX_INFLIGHT, qps=qps,
                              burst=burst)
 
 
@@ -138,11 +138,11 @@ def run(*, pod_counts=(0, 110, 250), reps: int = 3, limits=tuple(LIMITS),
 def bare_pool(c, calls: int) -> float:
     """Seconds ``calls`` AssumeRole calls take from a bare pool of MAX_INFLIGHT threads
     through the same proxy (botocore + moto + latency, no manager, no rate limit)."""
-    import test_prefetch as tp
+    import prefetch as pf
     from kiamfast.control.sts import StsClient
     sts = StsClient(endpoint_url=c.proxy.url, max_attempts=1, max_pool_connections=16)
     try:
-        return tp.bare_client(sts, calls, concurrency=MAX_INFLIGHT)
+        return pf.bare_client(sts, calls, concurrency=MAX_INFLIGHT)
     finally:
         sts.close()
 

@@ -11,7 +11,7 @@ Four questions, each answered against a baseline computed in the same run:
    is opened and checked to agree, and the cluster total is the sample's per-agent figure
    times the node count.
 2. **STS calls per hour** for 1,000 nodes x 40 roles: the real credential manager on one
-   node's pod events in simulated time (``bench/test_prefetch.py``'s churn simulation, moto
+   node's pod events in simulated time (``bench/prefetch.py``'s churn simulation, moto
    behind the fault proxy counting calls) for kiamfast's session policies, against kube2iam
    0.15's policy (a 15 min cache per role per node, misses filled when a pod asks) on the
    same events; nodes are independent under both, so a node's rate times 1,000.
@@ -308,15 +308,15 @@ def sts_calls_per_hour(*, nodes: int = 1000, roles: int = 40, pods: int = 110,
                        hours: float = 6.0, mean_life: float = 3600.0,
                        policies: tuple[str, ...] = ("node-role", "pod"),
                        step: float = 60.0) -> StsRateResult:
-    """See the module docstring, question 2 (reuses bench/test_prefetch.py's simulation)."""
-    import test_prefetch as tp
+    """See the module docstring, question 2 (reuses bench/prefetch.py's simulation)."""
+    import prefetch as pf
 
     t0 = time.monotonic()
-    events = tp.churn_events(roles=roles, pods=pods, hours=hours, mean_life=mean_life)
-    k2i = tp.kube2iam_calls(events, hours=hours) / hours
+    events = pf.churn_events(roles=roles, pods=pods, hours=hours, mean_life=mean_life)
+    k2i = pf.kube2iam_calls(events, hours=hours) / hours
     ours, short = {}, {}
     for policy in policies:
-        out = tp.churn(events, hours=hours, policy=policy, step=step)
+        out = pf.churn(events, hours=hours, policy=policy, step=step)
         ours[policy] = out["per_hour"]
         short[policy] = out["served_short"]
     return StsRateResult(

@@ -1,6 +1,6 @@
 """The demo's judge, fed with what real clients observed: it must fail everything wrong.
 
-The observations come from the real pod client (:mod:`kiamfast.demo_pod`, a botocore
+The observations come from the real pod client (:mod:`kiamfast.demo.pod`, a botocore
 process bound to a 127/8 address) against the fake metadata service and moto's STS, the
 same components the demo runs, so the judge is tested on the data it sees in the demo.
 """
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from demo_support import REPO, demo_env
-from kiamfast.demo_check import assumed_role, judge, role_identity
+from kiamfast.demo.check import assumed_role, judge, role_identity
 
 ACCOUNT = "123456789012"
 CHECKOUT = f"arn:aws:iam::{ACCOUNT}:role/shop-checkout"
@@ -85,7 +85,7 @@ def test_the_nodes_own_credentials_always_fail(sts):
 
     with FakeImds() as imds:
         proc = subprocess.run(
-            [sys.executable, "-m", "kiamfast.demo_pod", "--ip", "127.0.10.77",
+            [sys.executable, "-m", "kiamfast.demo.pod", "--ip", "127.0.10.77",
              "--imds", imds.url + "/", "--sts-endpoint", sts.endpoint_url],
             capture_output=True, text=True, env=demo_env(), cwd=REPO, timeout=60)
     import json

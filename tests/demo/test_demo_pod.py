@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from demo_support import REPO, demo_env
-from kiamfast import demo_scenario as sc
+from kiamfast.demo import scenario as sc
 from kiamfast.testing.fake_imds import FakeImds
 
 
 def _pod(ip: str, imds: str, sts_url: str, **env_extra: str) -> subprocess.CompletedProcess:
     env = demo_env() | env_extra
-    return subprocess.run([sys.executable, "-m", "kiamfast.demo_pod", "--ip", ip,
+    return subprocess.run([sys.executable, "-m", "kiamfast.demo.pod", "--ip", ip,
                            "--imds", imds, "--sts-endpoint", sts_url],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
 
@@ -60,7 +60,7 @@ def test_without_credentials_it_reports_the_agents_answer(sts):
      "https://sts.amazonaws.com"],
 ])
 def test_it_refuses_anything_off_loopback(args):
-    proc = subprocess.run([sys.executable, "-m", "kiamfast.demo_pod", *args],
+    proc = subprocess.run([sys.executable, "-m", "kiamfast.demo.pod", *args],
                           capture_output=True, text=True, env=demo_env(), cwd=REPO, timeout=60)
     assert proc.returncode == 2
     assert "loopback" in proc.stderr or "127/8" in proc.stderr

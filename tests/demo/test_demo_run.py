@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from demo_support import REPO, demo_env, leftovers, run_demo
-from kiamfast import demo_scenario as sc
+from kiamfast.demo import scenario as sc
 
 pytestmark = pytest.mark.slow
 
@@ -130,13 +130,13 @@ def test_keep_running_serves_the_printed_curl_line_until_interrupted():
             if not line:
                 break
             lines.append(line)
-            if "python -m kiamfast.demo_pod" in line:
+            if "python -m kiamfast.demo.pod" in line:
                 break
         text = "".join(lines)
         assert "Still running" in text, text
         curl = next(ln.strip() for ln in lines if ln.strip().startswith("curl") and
                     ln.strip().endswith("shop-checkout"))
-        by_hand = next(ln.strip() for ln in lines if "python -m kiamfast.demo_pod" in ln)
+        by_hand = next(ln.strip() for ln in lines if "python -m kiamfast.demo.pod" in ln)
         # The printed python line is a pod by hand: it gets checkout's role from STS.
         argv = by_hand.split()
         env = demo_env()

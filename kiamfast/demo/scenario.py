@@ -2,7 +2,7 @@
 
 Why it exists: the demo's story is data, kept apart from the machinery that plays it so the
 two can be read (and changed) separately. Every pod states the identity it must end up with
-and why, in the words the demo prints; the judge (:mod:`kiamfast.demo_check`) holds the
+and why, in the words the demo prints; the judge (:mod:`kiamfast.demo.check`) holds the
 agent to exactly that.
 
 The expectations are written out by hand, not computed with kiamfast's own role rules

@@ -2,7 +2,7 @@
 
 Why it exists: the demo is only worth running if it can fail. Everything it claims ("each
 pod got its own role") is decided here, from what a pod's real botocore client observed
-(:mod:`kiamfast.demo_pod`), never from what the agent says about itself: the role counts as
+(:mod:`kiamfast.demo.pod`), never from what the agent says about itself: the role counts as
 received only when the local STS, asked ``GetCallerIdentity`` with the pod's credentials,
 names it.
 
@@ -63,7 +63,7 @@ def role_identity(role_arn: str) -> tuple[str, str]:
 
 
 def judge(expected_role_arn: str | None, observed: dict, *, ip: str) -> Verdict:
-    """Judge one pod run (``observed`` is :func:`kiamfast.demo_pod.run`'s dict).
+    """Judge one pod run (``observed`` is :func:`kiamfast.demo.pod.run`'s dict).
 
     ``expected_role_arn``: the IAM role ARN the pod must get, or None when it must get none.
     """

@@ -22,7 +22,7 @@ credential source than the metadata service (the demo's environment leaves it no
 
 Run by hand (``kiamfast demo --keep-running`` prints the line)::
 
-    python -m kiamfast.demo_pod --ip 127.0.10.11 --imds http://127.0.0.1:PORT/ \
+    python -m kiamfast.demo.pod --ip 127.0.10.11 --imds http://127.0.0.1:PORT/ \
         --sts-endpoint http://127.0.0.1:PORT2
 """
 
@@ -189,7 +189,7 @@ def run(*, ip: str, imds: str, sts_endpoint: str, region: str = "us-east-1") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kiamfast.demo_pod",
+    ap = argparse.ArgumentParser(prog="python -m kiamfast.demo.pod",
                                  description="Resolve AWS credentials as a pod on a loopback "
                                              "address would (see kiamfast demo).")
     ap.add_argument("--ip", required=True, help="the pod's address (127/8)")

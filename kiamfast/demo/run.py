@@ -1,14 +1,14 @@
 """``kiamfast demo``: the whole product on a bare machine, checked by real clients, in seconds.
 
 Why it exists: it is the README's first command. On a laptop with no cluster, no AWS account
-and no root it starts everything a node has, on loopback (:mod:`kiamfast.demo_env`): the
+and no root it starts everything a node has, on loopback (:mod:`kiamfast.demo.env`): the
 Kubernetes API server emulator and the node's kubelet, moto's STS, a fake EC2 metadata
 service standing for the node's own, and the unmodified agent (``python -m kiamfast`` with
 kube2iam's flags). It creates two namespaces that restrict their roles and pods annotated
-with roles, each on its own 127/8 address (:mod:`kiamfast.demo_scenario`), and then plays
+with roles, each on its own 127/8 address (:mod:`kiamfast.demo.scenario`), and then plays
 every pod with a real botocore client whose connections leave from the pod's address
-(:mod:`kiamfast.demo_pod`). What a pod received is what the local STS says its credentials
-belong to (``GetCallerIdentity``), judged by :mod:`kiamfast.demo_check`.
+(:mod:`kiamfast.demo.pod`). What a pod received is what the local STS says its credentials
+belong to (``GetCallerIdentity``), judged by :mod:`kiamfast.demo.check`.
 
 Then it replays the two races that made the agents before kiamfast hand out wrong or no
 credentials, and checks each pod still got its own role:
@@ -39,10 +39,10 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kiamfast import demo_scenario as sc
-from kiamfast.demo_check import Verdict, judge
-from kiamfast.demo_env import DemoEnvironment, DemoError, MissingExtra, check_extra
-from kiamfast.demo_ui import Ui, fmt_ms
+from kiamfast.demo import scenario as sc
+from kiamfast.demo.check import Verdict, judge
+from kiamfast.demo.env import DemoEnvironment, DemoError, MissingExtra, check_extra
+from kiamfast.demo.ui import Ui, fmt_ms
 
 __all__ = ["main"]
 
@@ -275,7 +275,7 @@ def _keep_running(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]) ->
         ui.write(f"  # {refused.ref}: refused", "dim")
         ui.write(f"  curl -s -w ' %{{http_code}}\\n' --interface {refused.ip} {base}")
     ui.write(f"  # {pod.ref} as botocore, checked with STS GetCallerIdentity", "dim")
-    ui.write(f"  python -m kiamfast.demo_pod --ip {pod.ip} --imds {env.agent_url} "
+    ui.write(f"  python -m kiamfast.demo.pod --ip {pod.ip} --imds {env.agent_url} "
              f"--sts-endpoint {env.sts_url}")
     ui.write()
     ui.para("Pods: " + ", ".join(f"{p.ref} {p.ip}" for p in pods))

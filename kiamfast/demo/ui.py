@@ -10,7 +10,7 @@ Plain text with optional colour (only on a terminal, never with ``NO_COLOR`` or
 ``--no-color``) and ✓/✗ marks (ASCII stand-ins when the stream cannot encode them). No
 cursor tricks: the output reads the same in a terminal, a log or a CI transcript.
 
-This module only formats; it decides nothing (see :mod:`kiamfast.demo_check`).
+This module only formats; it decides nothing (see :mod:`kiamfast.demo.check`).
 """
 
 from __future__ import annotations

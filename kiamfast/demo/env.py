@@ -10,7 +10,7 @@ everything a node has is started here, on 127.0.0.1 and ephemeral ports:
   (:mod:`kiamfast.testing.fake_imds`), in this process;
 * the agent itself, unmodified: ``python -m kiamfast <kube2iam flags>`` as a child process
   tree, with its own log file;
-* the pods: one short-lived process each (:mod:`kiamfast.demo_pod`), a real botocore
+* the pods: one short-lived process each (:mod:`kiamfast.demo.pod`), a real botocore
   client whose connections leave from the pod's 127/8 address.
 
 What it must never do: send anything off loopback (every URL handed out is 127.0.0.1, the
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiamfast import demo_scenario as scenario
+from kiamfast.demo import scenario
 
 __all__ = ["AgentDied", "DemoEnvironment", "DemoError", "MissingExtra", "PodProcess",
            "check_extra"]
@@ -88,7 +88,8 @@ def _clean_env(extra: dict[str, str]) -> dict[str, str]:
 
 def _package_root() -> str:
     """The directory holding the ``kiamfast`` package, so child processes run this code."""
-    return str(Path(__file__).resolve().parent.parent)
+    import kiamfast
+    return str(Path(kiamfast.__file__).resolve().parent.parent)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -124,7 +125,7 @@ def _start_time(pid: int) -> int | None:
 
 
 class PodProcess:
-    """One pod client process (:mod:`kiamfast.demo_pod` with ``--wait-for-go``).
+    """One pod client process (:mod:`kiamfast.demo.pod` with ``--wait-for-go``).
 
     Protocol: the process prints ``ready`` once botocore is imported and its connections are
     bound to the pod's address, makes its first call when it reads a line on stdin, prints
@@ -392,7 +393,7 @@ class DemoEnvironment:
     # ------------------------------------------------------------------ pods
 
     def pod_argv(self, ip: str) -> list[str]:
-        return [sys.executable, "-m", "kiamfast.demo_pod", "--ip", ip,
+        return [sys.executable, "-m", "kiamfast.demo.pod", "--ip", ip,
                 "--imds", self.agent_url, "--sts-endpoint", self.sts_url]
 
     def spawn_pod(self, ip: str) -> "PodProcess":
