@@ -1,10 +1,13 @@
-"""The demo's world on loopback: API server, kubelet, STS, metadata service, the agent, pods.
+"""The demo's world on loopback: API server, container runtime, STS, metadata service, the
+agent, pods.
 
 Why it exists: ``kiamfast demo`` must run on a bare laptop (no cluster, no AWS, no root), so
 everything a node has is started here, on 127.0.0.1 and ephemeral ports:
 
-* the Kubernetes API server emulator with the node's kubelet
-  (:mod:`kiamfast.testing.apiserver`), in this process;
+* the Kubernetes API server emulator (:mod:`kiamfast.testing.apiserver`), in this process;
+* the node's container runtime: the CRI fault double speaking the real CRI v1 gRPC protocol
+  on a unix socket (:mod:`kiamfast.testing.cri_fault`), in this process; every pod the
+  demo starts gets a READY sandbox there, as the kubelet would create one;
 * moto's STS behind the recording proxy (:mod:`kiamfast.testing.sts`), in this process;
 * a fake EC2 metadata service standing for the node's real one
   (:mod:`kiamfast.testing.fake_imds`), in this process;
@@ -217,7 +220,8 @@ class DemoEnvironment:
         self.imds: Any = None
         self.agent: subprocess.Popen | None = None
         self.agent_port = 0
-        self.kubelet_url = ""
+        self.runtime: Any = None
+        self._sandboxes: dict[str, str] = {}   # pod ref -> sandbox id
         self.kubeconfig = ""
         self._agent_tree: dict[int, int | None] = {}  # pid -> start time
         self._table: Any = None
@@ -232,8 +236,26 @@ class DemoEnvironment:
         self.api = ApiServer("127.0.0.1", 0, token=secrets.token_hex(16)).start()
         self.api.add_node(scenario.NODE, address="127.0.0.1", taints=[
             {"key": scenario.STARTUP_TAINT, "effect": "NoSchedule"}])
-        self.kubelet_url = self.api.kubelet_url(scenario.NODE)
         self.kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
+
+    def start_runtime(self) -> None:
+        from kiamfast.testing.cri_fault import CriFault
+
+        self.runtime = CriFault(os.path.join(self.workdir, "cri.sock"),
+                                runtime_name="demo-runtime").start()
+
+    def run_sandbox(self, pod: Any, uid: str) -> None:
+        """The kubelet's RunPodSandbox for ``pod``: CNI gives it its address at once."""
+        from kiamfast.testing.cri_fault import fake_sandbox
+
+        sandbox = fake_sandbox(name=pod.name, namespace=pod.namespace, uid=uid, ip=pod.ip,
+                               annotations=pod.annotations)
+        self.runtime.put(sandbox)
+        self._sandboxes[pod.ref] = sandbox.id
+
+    def stop_sandbox(self, pod: Any) -> None:
+        """StopPodSandbox: the pod's containers are gone and its address is free."""
+        self.runtime.stop_sandbox(self._sandboxes.pop(pod.ref))
 
     def start_sts(self) -> None:
         # moto's werkzeug server logs every request on stderr unless told otherwise.
@@ -271,7 +293,7 @@ class DemoEnvironment:
             "--iptables=false",
             f"--sts-endpoint={self.sts_url}",
             f"--sts-region={REGION}",
-            f"--kubelet-url={self.kubelet_url}",
+            f"--cri-endpoint={self.runtime.endpoint}",
             f"--table-path={self.table_path}",
             f"--token-key-file={self.workdir / 'token-key'}",
             "--listen-host=127.0.0.1",
@@ -478,12 +500,14 @@ class DemoEnvironment:
         for part in (self.imds, self.sts, self.api):
             if part is not None:
                 steps.append(part.stop)
+        if self.runtime is not None:
+            steps.append(self.runtime.close)
         for step in steps:
             try:
                 step()
             except Exception as e:  # noqa: BLE001 - keep closing the rest
                 errors.append(e)
-        self.imds = self.sts = self.api = self._table = None
+        self.imds = self.sts = self.api = self._table = self.runtime = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -2,7 +2,8 @@
 
 Why it exists: it is the README's first command. On a laptop with no cluster, no AWS account
 and no root it starts everything a node has, on loopback (:mod:`kiamfast.demo.env`): the
-Kubernetes API server emulator and the node's kubelet, moto's STS, a fake EC2 metadata
+Kubernetes API server emulator, the node's container runtime (a CRI double speaking the real
+gRPC protocol), moto's STS, a fake EC2 metadata
 service standing for the node's own, and the unmodified agent (``python -m kiamfast`` with
 kube2iam's flags). It creates two namespaces that restrict their roles and pods annotated
 with roles, each on its own 127/8 address (:mod:`kiamfast.demo.scenario`), and then plays
@@ -13,8 +14,8 @@ belong to (``GetCallerIdentity``), judged by :mod:`kiamfast.demo.check`.
 Then it replays the two races that made the agents before kiamfast hand out wrong or no
 credentials, and checks each pod still got its own role:
 
-1. a pod asks before the API server knows its IP (only the kubelet does);
-2. an address is reused and the old pod's delete arrives after the new pod's add.
+1. a pod asks before the API server knows its IP (only the container runtime does);
+2. an address is reused while the API server still shows the old pod Running with it.
 
 Exit status: 0 when every check passed, 1 when any pod got a wrong or no credential (or
 anything else the demo checks went wrong), 2 when the demo could not run at all (a
@@ -123,8 +124,10 @@ def _populate(env: DemoEnvironment, pods: tuple[sc.DemoPod, ...]) -> None:
     for ns in sc.NAMESPACES:
         env.api.add_namespace(ns, annotations=sc.namespace_annotations(ns))
     for pod in pods:
-        env.api.create_pod(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
-                           ips=[pod.ip], phase="Running")
+        uid = env.api.create_pod(pod.namespace, pod.name, node=sc.NODE,
+                                 annotations=pod.annotations, ips=[pod.ip],
+                                 phase="Running")["metadata"]["uid"]
+        env.run_sandbox(pod, uid)
 
 
 def _pod_table(ui: Ui, checks: list[CheckResult]) -> None:
@@ -162,26 +165,27 @@ def _wait_events_sent(env: DemoEnvironment, before: int, *, timeout: float = 5.0
 def _race_late_ip(env: DemoEnvironment, ui: Ui, pod: sc.DemoPod) -> list[CheckResult]:
     ui.title("Race 1 — a pod asks before the API server knows its IP")
     ui.para(f"{pod.ref} starts and calls its SDK at once: its IP ({pod.ip}) is known to the "
-            f"kubelet, not yet to the API server. kube2iam serves the default role "
-            f"({sc.DEFAULT_ROLE}) here; kiam retries for 5 s, past the SDK's 1 s timeout.")
+            f"node's container runtime (CNI gave it to the sandbox), not yet to the API "
+            f"server. kube2iam serves the default role ({sc.DEFAULT_ROLE}) here; kiam retries "
+            f"for 5 s, past the SDK's 1 s timeout.")
     client = env.spawn_pod(pod.ip)   # the container's process, started and waiting
     client.wait_ready()
     # The pod is scheduled (the API server has it, Pending, without an IP) and the agent
     # has seen it, as it would have during the seconds of image pull and sandbox set-up...
     before = env.api.stats()["watch_events_sent"]
-    env.api.create_pod(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
-                       ips=None, phase="Pending")
+    uid = env.api.create_pod(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
+                             ips=None, phase="Pending")["metadata"]["uid"]
     _wait_events_sent(env, before)
     env.wait_pending_pods()
-    # ...then the kubelet gives it its IP and starts the container, which calls at once,
-    # before the pod's status update reaches the API server.
-    env.api.set_pod_ips(pod.namespace, pod.name, [pod.ip], api=False, kubelet=True)
+    # ...then the kubelet creates its sandbox (CNI gives it its IP) and starts the container,
+    # which calls at once, before the pod's status update reaches the API server.
+    env.run_sandbox(pod, uid)
     agent_knew = env.owner_of(pod.ip) is not None
     observed = client.go()
     check = _pod_check("race-late-ip", pod, observed, name="asks before the API knows its IP")
     check.note = ("the agent's table already had the address before the pod asked"
                   if agent_knew else "the agent's table had no entry for the address when "
-                                     "the pod asked; only the kubelet knew it")
+                                     "the pod asked; it asked the container runtime")
     # The API server catches up; the pod runs on.
     env.api.set_pod_ips(pod.namespace, pod.name, [pod.ip])
     env.api.set_pod_phase(pod.namespace, pod.name, "Running")
@@ -192,18 +196,20 @@ def _race_late_ip(env: DemoEnvironment, ui: Ui, pod: sc.DemoPod) -> list[CheckRe
 
 def _race_ip_reuse(env: DemoEnvironment, ui: Ui, old: sc.DemoPod, new: sc.DemoPod
                    ) -> list[CheckResult]:
-    ui.title("Race 2 — an address is reused and the old pod's delete arrives late")
-    ui.para(f"{old.ref} dies and its address {old.ip} goes to {new.ref}; the agent sees "
-            f"{new.name}'s add while {old.name}'s delete is still on its way. kube2iam then "
-            f"serves {old.name}'s role, or fails on \"2 pods with the IP\".")
+    ui.title("Race 2 — an address is reused while the API still shows the old pod Running")
+    ui.para(f"{old.ref} dies and its address {old.ip} goes to {new.ref}'s sandbox; the API "
+            f"server still lists {old.name} Running with it, and its delete arrives later. "
+            f"kube2iam then serves {old.name}'s role, or fails on \"2 pods with the IP\".")
     checks = []
     c = _pod_check("race-ip-reuse", old, env.run_pod(old.ip), name="old pod, before the reuse")
     _race_line(ui, c, f"{old.name} alone on {old.ip}")
     checks.append(c)
 
+    env.stop_sandbox(old)                       # the old pod's sandbox is gone...
     new_uid = env.api.create_pod(new.namespace, new.name, node=sc.NODE,
                                  annotations=new.annotations, ips=[new.ip],
                                  phase="Running")["metadata"]["uid"]
+    env.run_sandbox(new, new_uid)               # ...and its address is the new one's
     if not env.wait_owner(new.ip, new_uid):
         checks.append(CheckResult("race-ip-reuse", "agent saw the new pod's add", False,
                                   problem=f"the agent never moved {new.ip} to {new.ref}",
@@ -296,9 +302,12 @@ def _run(env: DemoEnvironment, ui: Ui, report: Report, *, overrides: dict[str, s
     old, new = sc.apply_expectations((sc.REUSE_OLD_POD, sc.REUSE_NEW_POD), overrides)
     ui.write("kiamfast demo — an emulated node on loopback: no cluster, no AWS, no root",
              "bold")
-    with ui.step("starting the Kubernetes API server emulator and the node's kubelet") as s:
+    with ui.step("starting the Kubernetes API server emulator") as s:
         env.start_apiserver()
         s.detail = env.api.url
+    with ui.step("starting the node's container runtime (a CRI v1 double)") as s:
+        env.start_runtime()
+        s.detail = env.runtime.endpoint
     with ui.step("starting STS (moto, local)") as s:
         env.start_sts()
         s.detail = env.sts_url

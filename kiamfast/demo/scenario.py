@@ -83,10 +83,12 @@ PODS: tuple[DemoPod, ...] = (
          note=f"no annotation: the default role ({DEFAULT_ROLE})"),
 )
 
-#: Race 1: created while the demo runs; only the kubelet knows its address when it asks.
+#: Race 1: created while the demo runs; only the container runtime knows its address when
+#: it asks.
 LATE_IP_POD = _pod("shop", "fresh", "127.0.10.30", "shop-fresh")
 
-#: Race 2: the old owner of an address (Running before the agent starts) and its successor.
+#: Race 2: the old owner of an address (Running before the agent starts) and its successor,
+#: whose sandbox gets the address while the API still shows the old pod Running.
 REUSE_OLD_POD = _pod("shop", "cart-v1", "127.0.10.40", "shop-cart-v1")
 REUSE_NEW_POD = _pod("shop", "cart-v2", "127.0.10.40", "shop-cart-v2")
 
