@@ -35,9 +35,14 @@ useless or wrong):
   (a bare name without a base ARN, a typo'd prefix), is `DENIED` with a log line: kube2iam
   would pass it to STS (500) or, for an empty value, list the bare base ARN.  Never another
   identity.  Surrounding whitespace in annotation values is ignored.
-* Go's regexp syntax (RE2) is translated to Python's (`GoRegexp`); constructs Go rejects
-  (backreferences, lookaround) are rejected here too, so a pattern allows exactly what it
-  allowed under kube2iam or, where it cannot be translated, nothing.
+* Patterns are matched by RE2 (PyPI `google-re2`), the engine whose syntax and linear-time
+  matching Go's regexp shares: a pod author controls the role annotation, and a backtracking
+  engine would let one pathological namespace pattern and a long annotation stall every
+  decision of the control process.  Each pattern is first checked by `translate_go_regexp`,
+  which rejects what Go rejects (backreferences, lookaround) and what it cannot vouch for, so
+  a pattern allows exactly what it allowed under kube2iam or, where it cannot, nothing.
+* A role longer than STS's 2,048-character RoleArn limit is denied before any pattern sees
+  it (STS would refuse it anyway; the limit also bounds the matching work).
 
 kiam's namespace annotation `iam.amazonaws.com/permitted` is supported as well (enabled by
 giving `permitted_key`): a regexp matched against the whole role ARN (anchored); a namespace
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import orjson
+import re2
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,12 @@ _BASE_ARN_RE = re.compile(r"^arn:(\w|-)*:iam::\d+:role\/?(\w+|-|\/|\.)*$", re.AS
 # (IAM name characters are [\w+=,.@-]).
 _ROLE_ARN_RE = re.compile(r"^arn:[\w-]+:iam::\d+:role/[\w+=,.@/-]*[\w+=,.@-]$",
                           re.ASCII | re.IGNORECASE)
+# STS's maximum RoleArn length: a longer role cannot be assumed, so it is never matched.
+MAX_ROLE_ARN_LENGTH = 2048
+
+# RE2 options for namespace patterns: errors become GoRegexpError, not lines on stderr.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
 
 
 class InvalidBaseArn(ValueError):
@@ -344,12 +356,19 @@ def translate_go_regexp(pattern: str) -> str:
     return "".join(out)
 
 
-def compile_go_regexp(pattern: str) -> re.Pattern[str]:
-    """Compile an RE2 pattern for use with `search` (Go `MatchString`) or `fullmatch`."""
+def compile_go_regexp(pattern: str) -> re2._Regexp:
+    """Compile a Go pattern with RE2 for `search` (Go `MatchString`) or `fullmatch`.
+
+    RE2 compiles the pattern as written (its syntax is Go's); the translation only vets it,
+    so a pattern Go or the translation rejects is refused rather than matched differently."""
     try:
-        return re.compile(translate_go_regexp(pattern), re.ASCII)
-    except re.error as e:
-        raise GoRegexpError(str(e)) from e
+        translate_go_regexp(pattern)
+        return re2.compile(pattern, options=_RE2_OPTIONS)
+    except re2.error as e:
+        message = e.args[0] if e.args else e
+        if isinstance(message, bytes):
+            message = message.decode(errors="replace")
+        raise GoRegexpError(str(message)) from e
 
 
 # ---- namespace rules -------------------------------------------------------------------------
@@ -361,9 +380,9 @@ class NamespaceRules:
     name: str
     # kube2iam allowed-roles entries, normalised: globs as strings, regexps compiled.
     allowed_globs: tuple[str, ...] = ()
-    allowed_regexps: tuple[re.Pattern[str], ...] = ()
+    allowed_regexps: tuple[re2._Regexp, ...] = ()
     # kiam: None = no (usable) annotation, which permits nothing but the default role.
-    permitted: re.Pattern[str] | None = None
+    permitted: re2._Regexp | None = None
 
 
 class RolePolicy:
@@ -442,7 +461,7 @@ class RolePolicy:
         """Parse a namespace's annotations into rules (logging, never raising, on bad input)."""
         annotations = annotations or {}
         globs: list[str] = []
-        regexps: list[re.Pattern[str]] = []
+        regexps: list[re2._Regexp] = []
         if self.namespace_restrictions:
             for entry in self._allowed_entries(name, annotations.get(self.namespace_key, "")):
                 normalised = self.role_arn(entry)
@@ -506,6 +525,14 @@ class RolePolicy:
             log.warning("pod %s/%s: empty %s annotation; denying", namespace, pod, self.role_key)
             return PodIdentity.denied(f"empty {self.role_key} annotation")
         arn = self.role_arn(raw)
+        if len(arn) > MAX_ROLE_ARN_LENGTH:
+            # Neither the annotation (the pod author's text, of any size) nor a pattern
+            # match: one line with its length.
+            log.warning("pod %s/%s: %s annotation makes a %d-character role, longer than "
+                        "STS allows (%d); denying", namespace, pod, self.role_key, len(arn),
+                        MAX_ROLE_ARN_LENGTH)
+            return PodIdentity.denied(f"role is {len(arn)} characters, longer than "
+                                      f"{MAX_ROLE_ARN_LENGTH}")
         if not _ROLE_ARN_RE.match(arn):
             log.warning("pod %s/%s: %s=%r does not name a role ARN (%r); denying",
                         namespace, pod, self.role_key, raw, arn)
