@@ -474,7 +474,7 @@ cdef class Core:
         self.max_request_bytes = self.max_url + self.max_header_bytes + self.max_body + 4096
         self.max_pipeline = settings.max_pipeline
         self.max_connections = settings.max_connections
-        self.max_per_client = getattr(settings, "max_connections_per_client", 64)
+        self.max_per_client = settings.max_connections_per_client
         self.per_client = {}
         self.limited = set()
         self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))

@@ -7,6 +7,15 @@ process start, install the DNAT rule, sync, prefetch and mark the agent ready.
 
 The supervisor never touches Kubernetes, STS or a request.  If the control process dies, the
 workers keep serving what the table holds until it is restarted and has rebuilt it.
+
+What it hands the children, and why it holds it itself:
+
+* the listening socket(s), bound once here without ``SO_REUSEPORT`` and inherited by every
+  worker: no other process on the host network can bind the port and take a share of the
+  pods' connections, and connections wait in the backlog while a worker restarts;
+* the IMDSv2 token key, in an in-memory file (memfd) each worker inherits.  With
+  ``--token-key-file`` it is loaded from (or created in) that file so tokens survive
+  restarts; with ``--token-key-file ""`` it exists only in memory, new at every start.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -26,6 +36,7 @@ import orjson
 from kiamfast import channel, logs
 from kiamfast.config import Config
 from kiamfast.server.settings import WorkerSettings
+from kiamfast.server.worker import WorkerError, listen_socket
 from kiamfast.table import Table
 
 log = logging.getLogger("kiamfast.supervisor")
@@ -34,6 +45,11 @@ RESTART_BACKOFF_MIN = 0.5
 RESTART_BACKOFF_MAX = 10.0
 HEALTHY_AFTER = 30.0          # a child that ran this long restarts with the minimum backoff
 STOP_GRACE = 10.0
+TOKEN_KEY_BYTES = 32
+# `-P`: the children must import the kiamfast the parent imported.  `python -m` would put
+# the working directory first on sys.path, and started from a source checkout a child
+# would import the checkout's kiamfast, which has no compiled extensions.
+CHILD_PYTHON = [sys.executable, "-P"]
 
 
 def config_to_json(config: Config) -> str:
@@ -51,14 +67,14 @@ def config_from_json(text: str) -> Config:
     return Config(**doc)
 
 
-def worker_settings(config: Config, token_key_file: str) -> WorkerSettings:
+def worker_settings(config: Config, *, token_key_fd: int) -> WorkerSettings:
     return WorkerSettings(
         app_port=config.app_port,
         listen_host=config.listen_host or None,
         metrics_port=config.metrics_port,
         metadata_addr=config.metadata_addr,
         imdsv2=config.imdsv2,
-        token_key_file=token_key_file,
+        token_key_fd=token_key_fd,
         wait_budget=config.wait_budget,
         debug=config.debug,
         host_ip=config.host_ip,
@@ -66,19 +82,83 @@ def worker_settings(config: Config, token_key_file: str) -> WorkerSettings:
     )
 
 
-def ensure_token_key(path: str) -> str:
-    """The IMDSv2 token key all workers share; kept in a file so tokens survive restarts."""
+def load_token_key(path: str) -> bytes:
+    """The IMDSv2 token key all workers share: from ``path`` so tokens survive restarts, or
+    (``path`` "") a new random key that lives only in memory."""
+    if not path:
+        return secrets.token_bytes(TOKEN_KEY_BYTES)
+    return _read_own_key_file(path) or _write_new_key_file(path)
+
+
+def _read_own_key_file(path: str) -> bytes | None:
+    """The key in ``path`` if it is ours alone: a regular file (not a symlink), owned by our
+    uid, no group or other permission bits, the right size.  Else None (log a line)."""
     try:
-        with open(path, "rb") as f:
-            if len(f.read()) >= 16:
-                return path
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        pass
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-    os.rename(path + ".tmp", path)
-    return path
+        return None
+    except OSError as e:   # ELOOP: a symlink was planted at the path
+        log.warning("token key file %s is unusable (%s); replacing it", path, e.strerror)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)   # of what we opened, so nothing can swap it in between
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid != os.geteuid():
+            problem = f"is owned by uid {st.st_uid}"
+        elif st.st_mode & 0o077:
+            problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, open to group or others"
+        elif st.st_size != TOKEN_KEY_BYTES:
+            problem = f"holds {st.st_size} bytes, not {TOKEN_KEY_BYTES}"
+        else:
+            return f.read()
+    log.warning("token key file %s %s; replacing it with a new key", path, problem)
+    return None
+
+
+def _write_new_key_file(path: str) -> bytes:
+    """A new key, written to a fresh file under a random name (O_EXCL|O_NOFOLLOW: nothing
+    planted in a shared /dev/shm can be written through) and renamed over ``path``."""
+    key = secrets.token_bytes(TOKEN_KEY_BYTES)
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)   # whatever the umask
+            f.write(key)
+        os.rename(tmp, path)               # atomic; replaces a symlink, never follows it
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return key
+
+
+def token_key_fd(key: bytes) -> int:
+    """An anonymous in-memory file holding ``key``, for the workers to inherit."""
+    fd = os.memfd_create("kiamfast-token-key", os.MFD_CLOEXEC)
+    os.write(fd, key)
+    return fd
+
+
+def listeners(config: Config) -> list[socket.socket]:
+    """The app port's listening socket and, for a separate --metrics-port, the metrics one;
+    bound here once for every worker (see the module docstring)."""
+    host = config.listen_host or None
+    socks = [listen_socket(host, config.app_port)]
+    if config.metrics_port not in (0, config.app_port):
+        socks.append(listen_socket(host, config.metrics_port))
+    return socks
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies, however it dies (a
+    SIGKILLed supervisor must not leave workers holding the port, or a control process
+    writing a table nobody serves)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 @dataclasses.dataclass
@@ -93,7 +173,7 @@ class Child:
     restarts: int = 0
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, pass_fds=self.fds)
+        self.proc = subprocess.Popen(self.argv, pass_fds=self.fds, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
         log.info("started %s", self.name, extra={"pid": self.proc.pid})
 
@@ -109,26 +189,32 @@ class Supervisor:
     def prepare(self) -> None:
         cfg = self.config
         self.table = Table.create(cfg.table_path, max_workers=max(64, cfg.workers))
-        key_file = ensure_token_key(cfg.token_key_file or cfg.table_path + ".token-key")
+        self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
+        self.listeners = listeners(cfg)
+        listen_args = ["--listen-fd", str(self.listeners[0].fileno())]
+        if len(self.listeners) > 1:
+            listen_args += ["--metrics-listen-fd", str(self.listeners[1].fileno())]
+        listen_fds = tuple(sock.fileno() for sock in self.listeners)
         self.pairs = [channel.socketpair() for _ in range(cfg.workers)]
-        settings = worker_settings(cfg, key_file).to_json()
-        py = sys.executable
+        settings = worker_settings(cfg, token_key_fd=self.token_key_fd).to_json()
         for i, (_, worker_end) in enumerate(self.pairs):
             self.children.append(Child(
                 name=f"worker-{i}",
-                argv=[py, "-m", "kiamfast.server.worker", "--table", cfg.table_path,
+                argv=[*CHILD_PYTHON, "-m", "kiamfast.server.worker", "--table", cfg.table_path,
                       "--channel-fd", str(worker_end.fileno()), "--worker-index", str(i),
-                      "--settings-json", settings],
-                fds=(worker_end.fileno(),)))
+                      *listen_args, "--settings-json", settings],
+                fds=(worker_end.fileno(), self.token_key_fd, *listen_fds)))
         control_fds = tuple(c.fileno() for c, _ in self.pairs)
         self.control = Child(
             name="control",
-            argv=[py, "-m", "kiamfast.control", "--table", cfg.table_path,
+            argv=[*CHILD_PYTHON, "-m", "kiamfast.control", "--table", cfg.table_path,
                   "--channel-fds", ",".join(map(str, control_fds)),
                   "--config-json", config_to_json(cfg)],
             fds=control_fds)
 
     def wait_listening(self, timeout: float = 10.0) -> bool:
+        """Whether a worker answers HTTP on the app port.  The socket is bound here, so a
+        connection alone proves nothing (the kernel queues it): wait for an answer."""
         host = self.config.listen_host or "127.0.0.1"
         if host in ("::", "0.0.0.0"):
             host = "127.0.0.1"
@@ -137,16 +223,24 @@ class Supervisor:
             if any(c.proc and c.proc.poll() is not None for c in self.children):
                 return False
             try:
-                socket.create_connection((host, self.config.app_port), timeout=0.2).close()
-                return True
+                with socket.create_connection((host, self.config.app_port), timeout=0.5) as s:
+                    s.sendall(b"GET /readyz HTTP/1.1\r\nHost: kiamfast\r\n"
+                              b"Connection: close\r\n\r\n")
+                    if s.recv(16).startswith(b"HTTP/1."):
+                        return True
             except OSError:
-                time.sleep(0.02)
+                pass
+            time.sleep(0.02)
         return False
 
     # ---- running ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.prepare()
+        try:
+            self.prepare()
+        except (WorkerError, OSError) as e:   # the port is taken, the key file unwritable
+            log.error("cannot start: %s", e)
+            return 1
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for child in self.children:

@@ -3,9 +3,11 @@
 A worker is started as ``python -m kiamfast.server.worker --settings-json JSON`` (or through
 ``run_worker(settings, ...)`` in-process), so everything it needs to know must survive a
 JSON round trip: plain numbers, strings and booleans only. The IMDSv2 token key is secret
-and shared by every worker (tokens must verify in any worker and across restarts); it is
-passed either as hex in ``token_key`` or, preferably, as a path in ``token_key_file`` so it
-never shows up in a process listing.
+and shared by every worker (tokens must verify in any worker and across restarts). The
+supervisor hands it over as ``token_key_fd``, an inherited in-memory file (memfd) it wrote
+the key into, so the key never shows up in a process listing and, with
+``--token-key-file ""``, never touches a file system; tests pass it as hex in
+``token_key`` or as a path in ``token_key_file``.
 
 This module must stay importable without uvloop, httptools, kubernetes or botocore: the
 supervisor builds settings, the worker consumes them.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +40,7 @@ class WorkerSettings:
     imdsv2: str = "optional"  # "required": a GET without a token gets 401
     token_key: bytes | None = None  # HMAC key for IMDSv2 tokens (>= 16 bytes)
     token_key_file: str | None = None  # or: a file holding that key (raw bytes)
+    token_key_fd: int | None = None  # or: an inherited fd holding it (what the supervisor uses)
     wait_budget: float = 0.35  # seconds a request may wait for an unknown or pending pod
     debug: bool = False  # serve /debug/store
     host_ip: str = ""  # reported by /healthz (kube2iam shape)
@@ -51,7 +55,12 @@ class WorkerSettings:
     max_body: int = 65536  # request body bytes -> 413
     max_pipeline: int = 32  # queued responses before the worker stops reading
     max_connections: int = 16384  # per worker; beyond it new connections are closed
-    reuse_port: bool = True  # SO_REUSEPORT so --workers N share one port
+    # per worker and client address: one pod holding idle connections cannot lock the
+    # others out (load generators from one address: raise it)
+    max_connections_per_client: int = 256
+    # SO_REUSEPORT when a worker binds the port itself (tests). The supervisor binds once
+    # and hands every worker the same socket, so no other process can share the port.
+    reuse_port: bool = False
     backlog: int = 2048
 
     def __post_init__(self) -> None:
@@ -68,7 +77,7 @@ class WorkerSettings:
         if not 1 <= self.upstream_token_ttl <= 21600:
             raise SettingsError("upstream_token_ttl must be within 1..21600")
         for name in ("max_url", "max_header_bytes", "max_headers", "max_pipeline",
-                     "max_connections"):
+                     "max_connections", "max_connections_per_client"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be positive")
         self.upstream  # validates metadata_addr
@@ -106,16 +115,25 @@ class WorkerSettings:
         """The HMAC key for IMDSv2 tokens: ``token_key`` or the contents of the key file."""
         if self.token_key is not None:
             return self.token_key
-        if self.token_key_file:
+        if self.token_key_fd is not None:
             try:
-                with open(self.token_key_file, "rb") as f:
+                key = os.pread(self.token_key_fd, 4096, 0)
+            except OSError as e:
+                raise SettingsError(f"cannot read token_key_fd: {e}") from e
+            if len(key) < 16:
+                raise SettingsError("token_key_fd holds fewer than 16 bytes")
+            return key
+        if self.token_key_file:
+            try:  # never through a symlink someone planted at the path
+                fd = os.open(self.token_key_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
                     key = f.read()
             except OSError as e:
                 raise SettingsError(f"cannot read token_key_file: {e}") from e
             if len(key) < 16:
                 raise SettingsError("token_key_file holds fewer than 16 bytes")
             return key
-        raise SettingsError("no IMDSv2 token key: set token_key or token_key_file")
+        raise SettingsError("no IMDSv2 token key: set token_key, token_key_fd or token_key_file")
 
     # -- JSON round trip ----------------------------------------------------------------
 

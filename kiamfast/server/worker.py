@@ -2,15 +2,20 @@
 
 The supervisor starts ``--workers`` of these::
 
-    python -m kiamfast.server.worker --table PATH --channel-fd FD --worker-index I \
-        --settings-json JSON
+    python -P -m kiamfast.server.worker --table PATH --channel-fd FD --worker-index I \
+        --listen-fd FD [--metrics-listen-fd FD] --settings-json JSON
 
-Each worker opens its own listening socket on the app port with ``SO_REUSEPORT`` (the
-kernel spreads connections over the workers), bound to ``::`` dual-stack with
+The supervisor binds the listening socket once (``listen_socket``: ``::`` dual-stack with
 ``IPV6_V6ONLY=0`` unless a host is configured, so IPv4 pods arrive as ``::ffff:a.b.c.d``
-and IPv6 pods as themselves. It attaches the shared table read-only, listens on its end of
-the channel for "the table changed" wake-ups, and serves until SIGTERM/SIGINT, when it
-stops accepting, lets outstanding answers finish (briefly) and exits.
+and IPv6 pods as themselves) and every worker accepts on that same inherited socket. It is
+bound without ``SO_REUSEPORT`` on purpose: with it, any root process on the host network
+(a hostNetwork pod) could bind the port too and be handed a share of every pod's
+credential requests; without it, the kernel refuses that bind. Started without
+``--listen-fd`` (tests), a worker binds the port itself.
+
+A worker attaches the shared table read-only, listens on its end of the channel for "the
+table changed" wake-ups, and serves until SIGTERM/SIGINT, when it stops accepting, lets
+outstanding answers finish (briefly) and exits.
 
 A worker must never import ``kubernetes`` or ``botocore`` (tests check ``sys.modules``):
 it is a small, fast, read-only process, and a crash or a slow import in the control
@@ -42,7 +47,7 @@ class WorkerError(Exception):
     """The worker cannot start (bad table, socket in use, bad channel fd...)."""
 
 
-def listen_socket(host: str | None, port: int, *, reuse_port: bool = True,
+def listen_socket(host: str | None, port: int, *, reuse_port: bool = False,
                   backlog: int = 2048) -> socket.socket:
     """A bound, listening, non-blocking TCP socket; ``host=None`` means dual-stack ``::``."""
     if host in (None, "", "::"):
@@ -133,6 +138,18 @@ async def serve(settings: WorkerSettings, table: Any, *, channel_sock: socket.so
     return ws
 
 
+def _inherited_listener(fd: int | None) -> socket.socket | None:
+    """The listening socket the supervisor bound and passed down, if any."""
+    if fd is None or fd < 0:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise WorkerError(f"listen fd {fd} is not a socket: {e}") from e
+    sock.setblocking(False)
+    return sock
+
+
 def _channel_socket(channel_fd: int | None) -> socket.socket | None:
     if channel_fd is None or channel_fd < 0:
         return None
@@ -145,7 +162,7 @@ def _channel_socket(channel_fd: int | None) -> socket.socket | None:
 
 
 async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None,
-               worker_index: int) -> None:
+               worker_index: int, *, listen_fds: tuple[int | None, int | None]) -> None:
     try:
         table = _table.Table.attach(table_path, writer=False)
     except (_table.TableError, OSError) as e:
@@ -155,7 +172,10 @@ async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):   # before listening: a stop is never lost
         loop.add_signal_handler(sig, stop.set)
-    ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index)
+    app_fd, metrics_fd = listen_fds
+    ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index,
+                     app_sock=_inherited_listener(app_fd),
+                     metrics_sock=_inherited_listener(metrics_fd))
     log.info("worker listening", extra={"worker": worker_index, "port": ws.port,
                                         "pid": os.getpid()})
     await stop.wait()
@@ -178,15 +198,18 @@ def _raise_fd_limit() -> None:
 
 
 def run_worker(settings: WorkerSettings, table_path: str, channel_fd: int | None,
-               worker_index: int) -> None:
+               worker_index: int, *, listen_fd: int | None = None,
+               metrics_listen_fd: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT (blocking): the body of one worker process."""
     _raise_fd_limit()
+    body = _run(settings, table_path, channel_fd, worker_index,
+                listen_fds=(listen_fd, metrics_listen_fd))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a hard dependency
-        asyncio.run(_run(settings, table_path, channel_fd, worker_index))
+        asyncio.run(body)
         return
-    uvloop.run(_run(settings, table_path, channel_fd, worker_index))
+    uvloop.run(body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel-fd", type=int, default=-1,
                         help="inherited AF_UNIX datagram socket to the control process")
     parser.add_argument("--worker-index", type=int, default=0)
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="inherited listening socket for the app port (else: bind it)")
+    parser.add_argument("--metrics-listen-fd", type=int, default=None,
+                        help="inherited listening socket for a separate --metrics-port")
     parser.add_argument("--settings-json", required=True)
     parser.add_argument("--log-format", default="text")
     parser.add_argument("--log-level", default="info")
@@ -205,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(log_format=args.log_format, level=args.log_level, process="worker")
     try:
         settings = WorkerSettings.from_json(args.settings_json)
-        run_worker(settings, args.table, args.channel_fd, args.worker_index)
+        run_worker(settings, args.table, args.channel_fd, args.worker_index,
+                   listen_fd=args.listen_fd, metrics_listen_fd=args.metrics_listen_fd)
     except (SettingsError, WorkerError) as e:
         print(f"kiamfast worker: {e}", file=sys.stderr)
         return 1

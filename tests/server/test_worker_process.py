@@ -1,5 +1,6 @@
-"""The worker as the supervisor runs it: a separate process, an inherited channel fd,
-SO_REUSEPORT across workers, SIGTERM, and no control-side imports."""
+"""The worker as the supervisor runs it: a separate process, an inherited channel fd, one
+inherited listening socket shared by several workers, SIGTERM, and no control-side
+imports."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from kiamfast import channel, table
 from kiamfast.server import metrics
 from kiamfast.server.settings import WorkerSettings
+from kiamfast.server.worker import listen_socket
 
 from server_support import TOKEN_KEY, Client, build
 
@@ -43,7 +45,7 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> 
 
 def wait_logged(proc: subprocess.Popen, text: str, timeout: float = 15.0) -> None:
     """Read the worker's stderr until `text` shows up (the port alone cannot tell which of
-    two SO_REUSEPORT workers is listening)."""
+    two workers on one socket is listening)."""
     import selectors
     sel = selectors.DefaultSelector()
     sel.register(proc.stderr, selectors.EVENT_READ)
@@ -58,13 +60,16 @@ def wait_logged(proc: subprocess.Popen, text: str, timeout: float = 15.0) -> Non
 
 
 def start(table_path: str, settings: WorkerSettings, *, index: int = 0,
-          channel_fd: int | None = None) -> subprocess.Popen:
+          channel_fd: int | None = None, listen_fd: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kiamfast.server.worker", "--table", table_path,
            "--worker-index", str(index), "--settings-json", settings.to_json()]
     fds: tuple[int, ...] = ()
     if channel_fd is not None:
         cmd += ["--channel-fd", str(channel_fd)]
         fds = (channel_fd,)
+    if listen_fd is not None:
+        cmd += ["--listen-fd", str(listen_fd)]
+        fds += (listen_fd,)
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(cmd, env=env, pass_fds=fds, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -96,13 +101,17 @@ def test_worker_process_serves_talks_to_control_and_stops_on_sigterm(table_path,
         wait_listening(settings.app_port, proc)
         with Client(settings.app_port) as c:
             assert c.request(build("GET", LIST)).body == b"app-role"
-        # an unknown pod before sync: the worker asks the control process (us) and waits
+        # with the runtime's view: a new connection asks the control process (us) for a
+        # poll begun after it was accepted, and waits for the table
+        pods.t.set_status(runtime_mode=True)
+        before = time.monotonic_ns()
         with Client(settings.app_port, source="127.0.0.44") as c:
             c.send(build("GET", LIST))
             ctl.settimeout(5)
-            msg = channel.parse(ctl.recv(64))
-            assert msg == (channel.UNKNOWN_IP, table.ip_key("127.0.0.44"))
+            kind, accepted = channel.parse(ctl.recv(64))
+            assert kind == channel.NEED_RUNTIME and accepted >= before
             pods.add("127.0.0.44", "late-role")
+            pods.t.set_verified(accepted)
             channel.send(ctl, channel.wake(pods.t.generation))
             assert c.read(1)[0].body == b"late-role"
     finally:
@@ -112,8 +121,12 @@ def test_worker_process_serves_talks_to_control_and_stops_on_sigterm(table_path,
 
 
 def test_two_workers_share_the_port(table_path, pods, settings):
+    """As under the supervisor: one socket bound once, inherited by both workers."""
     pods.add("127.0.0.1", "app-role")
-    procs = [start(table_path, settings, index=i) for i in range(2)]
+    listener = listen_socket(None, settings.app_port)
+    procs = [start(table_path, settings, index=i, listen_fd=listener.fileno())
+             for i in range(2)]
+    listener.close()   # the workers hold it now
     try:
         for p in procs:
             wait_logged(p, "worker listening")
@@ -175,7 +188,8 @@ async def main():
 
 data = uvloop.run(main())
 heavy = sorted(m for m in sys.modules
-               if m.split(".")[0] in ("kubernetes", "botocore", "boto3", "urllib3")
+               if m.split(".")[0] in ("kubernetes", "botocore", "boto3", "urllib3", "grpc",
+                                      "cri_api")
                or m.startswith("kiamfast.control"))
 print(json.dumps({"heavy": heavy, "ok": data.startswith(b"HTTP/1.1 200")}))
 """
