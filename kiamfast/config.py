@@ -311,8 +311,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("verbose", "bool", False, "Log at debug level (overrides --log-level).", kube2iam=True),
     _f("version", "bool", False, "Print the version and exit.", kube2iam=True),
     # ---- kiamfast's own flags ------------------------------------------------------------
-    _f("workers", "int", 1, "Number of HTTP worker processes (SO_REUSEPORT on --app-port), "
-       "1-64."),
+    _f("workers", "int", 1, "Number of HTTP worker processes, 1-64; they share the listening "
+       "socket the supervisor binds once (no other process can bind --app-port beside it)."),
     _f("wait-budget", "duration", 0.35, "How long a credential request may wait for an "
        "unknown pod or for pending credentials before the agent answers 503 (keep it under "
        "the SDKs' 1s metadata timeout)."),
@@ -321,7 +321,9 @@ FLAGS: tuple[Flag, ...] = (
        choices=("optional", "required")),
     _f("token-key-file", "str", "/dev/shm/kiamfast-token-key", "File holding the HMAC key "
        "that signs IMDSv2 tokens, created (random, mode 0600) if missing, so tokens survive "
-       "agent restarts; \"\" = a new random key at every start."),
+       "agent restarts; an existing file is reused only if it is a regular file of the "
+       "agent's user with mode 0600, otherwise replaced; \"\" = a new random key at every "
+       "start, kept in memory only."),
     _f("cri-endpoint", "str", "auto", "Container runtime (CRI v1) socket the agent asks which "
        "sandbox holds an address: the runtime knows a pod's address the moment CNI assigns "
        "it and when a stopped sandbox gives it up, seconds before the API server. auto = the "

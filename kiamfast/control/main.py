@@ -63,6 +63,7 @@ class ControlProcess:
         self.poller: runtime.RuntimePoller | None = None
         self.runtime_state = "disabled"       # for /healthz: disabled | ok | unreachable: ...
         self.runtime_settled = asyncio.Event()  # the runtime answered, or failed, once
+        self.taint_removal = taint.TaintRemoval(config.node, config.node_startup_taint)
         self.ready = False
         self.healthy = False
         self.instance_id = ""
@@ -211,22 +212,19 @@ class ControlProcess:
         self.table.set_status(ready=True)
         self.notify()
         log.info("ready", extra={"credential_keys": self.manager.stats().get("keys_ready")})
-        if self.config.node_startup_taint and self.config.node:
-            await self._remove_taint()
+        await self._remove_taint()
 
     def _prefetched(self) -> bool:
         stats = self.manager.stats()
         return stats.get("keys_pending", 0) == 0
 
     async def _remove_taint(self) -> None:
+        """Retried until the taint is gone (its state is in /healthz): a node whose agent
+        is ready must not stay closed to pods because one PATCH failed."""
         from kubernetes import client as kclient
-        api = kclient.CoreV1Api(self.watcher.api_client)
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: taint.remove_startup_taint(api, self.config.node,
-                                                         self.config.node_startup_taint))
-        except taint.TaintError as e:
-            log.warning("could not remove the startup taint: %s", e)
+        await self.taint_removal.remove_until_done(kclient.CoreV1Api(self.watcher.api_client))
+        if self.instance_id:
+            self._publish_health()
 
     # ---- periodic work -----------------------------------------------------------------------
 
@@ -250,11 +248,13 @@ class ControlProcess:
             await asyncio.sleep(HEALTH_INTERVAL)
 
     def _publish_health(self) -> None:
-        """kube2iam's /healthz body, plus where addresses come from (the runtime's state)."""
+        """kube2iam's /healthz body, plus where addresses come from (the runtime's state) and
+        the startup taint's removal."""
         self.healthy = bool(self.instance_id)
         if self.healthy:
             body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": self.instance_id,
-                                 "runtime": self.runtime_state})
+                                 "runtime": self.runtime_state,
+                                 "taint": self.taint_removal.state})
             self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
             self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
         else:

@@ -13,19 +13,27 @@ taints, Karpenter and Cilium their own); if the list changed between our read an
 the ``test`` fails, nothing is written, and we read again and retry. A resourceVersion
 precondition would not do: the kubelet's status updates bump it every few seconds.
 
+The control process calls :meth:`TaintRemoval.remove_until_done` once it is ready. It never
+gives up: while the API server refuses (down, RBAC not applied yet, a webhook failing) the
+node stays tainted and no pod can land on it, so every attempt that fails is followed by
+another after a jittered exponential backoff (capped at a minute), logged once per episode
+of failures. Its ``state`` is what ``/healthz`` reports: ``disabled``, ``pending`` (not
+ready yet), ``retrying: <error>`` or ``removed``.
+
 This module must never add taints, touch taints with other keys, or remove ours before the
 caller decided the agent is ready. It needs ``get`` and ``patch`` on ``nodes``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-__all__ = ["TaintError", "remove_startup_taint", "startup_taints"]
+__all__ = ["TaintError", "TaintRemoval", "remove_startup_taint", "startup_taints"]
 
 log = logging.getLogger("kiamfast.taint")
 
@@ -74,9 +82,33 @@ def _explain(exc: Exception, node_name: str, action: str) -> TaintError:
     return TaintError(f"could not {action} node {node_name!r}: {exc}", status=status)
 
 
+def _describe(exc: Exception, node_name: str) -> str:
+    """One line for the log and /healthz (an ApiException's text spans headers and body)."""
+    status = _status(exc)
+    if status == 404:
+        return f"node {node_name!r} not found (is --node right?)"
+    if status in (401, 403):
+        return (f"HTTP {status}: not allowed to patch node {node_name!r} (the agent's "
+                "ClusterRole needs get and patch on nodes)")
+    if status is not None:
+        return f"HTTP {status} {getattr(exc, 'reason', '') or ''}".rstrip()
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
 def _read_node(api: Any, node_name: str, timeout: float) -> dict[str, Any]:
     response = api.read_node(node_name, _preload_content=False, _request_timeout=timeout)
     return json.loads(response.data)
+
+
+def _remove_once(api: Any, node_name: str, taint_key: str, timeout: float) -> bool:
+    """One read and one patch: True if removed, False if absent; raises the API's error."""
+    matches = startup_taints(_read_node(api, node_name, timeout), taint_key)
+    if not matches:
+        return False
+    api.patch_node(node_name, removal_patch(matches), _content_type=JSON_PATCH,
+                   _preload_content=False, _request_timeout=timeout)
+    log.info("removed startup taint %s from node %s", taint_key, node_name)
+    return True
 
 
 def remove_startup_taint(api: Any, node_name: str, taint_key: str, *, attempts: int = 8,
@@ -123,3 +155,53 @@ def remove_startup_taint(api: Any, node_name: str, taint_key: str, *, attempts: 
         return True
     raise TaintError(f"could not remove taint {taint_key!r} from node {node_name!r} after "
                      f"{attempts} attempts: {last}", status=_status(last) if last else None)
+
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class TaintRemoval:
+    """The startup taint's removal, retried until done; ``state`` is for ``/healthz``."""
+
+    FIRST_BACKOFF = 0.1   # a lost race with another controller is retried almost at once
+    MAX_BACKOFF = 60.0
+
+    def __init__(self, node_name: str, taint_key: str, *, timeout: float = 10.0,
+                 sleep: Sleep = asyncio.sleep) -> None:
+        self.node_name = node_name
+        self.taint_key = taint_key
+        self.timeout = timeout
+        self._sleep = sleep
+        self.attempts = 0
+        self.state = "pending" if node_name and taint_key else "disabled"
+
+    async def remove_until_done(self, api: Any) -> None:
+        """Remove the taint from the node (``api``: a ``CoreV1Api``), retrying until it is
+        gone or found absent. Never raises; cancel it to stop."""
+        if self.state == "disabled":
+            return
+        loop = asyncio.get_running_loop()
+        backoff = self.FIRST_BACKOFF
+        failing = False
+        while True:
+            self.attempts += 1
+            try:
+                removed = await loop.run_in_executor(
+                    None, _remove_once, api, self.node_name, self.taint_key, self.timeout)
+            except Exception as exc:  # ApiException, urllib3 and socket errors alike
+                error = _describe(exc, self.node_name)
+                self.state = f"retrying: {error}"
+                if not failing:  # once per episode; the state keeps the latest error
+                    log.warning("could not remove startup taint %s (will keep retrying): %s",
+                                self.taint_key, error)
+                    failing = True
+                await self._sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, self.MAX_BACKOFF)
+                continue
+            if failing:
+                log.info("startup taint %s of node %s is gone after %d attempts",
+                         self.taint_key, self.node_name, self.attempts)
+            elif not removed:
+                log.info("node %s has no startup taint %s", self.node_name, self.taint_key)
+            self.state = "removed"
+            return

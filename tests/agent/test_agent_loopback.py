@@ -55,7 +55,7 @@ def agent(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiamfast", f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}",
          "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
-         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}",
+         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}", f"--metrics-port={port}",
          "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
          f"--token-key-file={d / 'key'}", "--cri-endpoint=none",
          "--iptables=false", "--debug"],
@@ -95,9 +95,10 @@ def test_healthz_has_kube2iams_shape(agent):
     doc = orjson.loads(body)
     assert status == 200
     # kube2iam's two fields, plus where addresses come from (no runtime socket here)
-    assert set(doc) == {"hostIP", "instanceId", "runtime"}
+    assert set(doc) == {"hostIP", "instanceId", "runtime", "taint"}
     assert doc["hostIP"] == "127.0.0.1" and doc["instanceId"].startswith("i-")
     assert doc["runtime"] == "disabled"
+    assert doc["taint"] in ("pending", "removed")   # removed once the health check runs again
 
 
 def test_debug_store_has_kube2iams_shape(agent):
