@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # free of kubernetes/botocore (DESIGN.md "Server workers").
 WORKER_MODULES = ["kiamfast/server", "kiamfast/table.py", "kiamfast/channel.py",
                   "ext/_server.pyx", "ext/_table.pyx"]
-FORBIDDEN_FOR_WORKERS = ("kiamfast.control", "kubernetes", "botocore", "boto3", "moto")
+FORBIDDEN_FOR_WORKERS = ("kiamfast.control", "kubernetes", "botocore", "boto3", "moto", "grpc",
+                         "cri_api")
 
 
 def test_pyflakes_finds_nothing():

@@ -41,7 +41,7 @@ def node(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kiamfast", f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}",
          "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
-         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}",
+         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}", f"--metrics-port={port}",
          "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
          f"--token-key-file={d / 'key'}", f"--cri-endpoint={cri.endpoint}",
          "--iptables=false", "--node-startup-taint="],
