@@ -56,6 +56,11 @@ AUX_HEALTH_ERROR = 3  # last health-check error text
 
 DEFAULT_PATH = "/dev/shm/kiamfast-table"
 
+# Size of each aux blob: the largest is the control process's metrics text, whose size is
+# bounded by kiamfast.control.credentials.METRICS_TEXT_MAX (tests/control/test_outside_input.py
+# checks that it fits).
+AUX_SIZE = 1 << 20
+
 __all__ = [
     "BUSY",
     "C_API_LOOKUP",
@@ -102,4 +107,5 @@ __all__ = [
     "AUX_HEALTH",
     "AUX_HEALTH_ERROR",
     "DEFAULT_PATH",
+    "AUX_SIZE",
 ]

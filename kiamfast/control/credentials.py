@@ -858,8 +858,9 @@ class _Metrics:
     ``kiamfast_metrics_series_dropped_total``).  That bounds the text the control process
     publishes for the workers (see ``METRICS_TEXT_MAX``)."""
 
-    ROLE_SERIES_MAX = 128
-    CODES_PER_ROLE_MAX = 3
+    ROLE_SERIES_MAX = 64          # distinct roles with series at once
+    CODES_PER_ROLE_MAX = 2        # result codes per role (Success and one error, typically)
+    ROLE_LABEL_MAX = 256          # longer role ARNs (a pod author's choice) get no series
 
     def __init__(self, registry: Any):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -888,7 +889,8 @@ class _Metrics:
     def _room(self, role_arn: str, code: str | None = None) -> bool:
         codes = self._codes.get(role_arn)
         if codes is None:
-            if len(self._codes) >= self.ROLE_SERIES_MAX:
+            if (len(self._codes) >= self.ROLE_SERIES_MAX
+                    or len(role_arn) > self.ROLE_LABEL_MAX):
                 self.dropped.inc()
                 return False
             codes = self._codes[role_arn] = set()
@@ -920,8 +922,11 @@ class _Metrics:
             pass
 
 
-# Upper bound of the control process's metrics text, from the series bounds above (about
-# 2.2 KB per histogram series, 0.2 KB per counter series), plus its fixed gauges: the aux
-# blob it is published in is sized from this (kiamfast.supervisor).
-METRICS_TEXT_MAX = (_Metrics.ROLE_SERIES_MAX * (_Metrics.CODES_PER_ROLE_MAX * 2300 + 200)
+# Upper bound of the control process's metrics text, from the series bounds above: a line
+# of a per-role series is at most 128 bytes plus the role label, a histogram series has a
+# line per bucket plus +Inf, sum and count; 64 KiB for everything else (fixed gauges, the
+# watch's and the runtime's counters).  The aux blobs are sized from it (kiamfast.supervisor).
+_LINE_MAX = 128 + _Metrics.ROLE_LABEL_MAX
+METRICS_TEXT_MAX = (_Metrics.ROLE_SERIES_MAX
+                    * (_Metrics.CODES_PER_ROLE_MAX * (len(_STS_BUCKETS) + 3) + 1) * _LINE_MAX
                     + 64 * 1024)
