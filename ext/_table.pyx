@@ -69,6 +69,7 @@ cdef extern from "kf_table.h" nogil:
         uint64_t heartbeat_ns
         uint32_t ip_live, ip_tombstones
         uint64_t verified_ns
+        uint64_t failed_ns
 
     ctypedef struct kf_ip_slot:
         uint64_t seq
@@ -101,7 +102,7 @@ cpdef enum:
     ERROR = 7
     MISMATCH = 8
     TOO_SMALL = 9
-    UNVERIFIED = 10   # runtime mode: no runtime poll begun after the connection was accepted
+    UNVERIFIED = 10   # runtime mode: no poll attempt begun after the connection was accepted
     UNSURE = 11       # API mode: unknown address while the agent is not synced or pods wait
     UNDECIDED = 12    # the owner is known, its identity is not decided yet
 
@@ -393,6 +394,11 @@ cdef class Table:
         return kf_load_acquire_u64(&self.hdr.verified_ns)
 
     @property
+    def failed_ns(self):
+        self._check_open()
+        return kf_load_acquire_u64(&self.hdr.failed_ns)
+
+    @property
     def writer_pid(self):
         self._check_open()
         return self.hdr.writer_pid
@@ -437,6 +443,15 @@ cdef class Table:
         self._check_writer()
         if started_ns > kf_load_relaxed_u64(&self.hdr.verified_ns):
             kf_store_release_u64(&self.hdr.verified_ns, started_ns)
+        self._commit()
+
+    def set_failed(self, uint64_t started_ns):
+        """A runtime poll attempt begun at `started_ns` failed and the IP slots now follow the
+        fallback (the last view, the API for the rest): a connection accepted before that
+        instant may be answered from them.  Never moves backwards."""
+        self._check_writer()
+        if started_ns > kf_load_relaxed_u64(&self.hdr.failed_ns):
+            kf_store_release_u64(&self.hdr.failed_ns, started_ns)
         self._commit()
 
     def heartbeat(self):
@@ -798,9 +813,13 @@ cdef class Table:
         slot_out[0] = -1
         if runtime:
             # Only a runtime poll begun after this connection existed says who owns its
-            # address now (docs/architecture.md, "Freshness").
+            # address now (docs/architecture.md, "Freshness"); if the last such attempt
+            # failed, the fallback's slots answer, with the API's caution about misses.
             if kf_load_acquire_u64(&self.hdr.verified_ns) < accepted_ns:
-                return UNVERIFIED
+                if kf_load_acquire_u64(&self.hdr.failed_ns) < accepted_ns:
+                    return UNVERIFIED
+                unsure = (kf_load_acquire_u32(&self.hdr.synced) == 0
+                          or kf_load_acquire_u32(&self.hdr.pending_pods) != 0)
         else:
             unsure = (kf_load_acquire_u32(&self.hdr.synced) == 0
                       or kf_load_acquire_u32(&self.hdr.pending_pods) != 0)

@@ -33,6 +33,7 @@ typedef struct {
     uint64_t heartbeat_ns;        /* CLOCK_MONOTONIC of the writer's last heartbeat */
     uint32_t ip_live, ip_tombstones;
     uint64_t verified_ns;         /* CLOCK_MONOTONIC at which the runtime poll now applied began */
+    uint64_t failed_ns;           /* ... at which the last failed poll attempt began (fallback) */
 } kf_header;
 
 enum { KF_SLOT_EMPTY = 0, KF_SLOT_LIVE = 1, KF_SLOT_TOMBSTONE = 2 };

@@ -178,18 +178,21 @@ class ControlProcess:
             return None
         self.runtime_state = "connecting"
         return runtime.RuntimePoller(runtime.RuntimeClient(endpoint), on_view=self._on_view,
-                                     on_state=self._on_runtime_state)
+                                     on_state=self._on_runtime_state,
+                                     on_failure=self._on_runtime_failure)
 
     def _on_view(self, view: runtime.RuntimeView) -> None:
         self.model.apply_runtime(view)
         self.model.commit()
         self.runtime_settled.set()
 
+    def _on_runtime_failure(self, started_ns: int) -> None:
+        self.model.runtime_failed(started_ns)
+        self.model.commit()
+        self.runtime_settled.set()
+
     def _on_runtime_state(self, reachable: bool, message: str) -> None:
         self.runtime_state = "ok" if reachable else f"unreachable: {message}"
-        if not reachable:
-            self.model.runtime_lost()
-            self.model.commit()
         if self.instance_id:
             self._publish_health()
         self.runtime_settled.set()

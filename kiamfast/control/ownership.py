@@ -221,10 +221,18 @@ class Ownership:
         # What the table holds: at start whatever a previous control process left there.
         self._written: dict[str, Written] = dict(adopted or {})
         self._reconciled = not self._written
-        self._runtime: dict[str, str] | None = None  # ip -> uid; None: no runtime view
+        self._runtime: dict[str, str] | None = None  # ip -> uid of the last view; None: none
+        self._expect_runtime = expect_runtime        # runtime_mode: workers need a poll
         # A runtime is configured but has not answered yet: nothing is decided by the API's
         # rules meanwhile, and workers wait for the first poll (runtime_mode is published).
         self._awaiting_runtime = expect_runtime
+        # The last poll attempt failed: the last view still holds for the addresses it
+        # shows (no sandbox starts or stops while the runtime is down), the API's rules
+        # decide the others; workers answer a connection only after an attempt begun
+        # after it (success or failure) was applied.
+        self._runtime_stale = False
+        self._failed_ns = 0
+        self._published_failed = 0
         self._runtime_ips: dict[str, set[str]] = {}  # uid -> ips, the same view inverted
         self._sandboxes: dict[str, SandboxLike] = {}  # uid -> its READY sandbox
         self._verified_ns = 0                        # date of the view to publish
@@ -253,8 +261,8 @@ class Ownership:
 
     @property
     def runtime_mode(self) -> bool:
-        """Whether workers must wait for a runtime poll newer than their connection."""
-        return self._runtime is not None or self._awaiting_runtime
+        """Whether workers must wait for a runtime poll attempt newer than their connection."""
+        return self._expect_runtime
 
     @property
     def pending_pods(self) -> int:
@@ -398,41 +406,45 @@ class Ownership:
                 self._dirty_pods.add(pod.uid)   # tell the credential manager its address
         for uid in [u for u in self.sandbox_pods if u not in by_uid]:
             self._forget_sandbox_pod(uid)
-        if self._runtime is None:
+        if self._runtime is None or self._runtime_stale or self._awaiting_runtime:
             # From the API's rules to the runtime's: every address may change hands.
             log.info("addresses now follow the container runtime (%d sandboxes)", len(by_uid))
             self._dirty_ips.update(self._written)
             self._dirty_ips.update(self._claimants)
             self._dirty_ips.update(owners)
+            if self._runtime:
+                self._dirty_ips.update(self._runtime)
         else:
             for ip in owners.keys() | self._runtime.keys():
                 if owners.get(ip) != self._runtime.get(ip):
                     self._dirty_ips.add(ip)
         self._runtime = owners
+        self._expect_runtime = True
         self._awaiting_runtime = False
+        self._runtime_stale = False
         self._runtime_ips = by_uid
         self._sandboxes = sandboxes
         self._verified_ns = max(self._verified_ns, view.started_ns)
         self.counters["runtime_views"] += 1
         self._reconcile()
 
-    def runtime_lost(self) -> None:
-        """The runtime cannot be asked: fall back to the API's view of the addresses."""
-        if self._awaiting_runtime:
-            self._awaiting_runtime = False
-            self._dirty_ips.update(self._written)
-            self._dirty_ips.update(self._claimants)
-        if self._runtime is None:
+    def runtime_failed(self, started_ns: int) -> None:
+        """A poll attempt begun at `started_ns` failed.  The last view keeps the addresses it
+        shows; the API's rules decide the others, until the runtime answers again."""
+        self._failed_ns = max(self._failed_ns, started_ns)
+        if self._runtime_stale:
             return
-        log.warning("addresses follow the API server until the container runtime answers again")
+        log.warning("the container runtime cannot be asked: addresses it showed keep their "
+                    "owners, the API server decides the others until it answers again")
+        self._expect_runtime = True
+        self._runtime_stale = True
+        self._awaiting_runtime = False
+        if self._runtime is None:
+            self._runtime = {}
         self._dirty_ips.update(self._written)
-        self._dirty_ips.update(self._runtime)
         self._dirty_ips.update(self._claimants)
-        self._runtime = None
-        self._runtime_ips = {}
-        self._sandboxes = {}
-        for uid in list(self.sandbox_pods):
-            self._forget_sandbox_pod(uid)
+        self._dirty_ips.update(self._runtime)
+        self._reconcile()
 
     def _sandbox_pod(self, sandbox: SandboxLike) -> None:
         pod = self.sandbox_pods.get(sandbox.pod_uid)
@@ -530,8 +542,14 @@ class Ownership:
             self.table.set_status(pending_pods=status[0], synced=status[1])
             self._published = status
             changed = True
-        # The view's date last: workers trust the slots above for connections older than it.
-        if self._runtime is not None and self._verified_ns > self._published_verified:
+        # The view's date last: workers trust the slots above for connections older than it;
+        # after a failed attempt, the date of that attempt (the slots follow the fallback).
+        if self._runtime_stale:
+            if self._failed_ns > self._published_failed:
+                self.table.set_failed(self._failed_ns)
+                self._published_failed = self._failed_ns
+                changed = True
+        elif self._runtime is not None and self._verified_ns > self._published_verified:
             self.table.set_verified(self._verified_ns)
             self._published_verified = self._verified_ns
             changed = True
@@ -552,6 +570,8 @@ class Ownership:
     def _ips_of(self, pod: _Pod) -> Iterable[str]:
         """The addresses this pod owns under the current source of ownership."""
         if self._runtime is not None:
+            if self._runtime_stale:
+                return set(self._runtime_ips.get(pod.uid, ())) | set(pod.claims)
             return self._runtime_ips.get(pod.uid, ())
         return pod.claims
 
@@ -634,7 +654,12 @@ class Ownership:
     def _desired(self, ip: str) -> Written | None:
         if self._awaiting_runtime:
             return self._written.get(ip)       # the runtime decides, once it answers
-        uid = self._runtime.get(ip) if self._runtime is not None else self._api_owner(ip)
+        if self._runtime is None:
+            uid = self._api_owner(ip)
+        else:
+            uid = self._runtime.get(ip)
+            if uid is None and self._runtime_stale:
+                uid = self._api_owner(ip)
         if uid is None:
             if not self._reconciled:
                 return self._written.get(ip)   # a restart: keep serving until we know

@@ -304,17 +304,25 @@ class RuntimePoller:
     """Runs polls on one worker thread; on demand and periodically; coalesced.
 
     `need()` and `run()` belong to one event loop; `need()` may also be called from another
-    thread. `on_view` and `on_state` are called on the event loop thread. `on_state` is
-    called at every change of health, the first poll's outcome included.
+    thread. `on_view`, `on_failure` and `on_state` are called on the event loop thread.
+    `on_state` is called at every change of health, the first poll's outcome included;
+    `on_failure(started_ns)` after every failed attempt, dated like a view (before the
+    request).  During an outage a demand still gets an attempt at once (at most one per
+    `demand_spacing`): the runtime may be back before the backoff ends, and a connection
+    accepted meanwhile must be judged by an attempt begun after it.
     """
 
     def __init__(self, client: RuntimeClient, *, on_view: Callable[[RuntimeView], None],
-                 on_state: Callable[[bool, str], None], interval: float = 1.0,
-                 backoff_max: float = 30.0, backoff_min: float = 0.2, rng: Any = None,
+                 on_state: Callable[[bool, str], None],
+                 on_failure: Callable[[int], None] = lambda started_ns: None,
+                 interval: float = 1.0, backoff_max: float = 30.0, backoff_min: float = 0.2,
+                 demand_spacing: float = 0.05, rng: Any = None,
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.client = client
         self._on_view = on_view
         self._on_state = on_state
+        self._on_failure = on_failure
+        self.demand_spacing = demand_spacing
         self.interval = interval
         self.backoff_max = backoff_max
         self.backoff_min = min(backoff_min, backoff_max)
@@ -326,6 +334,7 @@ class RuntimePoller:
         self._reported: bool | None = None
         self._wanted_ns = -1         # the largest after_ns asked for by need()
         self._last_started_ns = -1   # started_ns of the last view handed to on_view
+        self._last_attempt_ns = -1   # when the last attempt (view or failure) began
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.stats: dict[str, int] = {"polls": 0, "failed_polls": 0, "outages": 0,
@@ -354,11 +363,11 @@ class RuntimePoller:
         after_ns = min(after_ns, self._clock_ns())
         if after_ns > self._wanted_ns:
             self._wanted_ns = after_ns
-        if self._wake is not None and self._wanted_ns > self._last_started_ns:
+        if self._wake is not None and self._demanded():
             self._wake.set()
 
     def _demanded(self) -> bool:
-        return self._wanted_ns > self._last_started_ns
+        return self._wanted_ns > self._last_attempt_ns
 
     async def run(self) -> None:
         """Forever: poll every `interval` s, or at once when need() asks. Never raises for
@@ -374,16 +383,23 @@ class RuntimePoller:
                 self.stats["polls"] += 1
                 if demanded:
                     self.stats["demand_polls"] += 1
+                attempt_ns = self._clock_ns()      # not after the client's own request
                 try:
                     view = await loop.run_in_executor(executor, self.client.poll)
                 except Exception as exc:   # RuntimeUnavailable, or a bug: never out of run()
                     failures += 1
                     self.stats["failed_polls"] += 1
+                    self._last_attempt_ns = attempt_ns
                     self._unhealthy(exc)
-                    await asyncio.sleep(self._backoff(failures))   # need() does not cut it short
+                    try:
+                        self._on_failure(attempt_ns)
+                    except Exception:
+                        log.exception("CRI %s: on_failure failed", self.client.endpoint)
+                    await self._pause(self._backoff(failures))
                     continue
                 failures = 0
                 self._last_started_ns = view.started_ns
+                self._last_attempt_ns = max(attempt_ns, view.started_ns)
                 self.last_view_ns = self._clock_ns()
                 self._healthy()
                 try:
@@ -398,6 +414,20 @@ class RuntimePoller:
         finally:
             self._loop = self._wake = None
             executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _pause(self, backoff: float) -> None:
+        """Wait out the backoff, or less when a request wants an attempt (not sooner than
+        demand_spacing: an unreachable runtime costs one attempt per spacing at most)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + backoff
+        await asyncio.sleep(min(self.demand_spacing, backoff))
+        left = until - loop.time()
+        if left > 0 and not self._demanded():
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=left)
+            except TimeoutError:
+                pass
 
     def _backoff(self, failures: int) -> float:
         """Jittered exponential: between half and all of min(cap, min * 2^(n-1))."""

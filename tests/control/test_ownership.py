@@ -349,16 +349,24 @@ def test_runtime_owner_whose_namespace_is_unknown_waits(make_model, table, clock
     assert lookup(table, "10.0.0.9")[:2] == ("w", ROLE)
 
 
-def test_losing_the_runtime_falls_back_to_the_api(make_model, table):
+def test_losing_the_runtime_keeps_its_last_view_and_asks_the_api_for_the_rest(make_model, table):
     m = make_model()
-    m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))       # the API, late: a is dead
+    m.apply_pod(pod("c", ips=("10.0.0.5",), role="r"))
     m.apply_runtime(view(("b", "10.0.0.4", {})))
     m.commit()
-    assert lookup(table, "10.0.0.4")[0] == "b"
-    m.runtime_lost()
+    assert lookup(table, "10.0.0.4")[0] == "b" and lookup(table, "10.0.0.5") is None
+    m.runtime_failed(5_000)
     m.commit()
-    assert not table.runtime_mode
-    assert lookup(table, "10.0.0.4")[0] == "a"
+    # No sandbox starts or stops while the runtime is down: what it showed still holds;
+    # what it did not show, the API decides.  Workers answer connections older than the
+    # failed attempt from that.
+    assert lookup(table, "10.0.0.4")[0] == "b"
+    assert lookup(table, "10.0.0.5")[0] == "c"
+    assert table.runtime_mode and table.failed_ns == 5_000
+    m.apply_runtime(view(("b", "10.0.0.4", {}), started_ns=6_000))   # back: only its view
+    m.commit()
+    assert lookup(table, "10.0.0.5") is None and table.verified_ns == 6_000
 
 
 def test_view_date_is_published_after_its_addresses(make_model, table):

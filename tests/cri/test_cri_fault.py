@@ -261,24 +261,37 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
     assert len({v.started_ns for v in views[1:]}) == 1 and views[1].started_ns > views[0].started_ns
 
 
-def test_needs_during_an_outage_do_not_spin(cri_fault, client, recorder):
+def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, client, recorder):
+    """A connection accepted during an outage is judged by an attempt begun after it (the
+    runtime may be back before the backoff ends), at most one per demand_spacing."""
+    failures = []
+
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
-                               interval=30.0, backoff_min=0.2, backoff_max=0.4)
+                               on_failure=failures.append, interval=30.0,
+                               backoff_min=10.0, backoff_max=10.0, demand_spacing=0.05)
         task = await _running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(cri_fault.stop)
         poller.need(time.monotonic_ns())
         await recorder.until(lambda: not poller.healthy)
         polls_before = poller.stats["polls"]
-        for _ in range(100):
+        asked = time.monotonic_ns()
+        poller.need(asked)
+        await recorder.until(lambda: failures and failures[-1] >= asked, timeout=1.0)
+        for _ in range(100):                      # 1 s of callers asking all the time
             poller.need(time.monotonic_ns())
             await asyncio.sleep(0.01)
+        attempts = poller.stats["polls"] - polls_before
+        await asyncio.to_thread(cri_fault.start)  # back before the 10 s backoff ends
+        back = time.monotonic_ns()
+        view = await recorder.view_after(poller, back)
         await _stop(task)
-        return poller.stats["polls"] - polls_before
+        return attempts, view
 
-    attempts = asyncio.run(asyncio.wait_for(body(), 10))
-    assert 1 <= attempts <= 8, attempts    # ~1 s at 0.1-0.4 s backoff, not 100
+    attempts, view = asyncio.run(asyncio.wait_for(body(), 10))
+    assert 5 <= attempts <= 1.0 / 0.05 + 3, attempts    # prompt, and never 100
+    assert view is not None and failures == sorted(failures)
 
 
 def test_need_from_another_thread_is_handed_to_the_loop(cri_fault, client, recorder):

@@ -263,3 +263,29 @@ def test_undecided_owner_waits_then_gets_its_decision(make_server, pods):
     pods.add("127.0.0.44", "decided-role", uid="uid-44")
     server.wake()
     assert bg.join().body == b"decided-role"
+
+
+def test_runtime_mode_a_failed_attempt_after_the_connection_answers_from_the_fallback(
+        make_server, pods):
+    """The runtime cannot be asked: an attempt begun after the connection failed, so the
+    control process's fallback (the last view, the API for the rest) answers it."""
+    pods.t.set_status(synced=True, runtime_mode=True)
+    pods.add("127.0.0.45", "fallback-role")
+    server = make_server(wait_budget=3.0)
+    bg = Background(server, LIST, source="127.0.0.45")
+    kind, accepted = server.messages()[0]
+    assert kind == channel.NEED_RUNTIME
+    pods.t.set_failed(accepted + 1)
+    server.wake()
+    assert (bg.join().status, bg.result.body) == (200, b"fallback-role")
+    # An unknown address after a failed attempt: the API's caution (pods still waiting for
+    # their addresses: wait), not the runtime's certainty.
+    pods.t.set_status(pending_pods=1)
+    r = Background(server, LIST, source="127.0.0.46")
+    kind, accepted = server.messages()[0]
+    pods.t.set_failed(accepted + 1)
+    server.wake()
+    wait_for_waiters(server)
+    pods.t.set_status(pending_pods=0)
+    server.wake()
+    assert r.join().status == 404

@@ -160,6 +160,16 @@ def test_runtime_mode_answers_only_connections_older_than_the_applied_poll(tbl):
     assert tbl.lookup(T.ip_key("10.0.0.9"), T.PART_LISTING, out, accepted_ns=5)[0] == T.MISS
     tbl.set_verified(500)                                      # never moves backwards
     assert tbl.verified_ns == 1_000
+    # A failed attempt after the connection: the fallback's slots answer (an unknown address
+    # then follows the API's caution: it is unsure while pods wait for their addresses).
+    tbl.set_failed(2_000)
+    assert tbl.lookup(key, T.PART_LISTING, out, accepted_ns=1_500)[0] == T.READY
+    assert tbl.lookup(key, T.PART_LISTING, out, accepted_ns=2_001)[0] == T.UNVERIFIED
+    tbl.set_status(pending_pods=1)
+    assert tbl.lookup(T.ip_key("10.0.0.9"), T.PART_LISTING, out,
+                      accepted_ns=1_500)[0] == T.UNSURE
+    tbl.set_failed(10)
+    assert tbl.failed_ns == 2_000
 
 
 def test_undecided_owner_is_neither_served_nor_a_miss(tbl):
