@@ -1,9 +1,11 @@
 """Fixtures of the end-to-end tests: a node (network namespaces, emulators, STS) per test.
 
 Every test here needs root, ``ip`` and ``iptables``; without them the whole directory is
-skipped with the reason, and nothing else is ever a reason to skip. When a test fails, the
+skipped with the reason. Tests on a node with a real container runtime (``runtime_node``)
+also need containerd, runc and the CNI plugins, and skip naming them and
+``sh tests/cri/setup.sh``; nothing else is ever a reason to skip. When a test fails, the
 agent's own output (supervisor, control process, workers) is printed with the failure, since
-that is the first thing anyone debugging it needs.
+that is the first thing anyone debugging it needs, and for a runtime node containerd's too.
 """
 
 from __future__ import annotations
@@ -62,4 +64,30 @@ def node(request, tmp_path, netns_available):
                      and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
         if failed and n.agents:
             sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
+        n.close()
+
+
+@pytest.fixture(scope="session")
+def runtime_available(netns_available):
+    """Skips (naming the missing tool) when a real containerd cannot run here."""
+    from runtime_node import containerd_unavailable_reason
+    reason = containerd_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def runtime_node(request, tmp_path, runtime_available):
+    """A fresh node with its own containerd (pods are real sandboxes), no agent yet."""
+    from runtime_node import RuntimeNode
+    n = RuntimeNode(tmp_path / "node")
+    try:
+        yield n
+    finally:
+        failed = any(getattr(request.node, f"rep_{w}", None) is not None
+                     and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+        if failed:
+            if n.agents:
+                sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
+            sys.stdout.write("\n===== containerd log =====\n" + n.containerd.log_tail() + "\n")
         n.close()

@@ -21,7 +21,8 @@ namespaces the test created:
   emulator, and ways to run real SDKs inside it.
 
 The services run in the test process (threads placed in the node namespace), so tests drive
-them directly: create pods, move IPs on the kubelet before the API server, add STS faults.
+them directly: create pods, make the API server late with their status, add STS faults.
+:mod:`runtime_node` extends this node with a real containerd whose sandboxes are the pods.
 Everything is torn down by :meth:`Node.close`, also after a failure: the agent and its
 children are stopped by pid, the namespaces deleted, the shared-memory files removed.
 """
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from imds_probe import Prober, Sample, fetch_once
-from netns import METADATA_IP, NetnsError, NodeNet, PodNet, call_in_netns
+from netns import BRIDGE, METADATA_IP, NetnsError, NodeNet, PodNet, call_in_netns
 
 from kiamfast.testing.apiserver import ApiServer
 from kiamfast.testing.fake_imds import FakeImds
@@ -147,7 +148,7 @@ class Agent:
             f"--node={node.name}",
             f"--host-ip={node.host_ip}",
             "--iptables=true",
-            "--host-interface=kfbr0",
+            f"--host-interface={node.host_interface}",
             f"--app-port={APP_PORT}",
             f"--kubeconfig={node.kubeconfig}",
             f"--metadata-addr={METADATA_IP}:80",
@@ -156,7 +157,7 @@ class Agent:
             f"--token-key-file={self.token_key_file}",
             f"--base-role-arn={BASE_ARN}",
             f"--node-startup-taint={STARTUP_TAINT}",
-            f"--kubelet-url={node.kubelet_url}",
+            f"--cri-endpoint={node.cri_endpoint}",
             f"--workers={workers}",
             "--debug",
             *extra_args,
@@ -184,6 +185,10 @@ class Agent:
     # -- life cycle ----------------------------------------------------------------------
 
     def start(self) -> "Agent":
+        """Start the supervisor; also again after :meth:`kill` or :meth:`stop` (same table
+        file and token key, as a restarted container of the same pod)."""
+        if self._log is not None:
+            self._log.close()
         self._log = open(self.log_path, "ab")
         self.proc = self.node.net.ns.popen([sys.executable, "-m", "kiamfast", *self.args],
                                            env=self.env, cwd=str(REPO), stdout=self._log,
@@ -312,6 +317,20 @@ class Agent:
                 self.proc.wait(10)
         self._kill_known_children()
         return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor and all its children at once (an OOM kill of the agent's
+        container): nothing gets to clean up, the DNAT rule and the table stay."""
+        if self.proc is None:
+            return
+        pids = [self.proc.pid, *self.children().values()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        self._kill_known_children()
 
     def _kill_known_children(self) -> None:
         for pid in self._known_children:
@@ -470,6 +489,11 @@ class Node:
     """A node namespace with the fake IMDS, the API server and kubelet emulators, STS, and
     (after :meth:`start_agent`) the agent. Use as a context manager, or call :meth:`close`."""
 
+    # The agent's --host-interface and --cri-endpoint on this node: pods are veths on the
+    # harness' bridge and there is no container runtime (runtime_node.RuntimeNode has one).
+    host_interface = BRIDGE
+    cri_endpoint = "none"
+
     def __init__(self, workdir: Path, *, taint: bool = True,
                  host_ip: str = "10.77.0.1") -> None:
         self.workdir = Path(workdir)
@@ -558,8 +582,9 @@ class Node:
                 annotations: Mapping[str, str] | None = None) -> Pod:
         """A pod namespace with ``ip`` and (``in_api``) the pod in the emulator.
 
-        ``ip_in_api=False``: the API server has the pod without an IP (Pending); only the
-        kubelet knows its IP, as in the first second of a real pod's life."""
+        ``ip_in_api=False``: the API server has the pod without an IP (Pending), as in the
+        first seconds of a real pod's life; with ``kubelet`` the kubelet emulator's /pods
+        has the IP (a real kubelet's does not: it mirrors the API, cri.md)."""
         net = self.net.add_pod(ip)
         pod = Pod(self, net, name=name, namespace=namespace, role=role)
         self.pods[name] = pod

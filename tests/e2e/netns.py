@@ -83,11 +83,11 @@ class NetnsError(RuntimeError):
 
 def unavailable_reason() -> str | None:
     """Why the harness cannot run here, or None. Checked once per session by conftest."""
-    if os.geteuid() != 0:
-        return "end-to-end tests need root (network namespaces, veth, iptables)"
-    for tool in ("ip", "iptables"):
-        if shutil.which(tool) is None:
-            return f"end-to-end tests need `{tool}` (apt-get install iproute2 iptables)"
+    from needs import missing_tool, not_root_reason
+    reason = (not_root_reason("network namespaces, veth, iptables")
+              or missing_tool("ip", "iptables"))
+    if reason:
+        return f"end-to-end tests: {reason}"
     probe = f"kf-probe-{os.getpid()}-{secrets.token_hex(3)}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
