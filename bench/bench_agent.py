@@ -173,7 +173,7 @@ def agent_argv(c: Cluster, *, port: int, table_path: str, workers: int = 1,
             "--token-key-file", table_path + ".key",
             "--listen-host", "127.0.0.1", f"--app-port={port}", f"--metrics-port={port}",
             "--metadata-addr", f"127.0.0.1:{c.imds_port}", "--iptables=false",
-            "--node-startup-taint=", "--kubelet-url", c.api.kubelet_url(c.node),
+            "--node-startup-taint=", "--cri-endpoint=none",
             "--log-level", "warn", f"--workers={workers}"]
     if sts_qps is not None:
         argv.append(f"--sts-qps={sts_qps}")

@@ -21,8 +21,9 @@ each replacement following a kubelet's order of events on a real node:
 
 So a wrong answer means the agent named A's (or any other) role to B's client after the
 API server had published A's end and B's claim; a request "not served" is any answer but a
-200, or one later than the SDK budget. The agent's only help is the watch, and the kubelet
-when it asks it (the emulator's kubelet learns B's IP together with the API server).
+200, or one later than the SDK budget. The agent's only help here is the watch (it runs
+API-only, ``--cri-endpoint=none``; bench/runtime_churn.py is the same churn with the
+container runtime).
 
     python bench/churn.py [--quick] [--requests N] [--rate R] [--gap S]
 """

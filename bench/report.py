@@ -8,7 +8,9 @@ control process, kube2iam's policy on the same events for STS calls). The machin
 are recorded with the figures.
 
 Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
-(bench/churn.py), ``node_start`` (bench/node_start.py), ``scale`` (bench/scale_sim.py).
+(bench/churn.py, API-only), ``node_start`` (bench/node_start.py), ``scale``
+(bench/scale_sim.py), ``runtime`` (bench/runtime_churn.py, runtime_first_call.py,
+runtime_polling.py: the container runtime's path, on a real containerd when root has one).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale")
+SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime")
 
 
 @dataclass
@@ -439,7 +441,36 @@ def _latency_ok(p99: float, nginx_p99: float, target: float = 2.0) -> str:
     return "❌"
 
 
-RUNNERS = {"hotpath": section_hotpath, "churn": section_churn,
+def section_runtime(quick: bool, out: Path, log) -> Section:
+    import runtime_churn as rch
+    import runtime_first_call as rfc
+    import runtime_polling as rpo
+    sec = Section("The runtime path (CRI): churn, first call, hot path, polling cost")
+    churn_r = rch.run(slots=8 if quick else 16, requests=30_000 if quick else 1_000_000,
+                      min_replacements=10 if quick else 200, log=log)
+    first = rfc.run(pods=30 if quick else 200, rounds=1 if quick else 3,
+                    round_seconds=3.0 if quick else 8.0, log=log)
+    polling = rpo.run(sandboxes=30 if quick else 110, seconds=5.0 if quick else 30.0,
+                      log=log)
+    sec.body = "\n".join([
+        "### Churn: addresses reused at once, the API told late and in the wrong order", "",
+        rch.markdown(churn_r), "",
+        "### A new pod's first call, and the hot path with and without the runtime", "",
+        rfc.markdown(first), "", "### What the runtime polling costs", "",
+        rpo.markdown(polling)])
+    sec.headline = (rch.headline(churn_r, quick=quick) + rfc.headline(first)
+                    + rpo.headline(polling))
+    sec.raw = {"churn": [{"mode": r.mode, "runtime": r.runtime, "requests": r.tally.requests,
+                          "wrong": r.tally.wrong, "replacements": r.replacements,
+                          "reused": r.reused, "latency": summarize_us(r.tally.latencies_us)}
+                         for r in churn_r],
+               "first_call": {"document_ms": first.first.document_ms.tolist(),
+                              "hot_with": first.hot("with"), "hot_without": first.hot("without")},
+               "polling": polling.__dict__}
+    return sec
+
+
+RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node_start": section_node_start, "scale": section_scale}
 
 

@@ -15,6 +15,7 @@ from kiamfast import table as T
 def tbl(tmp_path_factory):
     t = T.Table.create(str(tmp_path_factory.mktemp("bench") / "t"), ip_capacity=1024,
                        cred_capacity=64, value_size=16384)
+    t.set_status(synced=True)     # a synced agent: unknown addresses are plain misses
     far = time.time() + 3600
     for slot in range(40):
         t.write_cred(slot, [b"role-%d" % slot, b"L", b"d" * 2048, b"e", b"i"], serve_until=far)

@@ -49,12 +49,11 @@ def _rss_kb() -> int:
 
 # ---- the child: the control side ---------------------------------------------------------------
 
-def child_main(url: str, token: str, table_path: str, kubelet_url: str) -> None:
+def child_main(url: str, token: str, table_path: str) -> None:
     import asyncio
     import importlib
 
     from kiamfast import table as tablemod
-    from kiamfast.control.kubelet import KubeletClient
     from kiamfast.control.ownership import Ownership
     from kiamfast.control.pods import PodWatcher, make_api_client
     from kiamfast.control.roles import RolePolicy
@@ -77,8 +76,7 @@ def child_main(url: str, token: str, table_path: str, kubelet_url: str) -> None:
     async def main():
         model = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=Sink())
         watcher = PodWatcher(api_client=make_api_client(api_server=url, api_token=token),
-                             model=model, node=NODE,
-                             kubelet=KubeletClient(kubelet_url, token=token))
+                             model=model, node=NODE)
         task = asyncio.create_task(watcher.run())
         await watcher.wait_synced(60)
         print(json.dumps({"synced": watcher.sync_seconds, "pods": len(model.pods),
@@ -163,8 +161,7 @@ def measure(n_pods: int, *, samples: int = 100) -> dict:
         list_s = raw_list_seconds(srv.url, srv.token)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", srv.url, srv.token, table_path,
-             srv.kubelet_url(NODE)],
+            [sys.executable, __file__, "--child", srv.url, srv.token, table_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         first = json.loads(proc.stdout.readline())
         raw = RawWatch(srv.url, srv.token, srv.resource_version)
@@ -243,6 +240,6 @@ def test_watch_bench_small():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child_main(*sys.argv[2:6])
+        child_main(*sys.argv[2:5])
     else:
         print(report([measure(110, samples=200), measure(250, samples=200)]))

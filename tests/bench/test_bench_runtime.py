@@ -24,6 +24,7 @@ def test_churn_with_the_runtime_never_names_another_pods_role():
     assert with_runtime.replacements >= 6 and with_runtime.reused >= 6
     assert t.wrong == 0, t.samples
     assert t.put_fail == 0 and t.connect_fail == 0
+    assert with_runtime.lost_clients == 0    # every client's requests were counted
     # The same churn without the runtime does name the previous pods' roles: the
     # measurement sees wrong answers where they happen, so the 0 above means something.
     assert api_only.replacements >= 6
