@@ -2,82 +2,34 @@
 operator pokes at it: readiness, kube2iam's health and metrics, the startup taint, a clean
 stop.  No root: the pod is a loopback source address (127.0.0.5)."""
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import orjson
 import pytest
 
-from kiamfast.testing.apiserver import ApiServer
-from kiamfast.testing.fake_imds import FakeImds
-from kiamfast.testing.sts import MotoSts
+from agent_process import POD_IP, Agent, Fakes
+from agent_process import http as _http
 
 TAINT = "kiamfast.io/agent-not-ready"
-POD_IP = "127.0.0.5"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(port: int, path: str, *, source: str = "127.0.0.1") -> tuple[int, bytes]:
-    with socket.create_connection(("127.0.0.1", port), timeout=5,
-                                  source_address=(source, 0)) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 169.254.169.254\r\nConnection: close\r\n\r\n"
-                  .encode())
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return _http(port, f"GET {path}", source=source)
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    d = tmp_path_factory.mktemp("agent")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_EC2_METADATA_DISABLED="true", AWS_REGION="us-east-1")
-    os.environ.update(AWS_EC2_METADATA_DISABLED="true")
-    api = ApiServer().start()
-    sts = MotoSts()
-    sts.start()
-    imds = FakeImds().start()
-    api.add_node("n1", taints=[{"key": TAINT, "value": "true", "effect": "NoExecute"}])
-    api.create_pod("team", "app", node="n1", annotations={"iam.amazonaws.com/role": "app-role"},
-                   ips=[POD_IP], phase="Running")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kiamfast", f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}",
-         "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
-         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}", f"--metrics-port={port}",
-         "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
-         f"--token-key-file={d / 'key'}", "--cri-endpoint=none",
-         "--iptables=false", "--debug"],
-        env=env, stderr=open(d / "agent.log", "wb"))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (d / "agent.log").read_text()
-        try:
-            if http(port, "/readyz")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise AssertionError("agent never ready:\n" + (d / "agent.log").read_text())
-    yield {"port": port, "api": api, "proc": proc, "log": d / "agent.log"}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    imds.stop()
-    sts.stop()
-    api.stop()
+    fakes = Fakes(taints=[{"key": TAINT, "value": "true", "effect": "NoExecute"}])
+    agent = Agent(fakes, tmp_path_factory.mktemp("agent"),
+                  extra=["--listen-host=127.0.0.1", f"--node-startup-taint={TAINT}", "--debug"])
+    try:
+        agent.wait_ready(30)
+        yield {"port": agent.port, "api": fakes.api, "proc": agent.proc,
+               "log": agent.log_path}
+    finally:
+        agent.stop()
+        fakes.stop()
 
 
 def test_ready_agent_serves_the_pod_and_has_removed_the_startup_taint(agent):

@@ -7,63 +7,37 @@ wrong: a pod's address is never published, or a dead pod stays Running with it."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import orjson
 import pytest
 
-from kiamfast.testing.apiserver import ApiServer
+from agent_process import Agent, Fakes
+from agent_process import http as _http
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
-from kiamfast.testing.fake_imds import FakeImds
-from kiamfast.testing.sts import MotoSts
-
-from test_agent_loopback import free_port, http
 
 ROLE_KEY = "iam.amazonaws.com/role"
 LIST = "/latest/meta-data/iam/security-credentials/"
 
 
+def http(port: int, path: str, *, source: str = "127.0.0.1") -> tuple[int, bytes]:
+    return _http(port, f"GET {path}", source=source)
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    d = tmp_path_factory.mktemp("agent-runtime")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_EC2_METADATA_DISABLED="true", AWS_REGION="us-east-1")
-    api = ApiServer().start()
-    sts = MotoSts()
-    sts.start()
-    imds = FakeImds().start()
+    fakes = Fakes()
     cri = CriFault().start()
-    api.add_node("n1")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kiamfast", f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}",
-         "--node=n1", "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
-         f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}", f"--app-port={port}", f"--metrics-port={port}",
-         "--listen-host=127.0.0.1", f"--table-path={d / 'table'}",
-         f"--token-key-file={d / 'key'}", f"--cri-endpoint={cri.endpoint}",
-         "--iptables=false", "--node-startup-taint="],
-        env=env, stderr=open(d / "agent.log", "wb"))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (d / "agent.log").read_text()
-        try:
-            if http(port, "/readyz")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise AssertionError("agent never ready:\n" + (d / "agent.log").read_text())
-    yield {"port": port, "api": api, "cri": cri, "sts": sts, "log": d / "agent.log"}
-    proc.terminate()
-    proc.wait(20)
-    cri.close()
-    imds.stop()
-    sts.stop()
-    api.stop()
+    agent = Agent(fakes, tmp_path_factory.mktemp("agent-runtime"),
+                  extra=["--listen-host=127.0.0.1", f"--cri-endpoint={cri.endpoint}"])
+    try:
+        agent.wait_ready(30)
+        yield {"port": agent.port, "api": fakes.api, "cri": cri, "sts": fakes.sts,
+               "log": agent.log_path}
+    finally:
+        agent.stop()
+        cri.close()
+        fakes.stop()
 
 
 def role_of(node, ip: str) -> tuple[int, str]:

@@ -13,22 +13,15 @@ metrics carry (``instance`` and ``job`` are added by Prometheus when it scrapes)
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from kiamfast.testing.apiserver import ApiServer
-from kiamfast.testing.fake_imds import FakeImds
-from kiamfast.testing.sts import MotoSts
+from agent_process import LISTING, POD_IP, ROLE, Agent, Fakes
+from agent_process import http as _http
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kiamfast-dashboard.json"
-POD_IP = "127.0.0.6"
 TARGET_LABELS = {"instance", "job"}  # Prometheus' own, never in /metrics
 
 # PromQL words that are not metric names.
@@ -36,68 +29,27 @@ KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "boo
             "or", "unless", "offset", "inf", "nan"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_get(port: int, path: str, *, source: str = "127.0.0.1") -> tuple[int, str]:
-    with socket.create_connection(("127.0.0.1", port), timeout=5,
-                                  source_address=(source, 0)) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 169.254.169.254\r\nConnection: close\r\n\r\n"
-                  .encode())
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode()
+    status, body = _http(port, f"GET {path}", source=source)
+    return status, body.decode()
 
 
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory) -> str:
     """/metrics of a running agent that has served credentials, health and readiness."""
-    d = tmp_path_factory.mktemp("dashboard-agent")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_EC2_METADATA_DISABLED="true", AWS_REGION="us-east-1")
-    api = ApiServer().start()
-    sts = MotoSts()
-    sts.start()
-    imds = FakeImds().start()
-    proc = None
+    import time
+    fakes = Fakes()
+    agent = Agent(fakes, tmp_path_factory.mktemp("dashboard-agent"),
+                  extra=["--listen-host=127.0.0.1"])
     try:
-        api.add_node("n1")
-        api.create_pod("team", "app", node="n1",
-                       annotations={"iam.amazonaws.com/role": "app-role"},
-                       ips=[POD_IP], phase="Running")
-        port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kiamfast",
-             f"--kubeconfig={api.write_kubeconfig(str(d / 'kc'))}", "--node=n1",
-             "--host-ip=127.0.0.1", "--base-role-arn=arn:aws:iam::123456789012:role/",
-             f"--sts-endpoint={sts.url}", f"--metadata-addr={imds.addr}",
-             f"--app-port={port}", f"--metrics-port={port}", "--listen-host=127.0.0.1",
-             f"--table-path={d / 'table'}",
-             f"--token-key-file={d / 'key'}", "--iptables=false", "--cri-endpoint=none"],
-            env=env, stderr=open(d / "agent.log", "wb"))
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (d / "agent.log").read_text()
-            assert time.monotonic() < deadline, "never ready:\n" + (d / "agent.log").read_text()
-            try:
-                if http_get(port, "/readyz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        agent.wait_ready(30)
+        port = agent.port
         # What a node's pods and kubelet do: list, fetch, probe.
-        assert http_get(port, "/latest/meta-data/iam/security-credentials/",
-                        source=POD_IP) == (200, "app-role")
-        assert http_get(port, "/latest/meta-data/iam/security-credentials/app-role",
-                        source=POD_IP)[0] == 200
+        assert http_get(port, LISTING, source=POD_IP) == (200, ROLE)
+        assert http_get(port, LISTING + ROLE, source=POD_IP)[0] == 200
         assert http_get(port, "/healthz")[0] == 200
         # The control process publishes its metrics every few seconds: wait for the STS call
-        # that fetched app-role's credentials to be counted.
+        # that fetched the role's credentials to be counted.
         deadline = time.monotonic() + 15
         while True:
             status, text = http_get(port, "/metrics")
@@ -107,12 +59,8 @@ def scrape(tmp_path_factory) -> str:
             assert time.monotonic() < deadline, text
             time.sleep(0.2)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            proc.wait(20)
-        imds.stop()
-        sts.stop()
-        api.stop()
+        agent.stop()
+        fakes.stop()
 
 
 def exported(text: str) -> dict[str, set[str]]:

@@ -685,3 +685,16 @@ def wrong_answers(pod: Pod, samples: Iterable[Sample], *,
         elif s.status != 200 and s.status not in allowed:
             bad.append(f"status {s.status} ({s.stage}) not in {sorted(allowed)}: {s}")
     return bad
+
+
+def assert_own_role(pod: "Pod", creds: dict) -> None:
+    """The SDK in `pod` got credentials, and STS issued them for this pod's role (never the
+    node's)."""
+    node = pod.node
+    assert "AccessKeyId" in creds, f"{pod}: no credentials: {creds}\n" + node.agent_logs()
+    key = creds["AccessKeyId"]
+    assert not key.startswith(NODE_ACCESS_KEY_PREFIX), f"{pod} got the NODE's role: {creds}"
+    assert node.sts.role_of(key) == pod.role, \
+        f"{pod}: key {key} was issued for {node.sts.role_of(key)!r}"
+    if "Arn" in creds:
+        assert f":assumed-role/{pod.role}/" in creds["Arn"], creds

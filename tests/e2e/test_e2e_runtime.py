@@ -23,23 +23,11 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from connection_probe import ConnectionProber
-from e2e_cluster import APP_PORT, NODE_ACCESS_KEY_PREFIX, wrong_answers
+from e2e_cluster import APP_PORT, assert_own_role, wrong_answers
 from needs import need_js_sdk, need_tool
 from runtime_node import RuntimeNode, SandboxPod, wait_until
 
 pytestmark = pytest.mark.root
-
-
-def assert_own_role(pod: SandboxPod, creds: dict) -> None:
-    """The SDK got credentials, and STS issued them for this pod's role."""
-    node = pod.node
-    assert "AccessKeyId" in creds, f"{pod}: no credentials: {creds}\n" + node.agent_logs()
-    key = creds["AccessKeyId"]
-    assert not key.startswith(NODE_ACCESS_KEY_PREFIX), f"{pod} got the NODE's role: {creds}"
-    assert node.sts.role_of(key) == pod.role, \
-        f"{pod}: key {key} was issued for {node.sts.role_of(key)!r}"
-    if "Arn" in creds:
-        assert f":assumed-role/{pod.role}/" in creds["Arn"], creds
 
 
 def runtime_health(node: RuntimeNode) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_cluster import NODE_ACCESS_KEY_PREFIX, Node
+from e2e_cluster import Node, assert_own_role
 from needs import need_js_sdk
 
 pytestmark = pytest.mark.root
@@ -48,21 +48,11 @@ def cluster(tmp_path_factory, netns_available):
         node.close()
 
 
-def assert_own_role(node: Node, pod, creds: dict) -> None:
-    assert "AccessKeyId" in creds, f"{pod}: no credentials: {creds}\n" + node.agent_logs()
-    key = creds["AccessKeyId"]
-    assert not key.startswith(NODE_ACCESS_KEY_PREFIX), f"{pod} got the NODE's role: {creds}"
-    assert node.sts.role_of(key) == pod.role, \
-        f"{pod}: key {key} was issued for {node.sts.role_of(key)!r}"
-    if "Arn" in creds:
-        assert f":assumed-role/{pod.role}/" in creds["Arn"], creds
-
-
 def test_botocore_imdsv2(cluster):
     pod = cluster.pods["boto-v2"]
     creds = pod.botocore_credentials()
     assert creds.get("method") == "iam-role", creds
-    assert_own_role(cluster, pod, creds)
+    assert_own_role(pod, creds)
     assert cluster.imds_credential_requests() == []
 
 
@@ -75,7 +65,7 @@ def test_botocore_imdsv1_when_the_token_put_is_refused(cluster):
     finally:
         pod.allow_token_put()
     assert creds.get("method") == "iam-role", creds
-    assert_own_role(cluster, pod, creds)
+    assert_own_role(pod, creds)
     assert cluster.imds_credential_requests() == []
 
 
@@ -83,7 +73,7 @@ def test_botocore_with_imdsv1_disabled(cluster):
     pod = cluster.pods["boto-no-v1"]
     creds = pod.botocore_credentials(AWS_EC2_METADATA_V1_DISABLED="true")
     assert creds.get("method") == "iam-role", creds
-    assert_own_role(cluster, pod, creds)
+    assert_own_role(pod, creds)
 
 
 def test_aws_cli_get_caller_identity(cluster):
@@ -98,7 +88,7 @@ def test_javascript_sdk_v3(cluster):
     pod = cluster.pods["js"]
     creds = pod.js_credentials()
     assert creds.get("exit") == 0, creds
-    assert_own_role(cluster, pod, creds)
+    assert_own_role(pod, creds)
     assert creds["Expiration"].endswith("Z"), creds
 
 

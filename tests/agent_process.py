@@ -2,8 +2,9 @@
 
 The cluster is the API server emulator, STS is moto on loopback, the metadata service is the
 fake IMDS; pods are loopback source addresses.  AWS clients run with static credentials and
-AWS_EC2_METADATA_DISABLED, so nothing leaves the machine.  Used by the supervisor tests and
-by tests/server/test_token_key_file.py.
+AWS_EC2_METADATA_DISABLED, so nothing leaves the machine.  Used wherever a test needs the
+whole agent: tests/agent, tests/supervisor, tests/deploy/test_dashboard.py,
+tests/server/test_token_key_file.py.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def http(port: int, request: str, *, source: str = "127.0.0.1",
 class Fakes:
     """The emulated cluster (one node, one pod with a role), STS and metadata service."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, taints: list[dict] | None = None) -> None:
         self.api = ApiServer().start()
         self.sts = MotoSts()
         self.sts.start()
         self.imds = FakeImds().start()
-        self.api.add_node("n1")
+        self.api.add_node("n1", taints=taints)
         self.api.create_pod("team", "app", node="n1", annotations={
             "iam.amazonaws.com/role": ROLE}, ips=[POD_IP], phase="Running")
 
