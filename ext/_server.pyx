@@ -40,6 +40,7 @@ cdef extern from "string.h" nogil:
 import asyncio
 import collections
 import hashlib
+import json
 import logging
 
 import httptools
@@ -437,6 +438,8 @@ cdef class Core:
     cdef Py_ssize_t max_url, max_header_bytes, max_body, max_request_bytes
     cdef int max_headers, max_pipeline, max_connections, max_per_client
     cdef dict per_client       # key16 -> open connections from that address
+    cdef object denials_blob   # the aux blob `denials` was parsed from
+    cdef dict denials          # pod uid -> [role ARN, namespace]
     cdef set limited           # addresses at their limit (logged once per episode)
     cdef public long tick
     cdef long idle_ticks, request_ticks
@@ -477,6 +480,8 @@ cdef class Core:
         self.max_per_client = settings.max_connections_per_client
         self.per_client = {}
         self.limited = set()
+        self.denials_blob = None
+        self.denials = {}
         self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))
         self.request_ticks = max(1, <long>(settings.request_timeout + 0.999))
         self.tick = 0
@@ -714,7 +719,7 @@ cdef class Core:
             return finish(R.no_role(conn.ip), extras, head)
         if status == S_DENIED:
             self.last_status = 404
-            return finish(R.denied(conn.ip), extras, head)
+            return finish(self.denial(conn), extras, head)
         if status == S_MISMATCH:
             self.last_status = 404
             return finish(R.invalid_role(name if name is not None else b""), extras, head)
@@ -729,6 +734,25 @@ cdef class Core:
         # BUSY, ERROR
         self.last_status = 503
         return finish(R.unavailable(conn.ip), extras, head)
+
+    cdef bytes denial(self, Conn conn):
+        """kube2iam's 404 text for a role the pod's namespace refuses (role and namespace
+        from the control process's aux blob; the generic text until it is published).  A
+        rare answer: it may allocate."""
+        table = self.table
+        if table.layout["aux_count"] > _table.AUX_DENIALS:
+            blob = table.read_aux(_table.AUX_DENIALS)
+            if blob != self.denials_blob:
+                try:
+                    self.denials = json.loads(blob) if blob else {}
+                except ValueError:
+                    self.denials = {}
+                self.denials_blob = blob
+            found = table.lookup_pod(conn.key16)
+            entry = self.denials.get(found[0]) if found is not None else None
+            if isinstance(entry, list) and len(entry) == 2:
+                return R.denied(conn.ip, str(entry[0]), str(entry[1]))
+        return R.denied(conn.ip)
 
     # -- operational routes -----------------------------------------------------------------
 

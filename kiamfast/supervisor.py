@@ -37,7 +37,7 @@ from kiamfast import channel, logs
 from kiamfast.config import Config
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import WorkerError, listen_socket
-from kiamfast.table import AUX_SIZE, Table
+from kiamfast.table import AUX_COUNT, AUX_SIZE, Table
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -189,7 +189,7 @@ class Supervisor:
     def prepare(self) -> None:
         cfg = self.config
         self.table = Table.create(cfg.table_path, max_workers=max(64, cfg.workers),
-                                  aux_size=AUX_SIZE)
+                                  aux_count=AUX_COUNT, aux_size=AUX_SIZE)
         self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
         self.listeners = listeners(cfg)
         listen_args = ["--listen-fd", str(self.listeners[0].fileno())]

@@ -53,6 +53,8 @@ AUX_METRICS = 0       # Prometheus text of the control process
 AUX_DEBUG_STORE = 1   # /debug/store JSON
 AUX_HEALTH = 2        # /healthz JSON ({"hostIP":..,"instanceId":..}); empty = unhealthy
 AUX_HEALTH_ERROR = 3  # last health-check error text
+AUX_DENIALS = 4       # JSON {pod uid: [role ARN, namespace]} of pods denied by their namespace
+AUX_COUNT = 5
 
 DEFAULT_PATH = "/dev/shm/kiamfast-table"
 
@@ -106,6 +108,8 @@ __all__ = [
     "AUX_DEBUG_STORE",
     "AUX_HEALTH",
     "AUX_HEALTH_ERROR",
+    "AUX_DENIALS",
+    "AUX_COUNT",
     "DEFAULT_PATH",
     "AUX_SIZE",
 ]

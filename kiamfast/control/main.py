@@ -272,6 +272,10 @@ class ControlProcess:
             text = prometheus_client.generate_latest(self.registry) + self._own_metrics()
             if not self._write_aux(tbl.AUX_METRICS, text, "metrics"):
                 self._write_aux(tbl.AUX_METRICS, self._own_metrics(), "metrics")
+            if self.table.layout["aux_count"] > tbl.AUX_DENIALS:
+                if not self._write_aux(tbl.AUX_DENIALS, orjson.dumps(self.model.denials()),
+                                       "denials"):
+                    self._write_aux(tbl.AUX_DENIALS, b"{}", "")
             if self.config.debug and self.watcher is not None:
                 store = orjson.dumps(self.model.debug_store(), option=orjson.OPT_SORT_KEYS)
                 if not self._write_aux(tbl.AUX_DEBUG_STORE, store, "/debug/store"):

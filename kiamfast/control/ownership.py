@@ -282,6 +282,16 @@ class Ownership:
         """Does any address in the table point at this credential slot?"""
         return any(w[2] == slot for w in self._written.values())
 
+    def denials(self) -> dict[str, tuple[str, str]]:
+        """pod uid -> (role ARN, namespace) of the pods the table denies by their namespace's
+        rules: workers answer them with kube2iam's text."""
+        out = {}
+        for uid, state, _ in self._written.values():
+            pod = self._pod(uid) if state == POD_DENIED else None
+            if pod is not None and pod.identity is not None and pod.identity.role_arn:
+                out[uid] = (pod.identity.role_arn, pod.namespace)
+        return out
+
     def debug_store(self) -> dict[str, Any]:
         """kube2iam's /debug/store view: namespaceByIP, rolesByIP, rolesByNamespace."""
         ns_by_ip: dict[str, str] = {}

@@ -540,7 +540,7 @@ class RolePolicy:
         if arn != self.default_role_arn and self.uses_namespaces:
             reason = self._namespace_denial(arn, rules, namespace)
             if reason:
-                return PodIdentity(IdentityKind.DENIED, reason=reason,
+                return PodIdentity(IdentityKind.DENIED, role_arn=arn, reason=reason,
                                    namespace_unknown=rules is None)
         return PodIdentity.role(arn, external_id)
 

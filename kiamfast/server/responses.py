@@ -84,8 +84,12 @@ def no_role(ip: str) -> bytes:
     return error(404, f"unable to find role for IP {ip}")
 
 
-def denied(ip: str) -> bytes:
-    return error(404, f"role requested by pod at {ip} is not valid for its namespace")
+def denied(ip: str, role_arn: str | None = None, namespace: str | None = None) -> bytes:
+    if role_arn is None:
+        return error(404, f"role requested by pod at {ip} is not valid for its namespace")
+    # kube2iam's text for a role its namespace does not allow.
+    return error(404, f"role requested {role_arn} not valid for namespace of pod at {ip} "
+                      f"with namespace {namespace}")
 
 
 def invalid_role(name: bytes) -> bytes:

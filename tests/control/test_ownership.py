@@ -456,3 +456,13 @@ def test_stale_event_for_a_pod_is_ignored(make_model, table):
     m.apply_pod(pod("a", ips=("10.0.0.1",), role="r", rv=9))
     m.commit()
     assert lookup(table, "10.0.0.1") is None
+
+
+def test_namespace_denials_name_role_and_namespace_for_kube2iams_text(make_model, table):
+    m = make_model(namespace_restrictions=True)
+    m.apply_namespace(namespace("shop", {NS_KEY: '["shop-*"]'}))
+    m.apply_pod(pod("in", ns="shop", ips=("10.0.0.1",), role="billing-admin"))
+    m.apply_pod(pod("ok", ns="shop", ips=("10.0.0.2",), role="shop-cart"))
+    m.commit()
+    assert lookup(table, "10.0.0.1")[1] == DENIED
+    assert m.denials() == {"in": (BASE + "billing-admin", "shop")}

@@ -22,7 +22,7 @@ def table_path(tmp_path: Any) -> str:
 @pytest.fixture
 def writer(table_path: str) -> Iterator[table.Table]:
     t = table.Table.create(table_path, ip_capacity=1024, cred_capacity=64, value_size=16384,
-                           aux_count=4, aux_size=1 << 16, max_workers=4)
+                           aux_count=table.AUX_COUNT, aux_size=1 << 16, max_workers=4)
     yield t
     t.close()
 

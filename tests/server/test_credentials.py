@@ -108,6 +108,18 @@ def test_denied_pod_is_404(server, pods):
     assert "not valid for its namespace" in r.text
 
 
+def test_denied_pod_gets_kube2iams_text_once_the_control_process_names_the_role(
+        server, pods, writer):
+    pods.add("127.0.0.3", "forbidden-role", uid="uid-denied", pod_state=table.POD_DENIED)
+    writer.write_aux(table.AUX_DENIALS, json.dumps(
+        {"uid-denied": [BASE_ARN + "forbidden-role", "shop"]}).encode())
+    r = server.get(LIST, source="127.0.0.3")
+    assert (r.status, r.text) == (404, f"role requested {BASE_ARN}forbidden-role not valid "
+                                       f"for namespace of pod at 127.0.0.3 with namespace shop\n")
+    writer.write_aux(table.AUX_DENIALS, b"not json")      # garbage: the generic text, no 500
+    assert server.get(LIST, source="127.0.0.3").status == 404
+
+
 # ---- L8: paths that must be intercepted, whatever their spelling -----------------------------
 
 @pytest.mark.parametrize("path", [
