@@ -57,3 +57,12 @@ class FailSkipsInCi:
 def pytest_configure(config):
     if in_ci() and not config.pluginmanager.has_plugin("kiamfast-ci-skip-policy"):
         config.pluginmanager.register(FailSkipsInCi(), "kiamfast-ci-skip-policy")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item (item.rep_setup, item.rep_call, ...), so a
+    fixture's teardown can show logs of the component under test when the test failed."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

@@ -72,6 +72,17 @@ DEVIATIONS = """\
 - Only GET/list/watch (all kinds) and PATCH (nodes, pods, namespaces) are served over HTTP;
   creates and deletes are done from Python. create_pod auto-creates a missing namespace.
 - The kubelet listener is plain HTTP on an ephemeral port (a real one is HTTPS on 10250).
+Found against a real kube-apiserver 1.34 (tests/k8s):
+- Bookmarks come every bookmark_interval even when nothing changed; the real server sends
+  one only when some object changed past the watch's resourceVersion (2 s before the
+  deadline, or about once a minute).
+- compact() answers 410 to watches from before the compaction; a real server with its watch
+  cache on keeps serving them from the cache (only --watch-cache=false answers 410: an
+  ERROR event, reason Expired, "The resourceVersion for the provided watch is too old.").
+- The pods/status subresource is 404 here (200 on a real server); a created node gets no
+  node.kubernetes.io/not-ready taint but made-up Ready conditions and an address; error
+  messages and details (422, 409, bad selectors) are worded differently; objects carry no
+  managedFields or generation; there is no RBAC.
 """
 
 _DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")

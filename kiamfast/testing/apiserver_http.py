@@ -76,7 +76,9 @@ _CHUNK_END = b"0\r\n\r\n"
 
 
 def _truthy(v: str | None) -> bool:
-    return v is not None and v.lower() in ("true", "1", "yes")
+    # As the real server's query decoding (Convert_Slice_string_To_bool): only an absent
+    # parameter, "0" or "false" (any case) is false; "", "T", "yes" are true.
+    return v is not None and v != "0" and v.lower() != "false"
 
 
 def _chunk(data: bytes) -> bytes:

@@ -25,13 +25,6 @@ from kiamfast.control.runtime import RuntimePoller, RuntimeView  # noqa: E402
 from kiamfast.testing.cri_fault import CriFault  # noqa: E402
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, f"rep_{rep.when}", rep)
-
-
 @pytest.fixture(scope="session")
 def containerd_available():
     reason = unavailable_reason()

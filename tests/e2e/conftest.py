@@ -32,13 +32,6 @@ def _reason() -> str | None:
     return _REASON[0]
 
 
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, f"rep_{rep.when}", rep)
-
-
 @pytest.fixture(scope="session")
 def netns_available():
     """Skips (once, with the reason) when namespaces cannot be built here."""
