@@ -2,8 +2,9 @@
 
 Why it exists: kiamfast's correctness hangs on the list/watch protocol's edge cases (resume
 from a resourceVersion, 410 Gone, bookmarks, stream timeouts, dropped streams, selector
-transitions) and on a kubelet that knows a pod's IP before the API server does. A mock of
-our own functions would test nothing; a real cluster is unavailable in CI. This emulator
+transitions) and on the API server being late (a pod's address published seconds after its
+sandbox runs). A mock of our own functions would test nothing, and a real API server
+(tests/k8s) cannot produce every fault on demand; it stays for the demo and those faults. This emulator
 speaks the real HTTP/JSON protocol so the unmodified ``kubernetes`` client, kiamfast's raw
 watcher and curl all talk to it as they would to a real API server, while tests drive the
 cluster state and inject faults from Python.
@@ -11,7 +12,10 @@ cluster state and inject faults from Python.
 What it serves (``/api/v1``, JSON only): pods (all namespaces, per namespace, by name),
 namespaces, nodes (GET, list, watch; PATCH with merge, strategic-merge and JSON patch),
 ``/version``, ``/api``, ``/api/v1``, ``/apis``, ``/healthz``. Each node can have a kubelet
-listener of its own whose ``GET /pods`` returns the pods that kubelet knows.
+listener of its own whose ``GET /pods`` returns the pods that kubelet knows (kept for the
+benchmarks that model a kubelet; the agent no longer asks it: a real kubelet's ``/pods``
+mirrors the API server for ordinary pods, and can be told to differ here only for tests of
+that claim).
 
 What it must never do: block state changes on a slow client (watch writers run on the
 connection's own thread and only drain a queue), or deliver a watch event out of order,
