@@ -466,3 +466,24 @@ def test_namespace_denials_name_role_and_namespace_for_kube2iams_text(make_model
     m.commit()
     assert lookup(table, "10.0.0.1")[1] == DENIED
     assert m.denials() == {"in": (BASE + "billing-admin", "shop")}
+
+
+def test_an_unchanged_view_only_moves_the_date_on(make_model, table, sink):
+    """The client hands back the previous view's objects when the READY set is unchanged."""
+    import dataclasses
+    m = make_model()
+    first = view(("a", "10.0.0.3", {"iam.amazonaws.com/role": "app"}), started_ns=1_000)
+    m.apply_runtime(first)
+    m.commit()
+    claims = m.counters["claims"]
+    m.apply_runtime(dataclasses.replace(first, started_ns=2_000))
+    m.commit()
+    assert table.verified_ns == 2_000 and m.counters["claims"] == claims
+    assert lookup(table, "10.0.0.3") == ("a", ROLE, sink.slot_for(BASE + "app"))
+    m.runtime_failed(3_000)                     # after a failure the same objects apply in full
+    m.apply_pod(pod("b", ips=("10.0.0.9",), role="r"))
+    m.commit()
+    assert lookup(table, "10.0.0.9")[0] == "b"  # the fallback: the API for unknown addresses
+    m.apply_runtime(dataclasses.replace(first, started_ns=4_000))
+    m.commit()
+    assert lookup(table, "10.0.0.9") is None and table.verified_ns == 4_000
