@@ -9,38 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-kubernetes = pytest.importorskip("kubernetes")
-apiserver = pytest.importorskip("kiamfast.testing.apiserver")
+from kubernetes import client
+from taint_support import KEY, OTHER, core_api, taints
 
-from kubernetes import client, config  # noqa: E402
+from kiamfast.control.taint import TaintError, remove_startup_taint
 
-from kiamfast.control.taint import TaintError, remove_startup_taint  # noqa: E402
-
-KEY = "kiamfast.io/agent-not-ready"
 OURS_NOEXEC = {"key": KEY, "value": "true", "effect": "NoExecute"}
 OURS_NOSCHED = {"key": KEY, "effect": "NoSchedule"}
-OTHER = {"key": "node.cilium.io/agent-not-ready", "value": "true", "effect": "NoSchedule"}
 UNREACHABLE = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
-
-
-@pytest.fixture
-def srv():
-    server = apiserver.ApiServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def core_api(srv, tmp_path, cls=client.CoreV1Api):
-    path = srv.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=str(path), client_configuration=configuration)
-    return cls(client.ApiClient(configuration))
-
-
-def taints(srv, node: str) -> list[dict]:
-    return srv.get_node(node).get("spec", {}).get("taints") or []
 
 
 def test_removes_only_our_taint(srv, tmp_path):

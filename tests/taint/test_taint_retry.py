@@ -11,38 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import pytest
+from kubernetes import client
+from taint_support import KEY, OTHER, core_api, taints
 
-kubernetes = pytest.importorskip("kubernetes")
-apiserver = pytest.importorskip("kiamfast.testing.apiserver")
+from kiamfast.control.taint import TaintRemoval
+from kiamfast.testing import apiserver
 
-from kubernetes import client, config  # noqa: E402
-
-from kiamfast.control.taint import TaintRemoval  # noqa: E402
-
-KEY = "kiamfast.io/agent-not-ready"
 OURS = {"key": KEY, "value": "true", "effect": "NoExecute"}
-OTHER = {"key": "node.cilium.io/agent-not-ready", "value": "true", "effect": "NoSchedule"}
-
-
-@pytest.fixture
-def srv():
-    server = apiserver.ApiServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def core_api(srv, tmp_path, cls=client.CoreV1Api):
-    path = srv.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=str(path), client_configuration=configuration)
-    return cls(client.ApiClient(configuration))
-
-
-def taints(srv, node: str) -> list[dict]:
-    return srv.get_node(node).get("spec", {}).get("taints") or []
 
 
 class RecordingSleep:
