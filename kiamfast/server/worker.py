@@ -138,25 +138,14 @@ async def serve(settings: WorkerSettings, table: Any, *, channel_sock: socket.so
     return ws
 
 
-def _inherited_listener(fd: int | None) -> socket.socket | None:
-    """The listening socket the supervisor bound and passed down, if any."""
+def _inherited_socket(fd: int | None, what: str) -> socket.socket | None:
+    """A socket the supervisor created and passed down (`what`: for the error), if any."""
     if fd is None or fd < 0:
         return None
     try:
         sock = socket.socket(fileno=fd)
     except OSError as e:
-        raise WorkerError(f"listen fd {fd} is not a socket: {e}") from e
-    sock.setblocking(False)
-    return sock
-
-
-def _channel_socket(channel_fd: int | None) -> socket.socket | None:
-    if channel_fd is None or channel_fd < 0:
-        return None
-    try:
-        sock = socket.socket(fileno=channel_fd)
-    except OSError as e:
-        raise WorkerError(f"channel fd {channel_fd} is not a socket: {e}") from e
+        raise WorkerError(f"{what} fd {fd} is not a socket: {e}") from e
     sock.setblocking(False)
     return sock
 
@@ -167,15 +156,15 @@ async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None
         table = _table.Table.attach(table_path, writer=False)
     except (_table.TableError, OSError) as e:
         raise WorkerError(f"cannot attach the table: {e}") from e
-    channel_sock = _channel_socket(channel_fd)
+    channel_sock = _inherited_socket(channel_fd, "channel")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):   # before listening: a stop is never lost
         loop.add_signal_handler(sig, stop.set)
     app_fd, metrics_fd = listen_fds
     ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index,
-                     app_sock=_inherited_listener(app_fd),
-                     metrics_sock=_inherited_listener(metrics_fd))
+                     app_sock=_inherited_socket(app_fd, "listen"),
+                     metrics_sock=_inherited_socket(metrics_fd, "listen"))
     log.info("worker listening", extra={"worker": worker_index, "port": ws.port,
                                         "pid": os.getpid()})
     await stop.wait()

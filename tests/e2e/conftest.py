@@ -45,6 +45,12 @@ def _needs_root_and_netns(netns_available):
     pass
 
 
+def _failed(request) -> bool:
+    """Did the test using this fixture fail in its setup or its body?"""
+    return any(getattr(request.node, f"rep_{w}", None) is not None
+               and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+
+
 @pytest.fixture
 def node(request, tmp_path, netns_available):
     """A fresh node (tainted with the startup taint), no agent yet."""
@@ -53,8 +59,7 @@ def node(request, tmp_path, netns_available):
     try:
         yield n
     finally:
-        failed = any(getattr(request.node, f"rep_{w}", None) is not None
-                     and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+        failed = _failed(request)
         if failed and n.agents:
             sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
         n.close()
@@ -77,8 +82,7 @@ def runtime_node(request, tmp_path, runtime_available):
     try:
         yield n
     finally:
-        failed = any(getattr(request.node, f"rep_{w}", None) is not None
-                     and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+        failed = _failed(request)
         if failed:
             if n.agents:
                 sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
