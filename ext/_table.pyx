@@ -32,8 +32,6 @@ cdef extern from "kf_atomics.h" nogil:
     uint64_t kf_add_release_u64(uint64_t *p, uint64_t v)
     uint32_t kf_load_acquire_u32(const uint32_t *p)
     void kf_store_release_u32(uint32_t *p, uint32_t v)
-    int32_t kf_load_acquire_i32(const int32_t *p)
-    void kf_store_release_i32(int32_t *p, int32_t v)
     void kf_fence_acquire()
     void kf_fence_release()
     void kf_cpu_relax()

@@ -20,8 +20,6 @@ static inline uint64_t kf_add_release_u64(uint64_t *p, uint64_t v) { return __at
 
 static inline uint32_t kf_load_acquire_u32(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static inline void kf_store_release_u32(uint32_t *p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-static inline int32_t kf_load_acquire_i32(const int32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-static inline void kf_store_release_i32(int32_t *p, int32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
 static inline void kf_fence_acquire(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
 static inline void kf_fence_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
