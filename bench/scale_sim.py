@@ -221,8 +221,7 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
                 ip = f"10.{ni // 200}.{ni % 200}.{j + 1}"
                 name = f"app-{seq}"
                 api.create_pod("default", name, node=n, ips=[ip], phase="Running",
-                               annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"},
-                               kubelet_knows=False)
+                               annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
                 live[n].append((name, ip))
         # Initial lists: what an agent downloads at start (and on every relist).
         node_list = []
@@ -254,9 +253,8 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
             seq += 1
             new = f"app-{seq}"
             api.create_pod("default", new, node=n, phase="Pending",
-                           annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"},
-                           kubelet_knows=False)
-            api.set_pod_ips("default", new, [ip], kubelet=False)
+                           annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
+            api.set_pod_ips("default", new, [ip])
             api.set_pod_phase("default", new, "Running")
             live[n][k] = (new, ip)
         cluster_events = replacements * 4  # DELETED, ADDED, MODIFIED (IP), MODIFIED (phase)

@@ -1,4 +1,4 @@
-"""A wire-level Kubernetes API server (and kubelet) emulator for tests, benchmarks and the demo.
+"""A wire-level Kubernetes API server emulator for tests, benchmarks and the demo.
 
 Why it exists: kiamfast's correctness hangs on the list/watch protocol's edge cases (resume
 from a resourceVersion, 410 Gone, bookmarks, stream timeouts, dropped streams, selector
@@ -11,11 +11,9 @@ cluster state and inject faults from Python.
 
 What it serves (``/api/v1``, JSON only): pods (all namespaces, per namespace, by name),
 namespaces, nodes (GET, list, watch; PATCH with merge, strategic-merge and JSON patch),
-``/version``, ``/api``, ``/api/v1``, ``/apis``, ``/healthz``. Each node can have a kubelet
-listener of its own whose ``GET /pods`` returns the pods that kubelet knows (kept for the
-benchmarks that model a kubelet; the agent no longer asks it: a real kubelet's ``/pods``
-mirrors the API server for ordinary pods, and can be told to differ here only for tests of
-that claim).
+``/version``, ``/api``, ``/api/v1``, ``/apis``, ``/healthz``. There is no kubelet: the
+agent learns pod addresses from the container runtime (``kiamfast.testing.cri_fault`` and a
+real containerd stand in for it), not from a kubelet's ``/pods``.
 
 What it must never do: block state changes on a slow client (watch writers run on the
 connection's own thread and only drain a queue), or deliver a watch event out of order,
@@ -75,7 +73,6 @@ DEVIATIONS = """\
   core/v1 too), are replaced. Server-side apply is not supported (415).
 - Only GET/list/watch (all kinds) and PATCH (nodes, pods, namespaces) are served over HTTP;
   creates and deletes are done from Python. create_pod auto-creates a missing namespace.
-- The kubelet listener is plain HTTP on an ephemeral port (a real one is HTTPS on 10250).
 Found against a real kube-apiserver 1.34 (tests/k8s):
 - Bookmarks come every bookmark_interval even when nothing changed; the real server sends
   one only when some object changed past the watch's resourceVersion (2 s before the
@@ -93,13 +90,12 @@ _DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease
 
 
 class _Fault:
-    __slots__ = ("remaining", "status", "path_prefix", "target")
+    __slots__ = ("remaining", "status", "path_prefix")
 
-    def __init__(self, n: int, status: int, path_prefix: str | None, target: str) -> None:
+    def __init__(self, n: int, status: int, path_prefix: str | None) -> None:
         self.remaining = n
         self.status = status
         self.path_prefix = path_prefix
-        self.target = target
 
 
 class ApiServer(HttpFrontend):
@@ -107,24 +103,19 @@ class ApiServer(HttpFrontend):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  history_window: int = 10_000, bookmark_interval: float = 1.0,
-                 token: str | None = "test-token", kubelet_auth: bool = False,
-                 default_namespaces: bool = True) -> None:
+                 token: str | None = "test-token", default_namespaces: bool = True) -> None:
         self.host = host
         self.port = port
         self.token = token
         self.bookmark_interval = bookmark_interval
-        self.kubelet_auth = kubelet_auth
         self._store = Store(history_window=history_window)
         self._httpd: Listener | None = None
         self._threads: list[threading.Thread] = []
-        self._kubelets: dict[str, Listener] = {}
-        self._kubelet_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._conn_lock = threading.Lock()
         self._faults: list[_Fault] = []
         self._fault_lock = threading.Lock()
         self._slow_list = 0.0
-        self._slow_kubelet = 0.0
         self._watch_fault: str | None = None
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = self._zero_stats()
@@ -165,12 +156,10 @@ class ApiServer(HttpFrontend):
                 conn.close()
 
     def stop(self) -> None:
-        """Close every listener and connection (open watches end abruptly)."""
+        """Close the listener and every connection (open watches end abruptly)."""
         self._stopping = True
-        servers = [self._httpd] if self._httpd else []
-        with self._kubelet_lock:
-            servers.extend(self._kubelets.values())
-        for httpd in servers:
+        httpd = self._httpd
+        if httpd is not None:
             try:
                 httpd.socket.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -277,8 +266,8 @@ class ApiServer(HttpFrontend):
     def create_pod(self, namespace: str, name: str, *, node: str,
                    annotations: dict | None = None, ips: list[str] | None = None,
                    phase: str = "Pending", host_network: bool = False,
-                   uid: str | None = None, kubelet_knows: bool = True) -> dict:
-        """Create a pod bound to ``node`` (ADDED); the node's kubelet knows it unless told not."""
+                   uid: str | None = None) -> dict:
+        """Create a pod bound to ``node`` (ADDED)."""
         st = self._store
         with st.lock:
             if st.get("Namespace", ("", namespace)) is None:
@@ -288,49 +277,15 @@ class ApiServer(HttpFrontend):
                            annotations=annotations, ips=list(ips) if ips else None,
                            phase=phase, host_network=host_network,
                            host_ip=node_address(node_obj.obj if node_obj else None))
-            created = st.create("Pod", pod)
-            if kubelet_knows:
-                st.kubelet.setdefault(node, {})[(namespace, name)] = orjson.loads(
-                    orjson.dumps(created))
-            return created
+            return st.create("Pod", pod)
 
-    def _kubelet_pod(self, namespace: str, name: str) -> dict | None:
-        for pods in self._store.kubelet.values():
-            pod = pods.get((namespace, name))
-            if pod is not None:
-                return pod
-        return None
+    def _change_pod(self, namespace: str, name: str, fn) -> None:
+        self._store.modify("Pod", (namespace, name), fn)
 
-    def _change_pod(self, namespace: str, name: str, fn, *, api: bool = True,
-                    kubelet: bool = True) -> None:
-        st = self._store
-        with st.lock:
-            key = (namespace, name)
-            known_api = st.get("Pod", key) is not None
-            kpod = self._kubelet_pod(namespace, name) if kubelet else None
-            if not known_api and kpod is None:
-                raise NotFoundError(f'pods "{name}" not found')
-            if api and known_api:
-                st.modify("Pod", key, fn)
-            if kpod is not None:
-                fn(kpod)
-
-    def set_pod_ips(self, namespace: str, name: str, ips: list[str] | None, *,
-                    api: bool = True, kubelet: bool = True) -> None:
-        """Set ``status.podIP(s)``; ``api=False``: only the kubelet knows the IPs yet.
-
-        A kubelet that did not know the pod learns it (with these IPs) when ``kubelet``."""
+    def set_pod_ips(self, namespace: str, name: str, ips: list[str] | None) -> None:
+        """Set ``status.podIP(s)`` (MODIFIED); None or [] clears them."""
         ips = list(ips) if ips else None
-        st = self._store
-        with st.lock:
-            key = (namespace, name)
-            if kubelet and self._kubelet_pod(namespace, name) is None:
-                api_pod = st.copy_of("Pod", key)
-                if api_pod is None:
-                    raise NotFoundError(f'pods "{name}" not found')
-                st.kubelet.setdefault(api_pod["spec"]["nodeName"], {})[key] = api_pod
-            self._change_pod(namespace, name, lambda o: set_status_ips(o["status"], ips),
-                             api=api, kubelet=kubelet)
+        self._change_pod(namespace, name, lambda o: set_status_ips(o["status"], ips))
 
     def set_pod_phase(self, namespace: str, name: str, phase: str) -> None:
         self._change_pod(namespace, name, lambda o: o["status"].__setitem__("phase", phase))
@@ -349,44 +304,12 @@ class ApiServer(HttpFrontend):
             o["metadata"].setdefault("deletionGracePeriodSeconds", 30)
         self._change_pod(namespace, name, fn)
 
-    def delete_pod(self, namespace: str, name: str, *, kubelet: bool = True) -> None:
-        """Delete the pod from the API (DELETED); ``kubelet=False`` keeps it on the kubelet."""
-        st = self._store
-        with st.lock:
-            key = (namespace, name)
-            known_api = st.get("Pod", key) is not None
-            removed = False
-            if kubelet:
-                for pods in st.kubelet.values():
-                    removed = pods.pop(key, None) is not None or removed
-            if known_api:
-                st.delete("Pod", key)
-            elif not removed:
-                raise NotFoundError(f'pods "{name}" not found')
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete the pod (DELETED)."""
+        self._store.delete("Pod", (namespace, name))
 
     def get_pod(self, namespace: str, name: str) -> dict | None:
         return self._store.copy_of("Pod", (namespace, name))
-
-    # ------------------------------------------------------------------ kubelets
-
-    def kubelet_url(self, node: str) -> str:
-        """Base URL of ``node``'s kubelet (started on first use); ``GET /pods`` lists its pods."""
-        if self._httpd is None:
-            raise RuntimeError("ApiServer not started")
-        with self._kubelet_lock:
-            httpd = self._kubelets.get(node)
-            if httpd is None:
-                httpd = Listener((self.host, 0), Handler, self, node=node)
-                self._kubelets[node] = httpd
-                self._spawn(httpd, f"kubelet-emulator:{node}")
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{httpd.server_address[1]}"
-
-    def kubelet_pods(self, node: str) -> list[dict]:
-        """What ``node``'s kubelet currently reports (copies)."""
-        with self._store.lock:
-            pods = self._store.kubelet.get(node, {})
-            return [orjson.loads(orjson.dumps(pods[k])) for k in sorted(pods)]
 
     # ------------------------------------------------------------------ faults
 
@@ -416,15 +339,12 @@ class ApiServer(HttpFrontend):
             for w in self._store.all_watchers():
                 w.delay = self._store.delay
 
-    def fail_next(self, n: int, *, status: int = 500, path_prefix: str | None = None,
-                  target: str = "api") -> None:
+    def fail_next(self, n: int, *, status: int = 500, path_prefix: str | None = None) -> None:
         """The next ``n`` requests whose path starts with ``path_prefix`` fail with ``status``.
 
-        ``target``: "api" (default), "kubelet" or "any". 429 carries ``Retry-After: 1``."""
-        if target not in ("api", "kubelet", "any"):
-            raise ValueError("target must be 'api', 'kubelet' or 'any'")
+        429 carries ``Retry-After: 1``."""
         with self._fault_lock:
-            self._faults.append(_Fault(n, status, path_prefix, target))
+            self._faults.append(_Fault(n, status, path_prefix))
 
     def answer_watches_with(self, fault: str | None) -> None:
         """Answer every watch request badly until called with None (then stream again):
@@ -439,15 +359,9 @@ class ApiServer(HttpFrontend):
         """Answer every LIST ``seconds`` late (the snapshot is taken before the wait)."""
         self._slow_list = max(0.0, float(seconds))
 
-    def slow_kubelet(self, seconds: float) -> None:
-        """Answer every kubelet ``/pods`` ``seconds`` late."""
-        self._slow_kubelet = max(0.0, float(seconds))
-
-    def _take_fault(self, path: str, target: str) -> int | None:
+    def _take_fault(self, path: str) -> int | None:
         with self._fault_lock:
             for f in self._faults:
-                if f.target not in (target, "any"):
-                    continue
                 if f.path_prefix is not None and not path.startswith(f.path_prefix):
                     continue
                 f.remaining -= 1
@@ -463,7 +377,6 @@ class ApiServer(HttpFrontend):
         return {"requests": 0, "lists": 0, "gets": 0, "patches": 0, "watches": 0,
                 "watches_open": 0, "watch_events_sent": 0, "bookmarks_sent": 0,
                 "watch_errors_sent": 0, "bytes_sent": 0, "errors": 0, "faults_injected": 0,
-                "kubelet_requests": 0, "kubelet_bytes_sent": 0,
                 "lists_by_node": {}, "watches_by_node": {}}
 
     def _count(self, **deltas: int) -> None:
@@ -526,12 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     info: dict[str, Any] = {"url": srv.url, "token": srv.token}
     if args.kubeconfig:
         info["kubeconfig"] = srv.write_kubeconfig(args.kubeconfig)
-    kubelets = {}
     for node in args.node:
         srv.add_node(node)
-        kubelets[node] = srv.kubelet_url(node)
-    if kubelets:
-        info["kubelets"] = kubelets
     sys.stdout.write(orjson.dumps(info).decode() + "\n")
     sys.stdout.flush()
     done = threading.Event()

@@ -1,5 +1,5 @@
-"""HTTP front end of the API server emulator: routing, lists, gets, patches, watch streams
-and the per-node kubelet listeners.
+"""HTTP front end of the API server emulator: routing, lists, gets, patches and watch
+streams.
 
 Split from ``kiamfast.testing.apiserver`` (which owns the state-changing Python API, the
 fault switches and the lifecycle); ``HttpFrontend`` is mixed into ``ApiServer`` and reads
@@ -86,16 +86,15 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Listener(ThreadingHTTPServer):
-    """One listening socket (the API server, or one node's kubelet when ``node`` is set)."""
+    """The API server's listening socket."""
 
     daemon_threads = True
     request_queue_size = 1024
     allow_reuse_address = True
 
-    def __init__(self, addr, handler, owner: "ApiServer", node: str | None = None) -> None:
+    def __init__(self, addr, handler, owner: "ApiServer") -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.owner = owner
-        self.node = node
         super().__init__(addr, handler)
 
     def handle_error(self, request, client_address) -> None:  # quiet: clients hang up
@@ -121,11 +120,7 @@ class Handler(BaseHTTPRequestHandler):
             self.server.owner._track(self.connection, add=False)
 
     def _dispatch(self) -> None:
-        owner = self.server.owner
-        if self.server.node is None:
-            owner._serve_api(self)
-        else:
-            owner._serve_kubelet(self, self.server.node)
+        self.server.owner._serve_api(self)
 
     do_GET = do_PATCH = do_POST = do_PUT = do_DELETE = do_HEAD = _dispatch
 
@@ -145,8 +140,7 @@ class HttpFrontend:
                 self._conns.discard(conn)
 
     def _send(self, h: Handler, code: int, body: bytes, *,
-              ctype: str = "application/json", headers: tuple = (),
-              stat: str = "bytes_sent") -> None:
+              ctype: str = "application/json", headers: tuple = ()) -> None:
         head = [f"HTTP/1.1 {code} {_HTTP_REASONS.get(code, 'Error')}\r\n",
                 f"Content-Type: {ctype}\r\n",
                 f"Content-Length: {len(body)}\r\n",
@@ -165,13 +159,13 @@ class HttpFrontend:
             return
         if code >= 400:
             self._count(errors=1)
-        self._count(**{stat: len(data)})
+        self._count(bytes_sent=len(data))
 
-    def _send_error(self, h: Handler, err: ApiError, *, stat: str = "bytes_sent") -> None:
+    def _send_error(self, h: Handler, err: ApiError) -> None:
         headers: tuple = ()
         if err.code == 429:
             headers = (("Retry-After", "1"),)
-        self._send(h, err.code, err.body(), headers=headers, stat=stat)
+        self._send(h, err.code, err.body(), headers=headers)
 
     @staticmethod
     def _read_body(h: Handler) -> bytes:
@@ -205,7 +199,7 @@ class HttpFrontend:
         body = self._read_body(h)     # always drained, so keep-alive framing stays intact
         parts = urlsplit(h.path)
         path = parts.path.rstrip("/") or "/"
-        fault = self._take_fault(path, "api")
+        fault = self._take_fault(path)
         if fault is not None:
             self._send_error(h, self._fault_error(fault))
             return
@@ -474,38 +468,6 @@ class HttpFrontend:
         data = _chunk(bookmark_line(kind, rv))
         sock.sendall(data)
         self._count(bytes_sent=len(data), bookmarks_sent=1)
-
-    # ------------------------------------------------------------------ kubelet requests
-
-    def _serve_kubelet(self, h: Handler, node: str) -> None:
-        self._count(kubelet_requests=1)
-        self._read_body(h)
-        path = urlsplit(h.path).path.rstrip("/") or "/"
-        fault = self._take_fault(path, "kubelet")
-        if fault is not None:
-            self._send_error(h, self._fault_error(fault), stat="kubelet_bytes_sent")
-            return
-        if self.kubelet_auth and self.token is not None and \
-                h.headers.get("Authorization") != f"Bearer {self.token}":
-            self._send(h, 401, b"Unauthorized", ctype="text/plain; charset=utf-8",
-                       stat="kubelet_bytes_sent")
-            return
-        if path == "/healthz":
-            self._send(h, 200, b"ok", ctype="text/plain; charset=utf-8",
-                       stat="kubelet_bytes_sent")
-            return
-        if path != "/pods" or h.command not in ("GET", "HEAD"):
-            self._send(h, 404, b"404 page not found", ctype="text/plain; charset=utf-8",
-                       stat="kubelet_bytes_sent")
-            return
-        with self._store.lock:
-            pods = self._store.kubelet.get(node, {})
-            items = [orjson.dumps(pods[k]) for k in sorted(pods)]
-        if self._slow_kubelet:
-            time.sleep(self._slow_kubelet)
-        body = (b'{"kind":"PodList","apiVersion":"v1","metadata":{},"items":['
-                + b",".join(items) + b"]}")
-        self._send(h, 200, body, stat="kubelet_bytes_sent")
 
 
 def _list_body(kind: str, *, rv: int, items: list[bytes]) -> bytes:

@@ -1,4 +1,4 @@
-"""State of the API server emulator: objects, the resourceVersion, history, watchers, kubelets.
+"""State of the API server emulator: objects, the resourceVersion, history, watchers.
 
 This is the emulator's etcd plus watch cache. One lock guards everything; every change
 bumps a single global resourceVersion (integers, across all kinds, like etcd revisions),
@@ -14,9 +14,6 @@ the new object, so a pod that stops matching a field selector is delivered as ``
 (the previous object, with the event's resourceVersion) and one that starts matching as
 ``ADDED``. Pods and watches are indexed by ``spec.nodeName`` so 100 node agents each
 watching their node cost one selector check per event, not a hundred.
-
-The kubelets' view (what ``GET /pods`` on a node's kubelet returns) lives here too, under
-the same lock, because tests move a pod's IP on the kubelet before the API server.
 
 It must never block on I/O while holding the lock: watchers only get items appended to
 their queues; the HTTP layer does the writing.
@@ -186,8 +183,6 @@ class Store:
         self.pods_by_node: dict[str, set[tuple[str, str]]] = {}
         self.watchers: dict[str, set[Watcher]] = {k: set() for k in KINDS}
         self.pod_watchers_by_node: dict[str, set[Watcher]] = {}
-        # kubelet view: node -> {(ns, name): pod dict as the kubelet reports it}
-        self.kubelet: dict[str, dict[tuple[str, str], dict]] = {}
         self.delay = 0.0
 
     # ------------------------------------------------------------------ reads

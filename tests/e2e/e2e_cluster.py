@@ -9,8 +9,7 @@ namespaces the test created:
   ``ASIANODE``, so any answer a pod gets can be checked for a leak. It records every request,
   so a test can also show that no pod's credential request ever reached it;
 * the **Kubernetes API server emulator** (:mod:`kiamfast.testing.apiserver`) on the node's
-  loopback, with this node registered (by default with the startup taint) and the node's
-  **kubelet** emulator;
+  loopback, with this node registered (by default with the startup taint);
 * **STS**: moto on the node's host IP (pods reach it to ask "who am I?" with the credentials
   they got) behind the fault-injecting proxy of :mod:`kiamfast.testing.sts` on the node's
   loopback, which is the agent's ``--sts-endpoint`` and records which access key STS issued
@@ -486,7 +485,7 @@ class Pod:
 # ---- the node -----------------------------------------------------------------------------------
 
 class Node:
-    """A node namespace with the fake IMDS, the API server and kubelet emulators, STS, and
+    """A node namespace with the fake IMDS, the API server emulator, STS, and
     (after :meth:`start_agent`) the agent. Use as a context manager, or call :meth:`close`."""
 
     # The agent's --host-interface and --cri-endpoint on this node: pods are veths on the
@@ -513,9 +512,13 @@ class Node:
     def _start_services(self, *, taint: bool) -> None:
         ns = self.net.ns
         self.imds = call_in_netns(ns, lambda: FakeImds(METADATA_IP, 80).start())
-        self.api = call_in_netns(ns, lambda: ApiServer("127.0.0.1", 0).start())
-        self.kubelet_url = call_in_netns(ns, self.api.kubelet_url, self.name)
         self.sts_ = call_in_netns(ns, lambda: Sts(self.host_ip).start())
+        self._start_api(taint=taint)
+
+    def _start_api(self, *, taint: bool) -> None:
+        """The API server emulator with this node registered; sets ``self.kubeconfig``."""
+        ns = self.net.ns
+        self.api = call_in_netns(ns, lambda: ApiServer("127.0.0.1", 0).start())
         self.kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
         taints = [{"key": STARTUP_TAINT, "effect": "NoSchedule"}] if taint else None
         self.api.add_node(self.name, taints=taints, address=self.host_ip)
@@ -578,22 +581,21 @@ class Node:
 
     def add_pod(self, name: str, ip: str, *, role: str | None = None,
                 namespace: str = "default", in_api: bool = True, ip_in_api: bool = True,
-                kubelet: bool = True, phase: str = "Running",
+                phase: str = "Running",
                 annotations: Mapping[str, str] | None = None) -> Pod:
         """A pod namespace with ``ip`` and (``in_api``) the pod in the emulator.
 
         ``ip_in_api=False``: the API server has the pod without an IP (Pending), as in the
-        first seconds of a real pod's life; with ``kubelet`` the kubelet emulator's /pods
-        has the IP (a real kubelet's does not: it mirrors the API, cri.md)."""
+        first seconds of a real pod's life."""
         net = self.net.add_pod(ip)
         pod = Pod(self, net, name=name, namespace=namespace, role=role)
         self.pods[name] = pod
         if in_api:
-            self.create_pod_object(pod, ip_in_api=ip_in_api, kubelet=kubelet, phase=phase,
+            self.create_pod_object(pod, ip_in_api=ip_in_api, phase=phase,
                                    annotations=annotations)
         return pod
 
-    def create_pod_object(self, pod: Pod, *, ip_in_api: bool = True, kubelet: bool = True,
+    def create_pod_object(self, pod: Pod, *, ip_in_api: bool = True,
                           phase: str = "Running",
                           annotations: Mapping[str, str] | None = None) -> None:
         assert self.api is not None
@@ -605,10 +607,7 @@ class Node:
                                 ips=[pod.ip], phase=phase)
         else:
             self.api.create_pod(pod.namespace, pod.name, node=self.name, annotations=ann,
-                                phase="Pending", kubelet_knows=False)
-            if kubelet:
-                self.api.set_pod_ips(pod.namespace, pod.name, [pod.ip], api=False,
-                                     kubelet=True)
+                                phase="Pending")
 
     def remove_pod_net(self, pod: Pod) -> None:
         """The pod's sandbox is gone (its namespace deleted); the API object is untouched."""

@@ -1,5 +1,5 @@
 """The emulator's REST surface as the real ``kubernetes`` client sees it: lists, gets,
-field selectors, patches, auth, faults, discovery, the kubelet and the command line."""
+field selectors, patches, auth, faults, discovery and the command line."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kiamfast.testing.apiserver import ApiServer, NotFoundError
+from kiamfast.testing.apiserver import NotFoundError
 
 ROLE = "iam.amazonaws.com/role"
 
@@ -205,54 +205,18 @@ def test_discovery_and_version(srv, api, kubeconfig):
     assert client.CoreApi(client.ApiClient(cfg)).get_api_versions().versions == ["v1"]
 
 
-def test_kubelet_knows_pod_ip_before_api(srv, api):
+def test_set_pod_ips_as_the_client_sees_it(srv, api):
     srv.add_node("node-a")
-    srv.create_pod("default", "early", node="node-a")
-    srv.create_pod("default", "unknown-to-kubelet", node="node-a", kubelet_knows=False)
-    base = srv.kubelet_url("node-a")
-    assert base.startswith("http://127.0.0.1:")
-
-    def kubelet_pods() -> dict:
-        with urllib.request.urlopen(base + "/pods") as resp:
-            doc = json.loads(resp.read())
-        assert doc["kind"] == "PodList"
-        return {p["metadata"]["name"]: p for p in doc["items"]}
-
-    assert set(kubelet_pods()) == {"early"}
-    srv.set_pod_ips("default", "early", ["10.0.0.9"], api=False)
-    assert kubelet_pods()["early"]["status"]["podIP"] == "10.0.0.9"
-    assert api.read_namespaced_pod("early", "default").status.pod_ip is None
-    srv.set_pod_ips("default", "early", ["10.0.0.9"])
-    assert api.read_namespaced_pod("early", "default").status.pod_ip == "10.0.0.9"
-
-    # A kubelet that did not know a pod learns it with its IP.
-    srv.set_pod_ips("default", "unknown-to-kubelet", ["10.0.0.10"], api=False)
-    assert kubelet_pods()["unknown-to-kubelet"]["status"]["podIPs"] == [{"ip": "10.0.0.10"}]
-
-    # Deleted from the API but still on the kubelet (containers still stopping).
-    srv.delete_pod("default", "early", kubelet=False)
-    assert "early" in kubelet_pods()
-    srv.delete_pod("default", "early")
-    assert "early" not in kubelet_pods()
-    assert srv.kubelet_url("node-a") == base
-    assert srv.stats()["kubelet_requests"] == 5
-
-    # Another node's kubelet is a separate listener with its own pods.
-    assert srv.kubelet_url("node-b") != base
-    with urllib.request.urlopen(srv.kubelet_url("node-b") + "/pods") as resp:
-        assert json.loads(resp.read())["items"] == []
-
-
-def test_kubelet_auth_optional():
-    with ApiServer(token="tok", kubelet_auth=True) as server:
-        server.add_node("n")
-        url = server.kubelet_url("n") + "/pods"
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(url)
-        assert err.value.code == 401
-        req = urllib.request.Request(url, headers={"Authorization": "Bearer tok"})
-        with urllib.request.urlopen(req) as resp:
-            assert resp.status == 200
+    srv.create_pod("default", "p", node="node-a")
+    assert api.read_namespaced_pod("p", "default").status.pod_ip is None
+    srv.set_pod_ips("default", "p", ["10.0.0.9", "fd00::9"])
+    status = api.read_namespaced_pod("p", "default").status
+    assert status.pod_ip == "10.0.0.9"
+    assert [i.ip for i in status.pod_ips] == ["10.0.0.9", "fd00::9"]
+    srv.set_pod_ips("default", "p", None)
+    assert api.read_namespaced_pod("p", "default").status.pod_ip is None
+    with pytest.raises(NotFoundError):
+        srv.set_pod_ips("default", "missing", ["10.0.0.10"])
 
 
 def test_fail_next_500_then_recovers(srv, api):
@@ -286,17 +250,6 @@ def test_fail_next_429_has_retry_after_and_client_retries(srv, api):
     stats = srv.stats()
     assert stats["requests"] - before == 2
     assert stats["faults_injected"] == 2
-
-
-def test_fail_next_on_kubelet(srv):
-    srv.add_node("n")
-    srv.fail_next(1, status=503, target="kubelet")
-    url = srv.kubelet_url("n") + "/pods"
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(url)
-    assert err.value.code == 503
-    with urllib.request.urlopen(url) as resp:
-        assert resp.status == 200
 
 
 def test_slow_list_serves_the_snapshot_taken_at_request_time(srv, api, caught_up):
@@ -358,8 +311,6 @@ def test_command_line_runs_and_writes_kubeconfig(tmp_path, api_factory):
         assert info["kubeconfig"] == str(kc)
         api = api_factory(str(kc))
         assert [n.metadata.name for n in api.list_node().items] == ["node-x"]
-        with urllib.request.urlopen(info["kubelets"]["node-x"] + "/pods") as resp:
-            assert json.loads(resp.read())["kind"] == "PodList"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
