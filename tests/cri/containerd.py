@@ -101,7 +101,8 @@ def build_pause_image() -> Path:
     subprocess.run(["nice", "-n", "10", "gcc", "-static", "-O2", "-o", str(binary),
                     str(HERE / "pause.c")], check=True, capture_output=True)
     tmp = image.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(_oci_layout(binary.read_bytes(), pause_image_name()))
+    tmp.write_bytes(oci_layout([("pause", binary.read_bytes(), 0o755)], pause_image_name(),
+                               entrypoint=["/pause"]))
     tmp.rename(image)
     return image
 
@@ -116,8 +117,10 @@ def _tar(members: Sequence[tuple[str, bytes, int]]) -> bytes:
     return buf.getvalue()
 
 
-def _oci_layout(pause: bytes, name: str) -> bytes:
-    """index.json -> manifest -> (config, one uncompressed layer holding /pause)."""
+def oci_layout(files: Sequence[tuple[str, bytes, int]], name: str, *,
+               entrypoint: Sequence[str]) -> bytes:
+    """An image ``ctr images import`` takes: index.json -> manifest -> (config, one
+    uncompressed layer holding ``files`` as (path, content, mode))."""
     blobs: dict[str, bytes] = {}
 
     def blob(data: bytes, media_type: str) -> dict[str, Any]:
@@ -125,11 +128,11 @@ def _oci_layout(pause: bytes, name: str) -> bytes:
         blobs[digest] = data
         return {"mediaType": media_type, "digest": digest, "size": len(data)}
 
-    layer = _tar([("pause", pause, 0o755)])
+    layer = _tar(files)
     layer_desc = blob(layer, "application/vnd.oci.image.layer.v1.tar")
     config = json.dumps({
         "architecture": "amd64", "os": "linux",
-        "config": {"Entrypoint": ["/pause"], "WorkingDir": "/"},
+        "config": {"Entrypoint": list(entrypoint), "WorkingDir": "/"},
         "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
     }, sort_keys=True).encode()
     manifest = json.dumps({
@@ -244,11 +247,14 @@ class Containerd:
             self._make_bridge()
         self._spawn()
         if first:
-            image = build_pause_image()
-            subprocess.run(["ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import",
-                            "--platform", "linux/amd64", str(image)],
-                           check=True, capture_output=True, timeout=60)
+            self.import_image(build_pause_image())
         return self
+
+    def import_image(self, oci_tar: Path) -> None:
+        """Load an OCI layout tar into the CRI's image store (no registry is reachable)."""
+        subprocess.run(["ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import",
+                        "--platform", "linux/amd64", str(oci_tar)],
+                       check=True, capture_output=True, timeout=60)
 
     def _netns_argv(self) -> list[str]:
         return ["nsenter", f"--net={NETNS_DIR / self.netns}", "--"] if self.netns else []
@@ -290,7 +296,12 @@ class Containerd:
     def close(self) -> None:
         """Everything goes: sandboxes, containerd, shims, mounts, bridge, cgroups, files."""
         if self.process is not None and self.process.poll() is None:
-            for sandbox_id in list(self.sandboxes):
+            try:   # also the sandboxes a kubelet made through this containerd
+                listed = [s.id for s in self.call(
+                    "ListPodSandbox", cri.ListPodSandboxRequest(), timeout=5).items]
+            except grpc.RpcError:
+                listed = []
+            for sandbox_id in dict.fromkeys([*self.sandboxes, *listed]):
                 try:
                     self.remove_sandbox(sandbox_id)
                 except grpc.RpcError:
@@ -546,17 +557,12 @@ def _cleanup_dir(d: Path) -> None:
     parent = f"kiamfast-cri-{d.name}"
     for hierarchy in CGROUP_ROOT.iterdir() if CGROUP_ROOT.is_dir() else ():
         group = hierarchy / parent
-        if group.is_dir():
-            for child in group.iterdir():
-                if child.is_dir():
-                    try:
-                        child.rmdir()
-                    except OSError:
-                        pass
-            try:
-                group.rmdir()
-            except OSError:
-                pass
+        if group.is_dir():   # deepest first: a kubelet nests kubepods/<qos>/pod<uid>/<id>
+            for sub, _, _ in sorted(os.walk(group), key=lambda w: -len(w[0])):
+                try:
+                    os.rmdir(sub)
+                except OSError:
+                    pass
     if owner.get("bridge"):
         netns = owner.get("netns")
         if not netns or (NETNS_DIR / netns).exists():

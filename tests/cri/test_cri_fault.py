@@ -241,11 +241,13 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
                                interval=30.0)
         task = await _running(poller)
         await recorder.until(lambda: recorder.views)
-        cri_fault.fault("ListPodSandbox", delay=0.5)
+        # Slow, but well inside the client's 0.5 s deadline (a poll that times out is a
+        # failure, not a slow poll).
+        cri_fault.fault("ListPodSandbox", delay=0.25)
         lists_before = cri_fault.calls["ListPodSandbox"]
         first = asyncio.ensure_future(recorder.view_after(poller, time.monotonic_ns()))
         await recorder.until(lambda: cri_fault.calls["ListPodSandbox"] == lists_before + 1)
-        # that poll is now in flight (held 0.5 s by the runtime)
+        # that poll is now in flight (held 0.25 s by the runtime)
         waits = []
         for _ in range(20):                # arrive while it runs: after its start
             waits.append(asyncio.ensure_future(

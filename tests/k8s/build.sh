@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the real kube-apiserver and etcd that tests/k8s start, from the Go module proxy
-# only (the modules in tests/k8s/apiserver and tests/k8s/etcd; nothing vendored), into
+# Builds the real kube-apiserver, kubelet and etcd that tests/k8s start, from the Go module proxy
+# only (the modules in tests/k8s/kubernetes and tests/k8s/etcd; nothing vendored), into
 # ${KIAMFAST_TOOLS:-$HOME/.cache/kiamfast/tools}/<name>-<version>/. A binary already there
 # is kept, so a second run costs nothing. Prints one line per binary: wall and CPU time.
 set -euo pipefail
@@ -10,7 +10,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 required() {  # required <go.mod> <module>
     awk -v m="$2" '($1 == m || ($1 == "require" && $2 == m)) { print ($1 == m) ? $2 : $3 }' "$1"
 }
-KUBE_VERSION=$(required "$here/apiserver/go.mod" k8s.io/kubernetes)
+KUBE_VERSION=$(required "$here/kubernetes/go.mod" k8s.io/kubernetes)
 ETCD_VERSION=$(required "$here/etcd/go.mod" go.etcd.io/etcd/server/v3)
 tools="${KIAMFAST_TOOLS:-$HOME/.cache/kiamfast/tools}"
 export GOFLAGS=-mod=mod
@@ -45,4 +45,5 @@ stamp+=" -X k8s.io/component-base/version.gitMinor=$minor"
 stamp+=" -X k8s.io/client-go/pkg/version.gitVersion=$KUBE_VERSION"
 
 build etcd "$ETCD_VERSION" etcd kiamfast.test/k8s/etcd
-build kube-apiserver "$KUBE_VERSION" apiserver k8s.io/kubernetes/cmd/kube-apiserver "$stamp"
+build kube-apiserver "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$stamp"
+build kubelet "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubelet "$stamp"

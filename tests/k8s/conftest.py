@@ -15,81 +15,24 @@ Without the binaries every test here skips, naming them and ``bash tests/k8s/bui
 """
 from __future__ import annotations
 
-import copy
 import secrets
-import time
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 import kube
 from kiamfast import table as tablemod
 
-MARKER = "kube_apiserver: against a real kube-apiserver and etcd (bash tests/k8s/build.sh)"
+MARKERS = ("kube_apiserver: against a real kube-apiserver and etcd (bash tests/k8s/build.sh)",
+           "kubelet: a real kubelet starts real pods on a real containerd (as root)")
 
 
 def pytest_configure(config):
-    # Also belongs in pyproject.toml's markers (--strict-markers); registering it here keeps
-    # this directory runnable on its own.
-    config.addinivalue_line("markers", MARKER)
-
-
-@dataclass
-class Cluster:
-    directory: Path
-    etcd: kube.Etcd
-    apiserver: kube.ApiServer
-    admin: kube.Client
-    agent_kubeconfig: Path
-    pki: dict[str, Path]
-    start_seconds: float
-    _identities: dict[str, Path] = field(default_factory=dict)
-
-    def kubeconfig_for(self, token: str, *, name: str, server: str | None = None) -> Path:
-        return kube.write_kubeconfig(self.directory / f"{name}.kubeconfig",
-                                     server=server or self.apiserver.url,
-                                     ca=self.apiserver.ca, token=token)
-
-    def agent_kubeconfig_via(self, url: str) -> Path:
-        """The agent's own token, aimed at another address of the same cluster (a proxy, a
-        second API server)."""
-        token = yaml.safe_load(self.agent_kubeconfig.read_text())["users"][0]["user"]["token"]
-        return self.kubeconfig_for(token, name=f"agent-{url.rsplit(':', 1)[1]}", server=url)
-
-    def as_user(self, token: str) -> kube.Client:
-        return kube.Client(url=self.apiserver.url, ca=self.apiserver.ca, token=token)
-
-    def identity_without(self, name: str, *, drop: list[tuple[str, str]]) -> Path:
-        """A kubeconfig for ServiceAccount kube-system/<name> bound to a copy of the project's
-        ClusterRole without the (resource, verb) pairs in ``drop``; every other rule as
-        shipped."""
-        if name in self._identities:
-            return self._identities[name]
-        role, binding = (copy.deepcopy(d) for d in kube.rbac_documents())
-        assert role["kind"] == "ClusterRole" and binding["kind"] == "ClusterRoleBinding"
-        granted = {(res, verb) for rule in role["rules"] for res in rule["resources"]
-                   for verb in rule["verbs"]}
-        assert set(drop) <= granted, f"the shipped role does not grant all of {drop}"
-        rules = []
-        for rule in role["rules"]:
-            for res in rule["resources"]:   # one rule per resource, so one verb can go
-                verbs = [v for v in rule["verbs"] if (res, v) not in drop]
-                if verbs:
-                    rules.append({**rule, "resources": [res], "verbs": verbs})
-        role["metadata"] = {"name": name}
-        role["rules"] = rules
-        binding["metadata"] = {"name": name}
-        binding["roleRef"]["name"] = name
-        binding["subjects"] = [{"kind": "ServiceAccount", "name": name,
-                                "namespace": "kube-system"}]
-        kube.apply_rbac(self.admin, [role, binding])
-        token = kube.service_account_token(self.admin, namespace="kube-system", name=name)
-        kube.wait_allowed(self.as_user(token), verb=rules[0]["verbs"][0],
-                          resource=rules[0]["resources"][0])
-        self._identities[name] = self.kubeconfig_for(token, name=name)
-        return self._identities[name]
+    # Also in pyproject.toml's markers (--strict-markers); registering them here keeps this
+    # directory runnable on its own.
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
 
 
 @pytest.fixture(scope="session")
@@ -97,30 +40,8 @@ def kube_cluster(tmp_path_factory):
     reason = kube.missing_binaries()
     if reason:
         pytest.skip(reason)
-    started = time.monotonic()
-    directory = tmp_path_factory.mktemp("kube")
-    pki = kube.make_pki(directory / "pki")
-    etcd = kube.Etcd(directory)
-    apiserver = None
-    try:
-        etcd.wait_ready(20)
-        apiserver = kube.ApiServer(directory=directory, etcd=etcd, pki=pki,
-                                   admin_token=kube.new_admin_token())
-        apiserver.wait_ready(60)
-        admin = apiserver.admin
-        token = kube.service_account_token(admin, namespace="kube-system", name="kiamfast")
-        kube.apply_rbac(admin, kube.rbac_documents())
-        # RBAC takes effect when the server's informers see the binding: wait for that.
-        kube.wait_allowed(kube.Client(url=apiserver.url, ca=apiserver.ca, token=token),
-                          verb="watch", resource="pods")
-        agent = kube.write_kubeconfig(directory / "agent.kubeconfig", server=apiserver.url,
-                                      ca=apiserver.ca, token=token)
-        yield Cluster(directory=directory, etcd=etcd, apiserver=apiserver, admin=admin,
-                      agent_kubeconfig=agent, pki=pki, start_seconds=time.monotonic() - started)
-    finally:
-        if apiserver is not None:
-            apiserver.stop()
-        etcd.stop()
+    with kube.running_cluster(tmp_path_factory.mktemp("kube")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -151,3 +72,43 @@ def table(tmp_path):
 def unique():
     """unique("node") -> "node-3fa2c1": names no other test of the session uses."""
     return lambda prefix: f"{prefix}-{secrets.token_hex(3)}"
+
+
+def _failed(request) -> bool:
+    return any(getattr(request.node, f"rep_{w}", None) is not None
+               and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
+
+
+@pytest.fixture(scope="session")
+def kubelet_available(kube_cluster):
+    """Skips, naming what is missing, when a real node cannot run here."""
+    import kubelet
+    from containerd import unavailable_reason as containerd_missing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+    from netns import remove_stale_namespaces
+    from netns import unavailable_reason as netns_missing
+    from sdk_clients import missing_reason as sdk_missing
+    reason = (netns_missing() or containerd_missing() or kubelet.missing_reason()
+              or sdk_missing("go"))
+    if reason:
+        pytest.skip(reason)
+    from e2e_cluster import remove_stale_shared_memory
+    remove_stale_namespaces()   # and the agents a killed run left in them
+    remove_stale_shared_memory()
+
+
+@pytest.fixture
+def kubelet_node(request, tmp_path, kube_cluster, kubelet_available):
+    """A node of the real cluster: kubelet + containerd in a fresh node namespace, registered
+    with the startup taint; no agent yet."""
+    from kubelet_node import KubeletNode
+    node = KubeletNode(tmp_path / "node", kube_cluster)
+    try:
+        yield node
+    finally:
+        if _failed(request):
+            for title, text in (("agent", node.agent_logs() if node.agents else ""),
+                                ("kubelet", node.kubelet.log_tail(60) if node.kubelet else ""),
+                                ("containerd", node.containerd.log_tail())):
+                sys.stdout.write(f"\n===== {title} =====\n{text}\n")
+        node.close()

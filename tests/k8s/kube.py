@@ -13,15 +13,21 @@ Nothing here talks to anything but 127.0.0.1.
 from __future__ import annotations
 
 import base64
+import contextlib
+import ctypes
+import copy
 import datetime
 import ipaddress
 import json
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,7 @@ def required_version(gomod: Path, module: str) -> str:
     return match.group(1)
 
 
-KUBE_VERSION = required_version(HERE / "apiserver" / "go.mod", "k8s.io/kubernetes")
+KUBE_VERSION = required_version(HERE / "kubernetes" / "go.mod", "k8s.io/kubernetes")
 ETCD_VERSION = required_version(HERE / "etcd" / "go.mod", "go.etcd.io/etcd/server/v3")
 RBAC_MANIFEST = REPO / "deploy" / "base" / "rbac.yaml"
 
@@ -54,12 +60,12 @@ def binary(name: str, version: str) -> Path:
     return tools_dir() / f"{name}-{version}" / name
 
 
-def missing_binaries() -> str | None:
-    """The skip reason naming the binaries not built yet, or None."""
-    missing = [str(p) for p in (binary("etcd", ETCD_VERSION),
-                                binary("kube-apiserver", KUBE_VERSION)) if not p.is_file()]
+def missing_binaries(names: tuple[str, ...] = ("etcd", "kube-apiserver")) -> str | None:
+    """The skip reason naming the binaries of ``names`` not built yet, or None."""
+    versions = {"etcd": ETCD_VERSION, "kube-apiserver": KUBE_VERSION, "kubelet": KUBE_VERSION}
+    missing = [str(p) for p in (binary(n, versions[n]) for n in names) if not p.is_file()]
     if missing:
-        return f"needs etcd and kube-apiserver ({', '.join(missing)}): run {SETUP}"
+        return f"needs {' and '.join(names)} ({', '.join(missing)}): run {SETUP}"
     return None
 
 
@@ -120,6 +126,12 @@ def make_pki(directory: Path) -> dict[str, Path]:
 
 # ---- processes ----------------------------------------------------------------------------------
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, so a killed run leaves no server."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Process:
     """A child process with its output in a log file; stopped by its own pid only."""
 
@@ -128,7 +140,7 @@ class Process:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def log_tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
@@ -400,3 +412,90 @@ def wait_allowed(client: Client, *, verb: str, resource: str, timeout: float = 1
         if time.monotonic() > deadline:
             raise RuntimeError(f"{verb} {resource} still not allowed after {timeout}s: {out}")
         time.sleep(0.05)
+
+
+# ---- the cluster ------------------------------------------------------------------------------
+
+@dataclass
+class Cluster:
+    directory: Path
+    etcd: Etcd
+    apiserver: ApiServer
+    admin: Client
+    agent_kubeconfig: Path
+    pki: dict[str, Path]
+    start_seconds: float
+    _identities: dict[str, Path] = field(default_factory=dict)
+
+    def kubeconfig_for(self, token: str, *, name: str, server: str | None = None) -> Path:
+        return write_kubeconfig(self.directory / f"{name}.kubeconfig",
+                                     server=server or self.apiserver.url,
+                                     ca=self.apiserver.ca, token=token)
+
+    def agent_kubeconfig_via(self, url: str) -> Path:
+        """The agent's own token, aimed at another address of the same cluster (a proxy, a
+        second API server)."""
+        token = yaml.safe_load(self.agent_kubeconfig.read_text())["users"][0]["user"]["token"]
+        return self.kubeconfig_for(token, name=f"agent-{url.rsplit(':', 1)[1]}", server=url)
+
+    def as_user(self, token: str) -> Client:
+        return Client(url=self.apiserver.url, ca=self.apiserver.ca, token=token)
+
+    def identity_without(self, name: str, *, drop: list[tuple[str, str]]) -> Path:
+        """A kubeconfig for ServiceAccount kube-system/<name> bound to a copy of the project's
+        ClusterRole without the (resource, verb) pairs in ``drop``; every other rule as
+        shipped."""
+        if name in self._identities:
+            return self._identities[name]
+        role, binding = (copy.deepcopy(d) for d in rbac_documents())
+        assert role["kind"] == "ClusterRole" and binding["kind"] == "ClusterRoleBinding"
+        granted = {(res, verb) for rule in role["rules"] for res in rule["resources"]
+                   for verb in rule["verbs"]}
+        assert set(drop) <= granted, f"the shipped role does not grant all of {drop}"
+        rules = []
+        for rule in role["rules"]:
+            for res in rule["resources"]:   # one rule per resource, so one verb can go
+                verbs = [v for v in rule["verbs"] if (res, v) not in drop]
+                if verbs:
+                    rules.append({**rule, "resources": [res], "verbs": verbs})
+        role["metadata"] = {"name": name}
+        role["rules"] = rules
+        binding["metadata"] = {"name": name}
+        binding["roleRef"]["name"] = name
+        binding["subjects"] = [{"kind": "ServiceAccount", "name": name,
+                                "namespace": "kube-system"}]
+        apply_rbac(self.admin, [role, binding])
+        token = service_account_token(self.admin, namespace="kube-system", name=name)
+        wait_allowed(self.as_user(token), verb=rules[0]["verbs"][0],
+                          resource=rules[0]["resources"][0])
+        self._identities[name] = self.kubeconfig_for(token, name=name)
+        return self._identities[name]
+
+
+@contextlib.contextmanager
+def running_cluster(directory: Path) -> Iterator[Cluster]:
+    """etcd and kube-apiserver in ``directory``, the agent's ServiceAccount bound to the
+    project's ClusterRole; stopped on exit."""
+    started = time.monotonic()
+    pki = make_pki(directory / "pki")
+    etcd = Etcd(directory)
+    apiserver = None
+    try:
+        etcd.wait_ready(20)
+        apiserver = ApiServer(directory=directory, etcd=etcd, pki=pki,
+                              admin_token=new_admin_token())
+        apiserver.wait_ready(60)
+        admin = apiserver.admin
+        token = service_account_token(admin, namespace="kube-system", name="kiamfast")
+        apply_rbac(admin, rbac_documents())
+        # RBAC takes effect when the server's informers see the binding: wait for that.
+        wait_allowed(Client(url=apiserver.url, ca=apiserver.ca, token=token),
+                     verb="watch", resource="pods")
+        agent = write_kubeconfig(directory / "agent.kubeconfig", server=apiserver.url,
+                                 ca=apiserver.ca, token=token)
+        yield Cluster(directory=directory, etcd=etcd, apiserver=apiserver, admin=admin,
+                      agent_kubeconfig=agent, pki=pki, start_seconds=time.monotonic() - started)
+    finally:
+        if apiserver is not None:
+            apiserver.stop()
+        etcd.stop()

@@ -13,9 +13,12 @@ import threading
 
 
 class TcpProxy:
-    def __init__(self, *, target_port: int) -> None:
+    def __init__(self, *, target_port: int, listener: socket.socket | None = None) -> None:
+        """``listener``: a listening socket made elsewhere, e.g. inside a node's network
+        namespace (a socket keeps the namespace it was made in): the proxy then carries
+        that namespace's connections to the API server on this one's loopback."""
         self.target = ("127.0.0.1", target_port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = listener or socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.url = f"https://127.0.0.1:{self.port}"
         self._lock = threading.Lock()

@@ -19,6 +19,9 @@
 // W before the Expiration the metadata service sent (the SDK's own ExpiryWindow option), so
 // a test can watch the SDK refetch without waiting an hour.
 //
+// --print-rounds also prints each round as it ends, as {"round": {...}} on a line of its own,
+// so a long-running client (an app container a test deletes) shows what it got so far.
+//
 // Output: one JSON line. The last round's fields at the top level (AccessKeyId, Expires,
 // CanExpire, Source, Arn, Account, error, sts_error, seconds) and every round in "rounds".
 // Exit 0 when every round got credentials that STS accepted, 3 when no round got any
@@ -57,6 +60,7 @@ func main() {
 	loop := flag.Int("loop", 1, "rounds of retrieve + GetCallerIdentity")
 	interval := flag.Duration("interval", time.Second, "pause between rounds")
 	window := flag.Duration("expiry-window", 0, "the credential cache's ExpiryWindow")
+	printRounds := flag.Bool("print-rounds", false, "also print each round as it ends")
 	flag.Parse()
 
 	ctx := context.Background()
@@ -72,7 +76,12 @@ func main() {
 		if i > 0 {
 			time.Sleep(*interval)
 		}
-		rounds = append(rounds, once(ctx, cfg.Credentials, client))
+		r := once(ctx, cfg.Credentials, client)
+		rounds = append(rounds, r)
+		if *printRounds {
+			line, _ := json.Marshal(map[string]round{"round": r})
+			fmt.Println(string(line))
+		}
 	}
 	emit(rounds[len(rounds)-1], rounds)
 	os.Exit(exitCode(rounds))

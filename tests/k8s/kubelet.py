@@ -1,0 +1,212 @@
+"""A real kubelet for the tests: the one built from k8s.io/kubernetes by tests/k8s/build.sh,
+registered with the session's real API server and driving a real containerd.
+
+Everything between "pod created" and "the app's first SDK call" is then the kubelet's own
+timing: it syncs the pod, calls RunPodSandbox (CNI gives the address), creates and starts the
+app container, and reports ``status.podIP`` on a later sync (../shared/reference/cri.md).
+
+What this VM needs (cri.md: cgroup v1, no swap, no CAP_SYS_RESOURCE), and how the kubelet is
+kept off the host's own state:
+
+* cgroupfs driver, the pod cgroups under the containerd's own cgroup parent (created here in
+  every hierarchy; the containerd's cleanup removes the whole tree), ``oomScoreAdj: 0``
+  (lowering it needs CAP_SYS_RESOURCE);
+* the kubelet runs in a mount namespace of its own (``unshare --mount --propagation
+  slave``), where the six kernel settings it would otherwise rewrite on the host
+  (vm.overcommit_memory, kernel.panic, ...) are files of this test with the values it wants,
+  and /var/log/containers (its log symlinks) is a directory of this test. Host mounts still
+  reach it; its own never leave. Pods therefore use no volume the kubelet has to mount
+  (``automountServiceAccountToken: false``);
+* root dir, pod logs, certificates, kubeconfig, config: all under one directory of the test;
+  the kubelet's server and healthz listen on free loopback ports; authentication is off on
+  them (nobody can call them: no anonymous, no webhook, no client CA) and the kubelet's own API identity is the
+  test's admin token (the API server runs RBAC only, no Node authorizer);
+* eviction thresholds near zero: a shared CI disk with little free space must not make the
+  kubelet evict the test's pods.
+
+:func:`app_image` packs the AWS SDK for Go v2 client of tests/sdk (a static binary) as an
+OCI image, so a pod's app container is a real Go service asking for credentials first thing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kube
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cri"))
+
+from containerd import Containerd, oci_layout, tools_dir  # noqa: E402
+
+# The kernel settings the kubelet's container manager enforces (setupKernelTunables), with
+# the values it writes: they are what its private copies hold.
+KERNEL_TUNABLES = {
+    "vm/overcommit_memory": "1", "vm/panic_on_oom": "0", "kernel/panic": "10",
+    "kernel/panic_on_oops": "1", "kernel/keys/root_maxkeys": "1000000",
+    "kernel/keys/root_maxbytes": "25000000",
+}
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+HOST_CONTAINER_LOGS = Path("/var/log/containers")   # fixed in the kubelet's source
+APP_CONTAINER = "app"
+
+
+def missing_reason() -> str | None:
+    """Why a real kubelet cannot run here (its tests skip with this), or None."""
+    reason = kube.missing_binaries(("kubelet",))
+    if reason:
+        return reason
+    for tool in ("unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"the kubelet tests need `{tool}` (util-linux)"
+    if not (CGROUP_ROOT / "memory").is_dir():
+        return "the kubelet tests are written for cgroup v1 (no /sys/fs/cgroup/memory here)"
+    return None
+
+
+# ---- the app image ---------------------------------------------------------------------
+
+def app_image(client: Path) -> tuple[str, Path]:
+    """(image name, OCI tar) of an image whose entrypoint is the Go SDK client ``client``,
+    built once per client binary into the tools cache."""
+    data = client.read_bytes()
+    tag = hashlib.sha256(data).hexdigest()[:12]
+    name = f"localhost/kiamfast/go-client:{tag}"
+    out = tools_dir() / f"app-image-{tag}" / "app-oci.tar"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(oci_layout([("kiamfast-go-client", data, 0o755)], name,
+                                   entrypoint=["/kiamfast-go-client"]))
+        tmp.rename(out)
+    return name, out
+
+
+# ---- the kubelet -------------------------------------------------------------------------
+
+class Kubelet:
+    """``Kubelet(...).start()`` registers node ``node_name`` and runs its pods on
+    ``containerd``; :meth:`stop` ends the process (pods are the containerd's to clean up)."""
+
+    def __init__(self, *, directory: Path, node_name: str, apiserver: kube.ApiServer,
+                 containerd: Containerd, taints: list[dict[str, str]] | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        self.dir = directory
+        self.node_name = node_name
+        self.apiserver = apiserver
+        self.containerd = containerd
+        self.taints = taints or []
+        self.extra_args = extra_args or []
+        self.root_dir = directory / "root"
+        self.pod_logs = directory / "pod-logs"
+        self.process: kube.Process | None = None
+
+    # -- configuration -------------------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        low = {"memory.available": "1Mi", "nodefs.available": "1%",
+               "nodefs.inodesFree": "1%", "imagefs.available": "1%"}
+        return {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+            "containerRuntimeEndpoint": self.containerd.endpoint,
+            "imageServiceEndpoint": self.containerd.endpoint,
+            "cgroupDriver": "cgroupfs", "cgroupRoot": self.containerd.cgroup_parent,
+            "cgroupsPerQOS": True, "failSwapOn": False, "oomScoreAdj": 0,
+            "address": "127.0.0.1", "port": kube.free_port(), "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1", "healthzPort": kube.free_port(),
+            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "podLogsDir": str(self.pod_logs),
+            "registerNode": True, "registerWithTaints": self.taints,
+            "evictionHard": low, "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99, "serializeImagePulls": False,
+            "resolvConf": "/etc/resolv.conf", "clusterDomain": "cluster.local",
+        }
+
+    def _prepare(self) -> list[str]:
+        """Files and directories the kubelet's mount namespace is made of; its argv."""
+        for sub in ("root", "pod-logs", "certs", "container-logs", "sysctl"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        for hierarchy in CGROUP_ROOT.iterdir():   # the kubelet wants its cgroup root to exist
+            if (hierarchy / "cgroup.procs").exists():
+                (hierarchy / self.containerd.cgroup_parent.lstrip("/")).mkdir(exist_ok=True)
+        config = self.dir / "kubelet.yaml"
+        config.write_text(json.dumps(self._config(), indent=1))
+        kubeconfig = kube.write_kubeconfig(self.dir / "kubelet.kubeconfig",
+                                           server=self.apiserver.url, ca=self.apiserver.ca,
+                                           token=self.apiserver.admin.token)
+        binds = []
+        for path, value in KERNEL_TUNABLES.items():
+            copy = self.dir / "sysctl" / path.replace("/", ".")
+            copy.write_text(value + "\n")
+            binds.append(f"mount --bind {copy} /proc/sys/{path}")
+        HOST_CONTAINER_LOGS.mkdir(parents=True, exist_ok=True)
+        binds.append(f"mount --bind {self.dir / 'container-logs'} {HOST_CONTAINER_LOGS}")
+        kubelet = [str(kube.binary("kubelet", kube.KUBE_VERSION)), f"--config={config}",
+                   f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
+                   f"--cert-dir={self.dir / 'certs'}", f"--hostname-override={self.node_name}",
+                   "--v=2", *self.extra_args]
+        script = " && ".join([*binds, 'exec "$@"'])
+        return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", script,
+                "kubelet", *kubelet]
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> Kubelet:
+        self.process = kube.Process(name="kubelet", argv=self._prepare(),
+                                    log_path=self.dir / "kubelet.log")
+        return self
+
+    def wait_registered(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The node object once the kubelet has registered it and reports it Ready."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            self.process.check_alive()
+            status, node = self.apiserver.admin.request("GET",
+                                                        f"/api/v1/nodes/{self.node_name}")
+            if status == 200:
+                last = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
+                if last.get("Ready") == "True":
+                    return node
+            time.sleep(0.2)
+        raise RuntimeError(f"node {self.node_name} not Ready in {timeout}s (conditions "
+                           f"{last}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self.process.log_tail(lines) if self.process else ""
+
+    def container_log(self, namespace: str, pod: str, uid: str,
+                      container: str = APP_CONTAINER) -> list[str]:
+        """What the container printed, line by line, in order. The CRI log format is
+        ``<time> <stream> <P|F> <payload>`` per record; a line longer than the runtime's
+        record size (16 KiB) comes as P(artial) records ended by an F(ull) one."""
+        folder = self.pod_logs / f"{namespace}_{pod}_{uid}" / container
+        lines: list[str] = []
+        partial = ""
+        for log in sorted(folder.glob("*.log")) if folder.is_dir() else ():
+            for raw in log.read_text(errors="replace").splitlines():
+                parts = raw.split(" ", 3)
+                if len(parts) < 3:
+                    continue
+                payload = parts[3] if len(parts) == 4 else ""
+                if parts[2] == "P":
+                    partial += payload
+                else:
+                    lines.append(partial + payload)
+                    partial = ""
+        return lines
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        try:
+            self.apiserver.admin.request("DELETE", f"/api/v1/nodes/{self.node_name}")
+        except Exception:  # noqa: BLE001 - the API server may be gone at session end
+            pass
