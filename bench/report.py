@@ -10,7 +10,9 @@ are recorded with the figures.
 Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
 (bench/churn.py, API-only), ``node_start`` (bench/node_start.py), ``scale``
 (bench/scale_sim.py), ``runtime`` (bench/runtime_churn.py, runtime_first_call.py,
-runtime_polling.py: the container runtime's path, on a real containerd when root has one).
+runtime_polling.py: the container runtime's path, on a real containerd when root has one),
+``kubelet`` (bench/kubelet_timing.py: a real kubelet's podIP delay and new pods' first SDK
+call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -35,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime")
+SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet")
 
 
 @dataclass
@@ -470,8 +472,21 @@ def section_runtime(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_kubelet(quick: bool, out: Path, log) -> Section:
+    import kubelet_timing as kt
+    sec = Section("A real node: the kubelet's podIP delay and a new pod's first SDK call")
+    reason = kt.kube.missing_binaries(("etcd", "kube-apiserver", "kubelet"))
+    if reason or os.geteuid() != 0:
+        raise RuntimeError(reason or "needs root (network namespaces, containerd, kubelet)")
+    results = kt.run(pods=4 if quick else 50, batch=4 if quick else 10, log=log)
+    sec.body = kt.markdown(results)
+    sec.headline = kt.headline(results)
+    sec.raw = {r.mode: [p.__dict__ for p in r.pods] for r in results}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
-           "node_start": section_node_start, "scale": section_scale}
+           "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet}
 
 
 # ---- the report ------------------------------------------------------------------------------

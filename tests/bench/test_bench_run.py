@@ -37,7 +37,7 @@ def test_run_refuses_an_unknown_section(tmp_path):
 @requires_nginx
 def test_quick_run_of_everything(tmp_path):
     p = subprocess.run([str(BENCH / "run"), "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=280)
+                       capture_output=True, text=True, timeout=420)
     assert p.returncode == 0, p.stderr[-3000:]
     text = (tmp_path / "report.md").read_text()
     assert "not measured" not in text
