@@ -55,6 +55,12 @@ def test_a_pod_that_asks_the_instant_it_starts_gets_its_own_role(kubelet_node: K
     node = kubelet_node
     node.start_agent()
     wait_untainted(node)
+    # A NoSchedule taint holds back the scheduler only: the kubelet runs these pods anyway
+    # (bound by nodeName), which is why deploy/README.md asks for NoExecute.
+    node.admin.call("PATCH", f"/api/v1/nodes/{node.name}", {"spec": {"taints": [
+        {"key": "example.com/scheduler-only", "effect": "NoSchedule"}]}},
+        content_type="application/strategic-merge-patch+json")
+    assert "example.com/scheduler-only" in node.taints()
     with PodIpWatch(node) as ips:
         pods = [node.create_pod(f"job-{i}", role=f"job-{i}") for i in range(4)]
         docs = [pod.result() for pod in pods]
