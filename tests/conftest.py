@@ -66,3 +66,11 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture
+def test_failed(request):
+    """``test_failed()`` in a fixture's teardown: did the test fail in its setup or body?"""
+    return lambda: any(getattr(request.node, f"rep_{when}", None) is not None
+                       and getattr(request.node, f"rep_{when}").failed
+                       for when in ("setup", "call"))

@@ -53,7 +53,7 @@ def session_containerd(node_netns):
 
 
 @pytest.fixture
-def containerd(request, session_containerd):
+def containerd(test_failed, session_containerd):
     """The session's containerd, running, with no sandbox and the whole range."""
     runtime = session_containerd
     if runtime.process is None:
@@ -61,8 +61,7 @@ def containerd(request, session_containerd):
     try:
         yield runtime
     finally:
-        failed = getattr(request.node, "rep_call", None)
-        if failed is not None and failed.failed:
+        if test_failed():
             print(f"--- containerd log ({runtime.dir}) ---\n{runtime.log_tail()}")
         if runtime.process is None or runtime.process.poll() is not None:
             runtime.start()

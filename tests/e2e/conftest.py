@@ -45,21 +45,15 @@ def _needs_root_and_netns(netns_available):
     pass
 
 
-def _failed(request) -> bool:
-    """Did the test using this fixture fail in its setup or its body?"""
-    return any(getattr(request.node, f"rep_{w}", None) is not None
-               and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
-
-
 @pytest.fixture
-def node(request, tmp_path, netns_available):
+def node(test_failed, tmp_path, netns_available):
     """A fresh node (tainted with the startup taint), no agent yet."""
     from e2e_cluster import Node
     n = Node(tmp_path / "node")
     try:
         yield n
     finally:
-        failed = _failed(request)
+        failed = test_failed()
         if failed and n.agents:
             sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
         n.close()
@@ -75,14 +69,14 @@ def runtime_available(netns_available):
 
 
 @pytest.fixture
-def runtime_node(request, tmp_path, runtime_available):
+def runtime_node(test_failed, tmp_path, runtime_available):
     """A fresh node with its own containerd (pods are real sandboxes), no agent yet."""
     from runtime_node import RuntimeNode
     n = RuntimeNode(tmp_path / "node")
     try:
         yield n
     finally:
-        failed = _failed(request)
+        failed = test_failed()
         if failed:
             if n.agents:
                 sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")

@@ -37,7 +37,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -623,6 +623,11 @@ class Node:
 
     # -- teardown ------------------------------------------------------------------------
 
+    def _stoppers(self) -> list[Callable[[], None]]:
+        """What stops between the agents and the node's services, in order: nothing here;
+        a node with a container runtime (and a kubelet) stops those."""
+        return []
+
     def close(self) -> None:
         errors: list[BaseException] = []
         for agent in self.agents:
@@ -630,8 +635,8 @@ class Node:
                 agent.close()
             except BaseException as exc:  # noqa: BLE001 - keep cleaning up
                 errors.append(exc)
-        for stop in (getattr(self.api, "stop", None), getattr(self.sts_, "stop", None),
-                     getattr(self.imds, "stop", None)):
+        for stop in (*self._stoppers(), getattr(self.api, "stop", None),
+                     getattr(self.sts_, "stop", None), getattr(self.imds, "stop", None)):
             if stop is None:
                 continue
             try:

@@ -235,18 +235,6 @@ class RuntimeNode(Node):
 
     # -- teardown ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        errors: list[BaseException] = []
-        for agent in self.agents:
-            try:
-                agent.close()
-            except BaseException as exc:  # noqa: BLE001 - keep cleaning up
-                errors.append(exc)
-        if self.runtime is not None:
-            try:
-                self.runtime.close()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-        super().close()
-        if errors:
-            raise errors[-1]
+    def _stoppers(self) -> list[Callable[[], None]]:
+        """Containerd and its sandboxes go after the agents, before the node's namespaces."""
+        return [self.runtime.close] if self.runtime is not None else []

@@ -74,11 +74,6 @@ def unique():
     return lambda prefix: f"{prefix}-{secrets.token_hex(3)}"
 
 
-def _failed(request) -> bool:
-    return any(getattr(request.node, f"rep_{w}", None) is not None
-               and getattr(request.node, f"rep_{w}").failed for w in ("setup", "call"))
-
-
 @pytest.fixture(scope="session")
 def kubelet_available(kube_cluster):
     """Skips, naming what is missing, when a real node cannot run here."""
@@ -98,7 +93,7 @@ def kubelet_available(kube_cluster):
 
 
 @pytest.fixture
-def kubelet_node(request, tmp_path, kube_cluster, kubelet_available):
+def kubelet_node(test_failed, tmp_path, kube_cluster, kubelet_available):
     """A node of the real cluster: kubelet + containerd in a fresh node namespace, registered
     with the startup taint; no agent yet."""
     from kubelet_node import KubeletNode
@@ -106,7 +101,7 @@ def kubelet_node(request, tmp_path, kube_cluster, kubelet_available):
     try:
         yield node
     finally:
-        if _failed(request):
+        if test_failed():
             for title, text in (("agent", node.agent_logs() if node.agents else ""),
                                 ("kubelet", node.kubelet.log_tail(60) if node.kubelet else ""),
                                 ("containerd", node.containerd.log_tail())):

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,25 +194,17 @@ class KubeletNode(RuntimeNode):
 
     # -- teardown ------------------------------------------------------------------------
 
-    def close(self) -> None:
-        errors: list[BaseException] = []
-        try:
-            if self.kubelet is not None:
-                self.kubelet.stop()
-        except BaseException as exc:  # noqa: BLE001 - keep cleaning up
-            errors.append(exc)
-        try:
-            super().close()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-        if self.api_proxy is not None:
-            self.api_proxy.close()
+    def _stoppers(self) -> list[Callable[[], None]]:
+        """The kubelet before its containerd; the proxy and the node's API namespace last."""
+        first = [self.kubelet.stop] if self.kubelet is not None else []
+        last = [self.api_proxy.close] if self.api_proxy is not None else []
+        return [*first, *super()._stoppers(), *last, self._delete_namespace]
+
+    def _delete_namespace(self) -> None:
         try:
             self.admin.request("DELETE", f"/api/v1/namespaces/{self.name}")
-        except Exception:  # noqa: BLE001 - the API server may be gone
+        except Exception:  # noqa: BLE001 - the API server may be gone at session end
             pass
-        if errors:
-            raise errors[-1]
 
 
 class PodIpWatch:
