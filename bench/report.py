@@ -478,10 +478,11 @@ def section_kubelet(quick: bool, out: Path, log) -> Section:
     reason = kt.kube.missing_binaries(("etcd", "kube-apiserver", "kubelet"))
     if reason or os.geteuid() != 0:
         raise RuntimeError(reason or "needs root (network namespaces, containerd, kubelet)")
-    results = kt.run(pods=4 if quick else 50, batch=4 if quick else 10, log=log)
+    results = kt.run(pods=4 if quick else 50, batch=4 if quick else 10,
+                     scenarios=("idle",) if quick else tuple(kt.SCENARIOS), log=log)
     sec.body = kt.markdown(results)
     sec.headline = kt.headline(results)
-    sec.raw = {r.mode: [p.__dict__ for p in r.pods] for r in results}
+    sec.raw = {f"{r.scenario}, {r.mode}": [p.__dict__ for p in r.pods] for r in results}
     return sec
 
 

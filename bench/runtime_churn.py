@@ -18,9 +18,9 @@ the API server as late as it is there:
    B's address after 0.5-3 s, in either order, or never (a quarter of the pods).
 
 So between 3 and 4 the API server still shows A Running with the address B is asking
-from. (A real kubelet on an idle node of this VM reports B's address 0.8 s median, 1.5 s
-max after B's app started: bench/kubelet_timing.py. The 0.5-3 s here stands for a busy node;
-a kubelet throttled by its API QPS is later still.) Both modes run the same churn with the same seed, one after the other: (a) the agent
+from. (A real kubelet on this VM reports B's address 0.7 s median, 1.4 s max after B's app
+started when idle, 12.7 s and 17.6 s with its API client throttled to 2 requests/s:
+bench/kubelet_timing.py. The 0.5-3 s here lies between the two.) Both modes run the same churn with the same seed, one after the other: (a) the agent
 with ``--cri-endpoint`` and (b) the same agent with ``--cri-endpoint=none``, which can only
 follow the API and is expected to name A's role.
 

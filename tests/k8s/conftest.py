@@ -93,11 +93,12 @@ def kubelet_available(kube_cluster):
 
 
 @pytest.fixture
-def kubelet_node(test_failed, tmp_path, kube_cluster, kubelet_available):
+def kubelet_node(request, test_failed, tmp_path, kube_cluster, kubelet_available):
     """A node of the real cluster: kubelet + containerd in a fresh node namespace, registered
-    with the startup taint; no agent yet."""
+    with the startup taint; no agent yet. Indirect parameters: more kubelet flags."""
     from kubelet_node import KubeletNode
-    node = KubeletNode(tmp_path / "node", kube_cluster)
+    node = KubeletNode(tmp_path / "node", kube_cluster,
+                       kubelet_args=getattr(request, "param", None))
     try:
         yield node
     finally:

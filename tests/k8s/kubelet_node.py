@@ -93,7 +93,8 @@ class KubeletNode(RuntimeNode):
     """A node registered by a real kubelet with the session's real API server."""
 
     def __init__(self, workdir: Path, cluster: Any, *, taint: bool = True,
-                 subnet: str = "10.88.0.0/24") -> None:
+                 subnet: str = "10.88.0.0/24", kubelet_args: list[str] | None = None) -> None:
+        """``kubelet_args``: more kubelet flags (e.g. ``--kube-api-qps=1``)."""
         self.cluster = cluster
         self.admin: kube.Client = cluster.admin
         self.api_proxy: TcpProxy | None = None
@@ -109,7 +110,7 @@ class KubeletNode(RuntimeNode):
                       if taint else [])
             self.kubelet = Kubelet(directory=self.workdir / "kubelet", node_name=self.name,
                                    apiserver=cluster.apiserver, containerd=self.containerd,
-                                   taints=taints).start()
+                                   taints=taints, extra_args=kubelet_args).start()
             self.kubelet.wait_registered()
         except BaseException:
             self.close()

@@ -9,7 +9,8 @@ pod) and the user. Every check is STS's own answer to the credentials a pod rece
 key was issued for, so neither the node's role nor another pod's can pass.
 
 The seeds of the issue: a node registered with the startup taint and pods waiting for it; a
-Job-like pod that asks the instant it starts; a pod replaced so its address is reused while
+Job-like pod that asks the instant it starts (also on a kubelet throttled to 2 API requests a
+second, which reports addresses seconds late); a pod replaced so its address is reused while
 the API still shows the old pod; the agent killed and restarted while pods run.
 """
 from __future__ import annotations
@@ -74,6 +75,30 @@ def test_a_pod_that_asks_the_instant_it_starts_gets_its_own_role(kubelet_node: K
     # The race is real: the kubelet reports the address on a later sync than the one that
     # starts the app, so the SDK asks while the API does not yet know the pod's address.
     assert asked_first >= 1, (docs, ips.seen)
+    assert node.imds_credential_requests() == []
+
+
+@pytest.mark.parametrize("kubelet_node", [["--kube-api-qps=2", "--kube-api-burst=2"]],
+                         indirect=True, ids=["kubelet-api-qps-2"])
+def test_a_throttled_kubelet_reports_addresses_seconds_late_and_pods_still_get_their_roles(
+        kubelet_node: KubeletNode):
+    """A kubelet whose API client is throttled (busy API server, many pods starting) writes
+    pod status seconds late; the agent learns each address from the runtime instead."""
+    node = kubelet_node
+    node.start_agent()
+    wait_untainted(node)
+    with PodIpWatch(node) as ips:
+        pods = [node.create_pod(f"late-{i}", role=f"late-{i}") for i in range(6)]
+        docs = [pod.result(timeout=120) for pod in pods]
+        wait_until(lambda: all(p.uid in ips.seen for p in pods), timeout=60,
+                   what="every address in the API")
+    ahead = []
+    for pod, doc in zip(pods, docs):
+        assert doc["exit"] == 0, doc
+        assert_own_role(pod, doc)
+        ahead.append(ips.seen[pod.uid] - _wall(doc["rounds"][0]["at"]))
+    # The pods had their roles long before the API could have told anyone their address.
+    assert max(ahead) > 2.0, ahead
     assert node.imds_credential_requests() == []
 
 
