@@ -555,7 +555,8 @@ def _cleanup_dir(d: Path) -> None:
     for mount in sorted((m for m in mounts if m.startswith(f"{d}/")), key=len, reverse=True):
         subprocess.run(["umount", "-l", mount], capture_output=True)
     parent = f"kiamfast-cri-{d.name}"
-    for hierarchy in CGROUP_ROOT.iterdir() if CGROUP_ROOT.is_dir() else ():
+    # each v1 hierarchy below CGROUP_ROOT, or (cgroup v2) CGROUP_ROOT itself
+    for hierarchy in [CGROUP_ROOT, *CGROUP_ROOT.iterdir()] if CGROUP_ROOT.is_dir() else ():
         group = hierarchy / parent
         if group.is_dir():   # deepest first: a kubelet nests kubepods/<qos>/pod<uid>/<id>
             for sub, _, _ in sorted(os.walk(group), key=lambda w: -len(w[0])):

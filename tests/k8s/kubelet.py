@@ -9,7 +9,8 @@ What this VM needs (cri.md: cgroup v1, no swap, no CAP_SYS_RESOURCE), and how th
 kept off the host's own state:
 
 * cgroupfs driver, the pod cgroups under the containerd's own cgroup parent (created here in
-  every hierarchy; the containerd's cleanup removes the whole tree), ``oomScoreAdj: 0``
+  every v1 hierarchy, or in the v2 tree, which this VM does not have and where this is
+  untried; the containerd's cleanup removes the whole tree), ``oomScoreAdj: 0``
   (lowering it needs CAP_SYS_RESOURCE);
 * the kubelet runs in a mount namespace of its own (``unshare --mount --propagation
   slave``), where the six kernel settings it would otherwise rewrite on the host
@@ -64,9 +65,14 @@ def missing_reason() -> str | None:
     for tool in ("unshare", "mount"):
         if shutil.which(tool) is None:
             return f"the kubelet tests need `{tool}` (util-linux)"
-    if not (CGROUP_ROOT / "memory").is_dir():
-        return "the kubelet tests are written for cgroup v1 (no /sys/fs/cgroup/memory here)"
     return None
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """Where a cgroup path is rooted: each v1 hierarchy (this VM), or the one v2 tree."""
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return [CGROUP_ROOT]
+    return [h for h in CGROUP_ROOT.iterdir() if (h / "cgroup.procs").exists()]
 
 
 # ---- the app image ---------------------------------------------------------------------
@@ -132,9 +138,8 @@ class Kubelet:
         """Files and directories the kubelet's mount namespace is made of; its argv."""
         for sub in ("root", "pod-logs", "certs", "container-logs", "sysctl"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
-        for hierarchy in CGROUP_ROOT.iterdir():   # the kubelet wants its cgroup root to exist
-            if (hierarchy / "cgroup.procs").exists():
-                (hierarchy / self.containerd.cgroup_parent.lstrip("/")).mkdir(exist_ok=True)
+        for hierarchy in cgroup_hierarchies():   # the kubelet wants its cgroup root to exist
+            (hierarchy / self.containerd.cgroup_parent.lstrip("/")).mkdir(exist_ok=True)
         config = self.dir / "kubelet.yaml"
         config.write_text(json.dumps(self._config(), indent=1))
         kubeconfig = kube.write_kubeconfig(self.dir / "kubelet.kubeconfig",
