@@ -35,15 +35,14 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for sub in ("tests/k8s", "tests/e2e", "tests/cri"):
+for sub in ("tests", "tests/k8s", "tests/e2e", "tests/cri"):
     sys.path.insert(0, str(ROOT / sub))
 
 import kube  # noqa: E402
-from kubelet_node import KubeletNode, PodIpWatch  # noqa: E402
+from kubelet_node import KubeletNode, PodIpWatch, go_time, missing_reason  # noqa: E402
 
 # scenario -> the kubelet's extra flags. "throttled": the kubelet's API client limited to 2
 # requests/s (its default is 50 since 1.27, 5 before): status updates queue behind each
@@ -89,11 +88,6 @@ class ModeResult:
         return sum(p.first_call < p.ip_in_api for p in self.pods)
 
 
-def _wall(rfc3339: str) -> float:
-    whole, _, fraction = rfc3339.rstrip("Z").partition(".")
-    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{fraction or 0}")
-
-
 def _outcome(node: KubeletNode, pod, first: dict) -> str:
     key = first.get("AccessKeyId")
     if not key:
@@ -125,7 +119,7 @@ def run_mode(node: KubeletNode, scenario: str, mode: str, *, pods: int, batch: i
                     result.pods.append(PodTiming(
                         started=node.container_started(pod),
                         ip_in_api=ips.seen.get(pod.uid, float("nan")),
-                        first_call=_wall(first["at"]), outcome=_outcome(node, pod, first),
+                        first_call=go_time(first["at"]), outcome=_outcome(node, pod, first),
                         sdk_seconds=first.get("seconds", float("nan"))))
                 for pod in group:
                     node.delete_pod(pod)
@@ -200,7 +194,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10)
     parser.add_argument("--json", type=Path, help="also write the per-pod figures here")
     args = parser.parse_args()
-    reason = kube.missing_binaries(("etcd", "kube-apiserver", "kubelet"))
+    reason = missing_reason()
     if reason:
         sys.exit(f"kubelet_timing: {reason}")
     results = run(pods=args.pods, batch=args.batch)

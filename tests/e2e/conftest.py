@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from netns import remove_stale_namespaces, unavailable_reason  # noqa: E402
+from netns import unavailable_reason  # noqa: E402
 
 _REASON: list[str | None] = []
 
@@ -26,9 +26,8 @@ def _reason() -> str | None:
     if not _REASON:
         _REASON.append(unavailable_reason())
         if _REASON[0] is None:
-            from e2e_cluster import remove_stale_shared_memory
-            remove_stale_namespaces()
-            remove_stale_shared_memory()
+            from e2e_cluster import sweep_stale_runs
+            sweep_stale_runs()
     return _REASON[0]
 
 
@@ -48,15 +47,9 @@ def _needs_root_and_netns(netns_available):
 @pytest.fixture
 def node(test_failed, tmp_path, netns_available):
     """A fresh node (tainted with the startup taint), no agent yet."""
-    from e2e_cluster import Node
-    n = Node(tmp_path / "node")
-    try:
+    from e2e_cluster import Node, reporting_on_failure
+    with reporting_on_failure(Node(tmp_path / "node"), test_failed) as n:
         yield n
-    finally:
-        failed = test_failed()
-        if failed and n.agents:
-            sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
-        n.close()
 
 
 @pytest.fixture(scope="session")
@@ -71,14 +64,7 @@ def runtime_available(netns_available):
 @pytest.fixture
 def runtime_node(test_failed, tmp_path, runtime_available):
     """A fresh node with its own containerd (pods are real sandboxes), no agent yet."""
+    from e2e_cluster import reporting_on_failure
     from runtime_node import RuntimeNode
-    n = RuntimeNode(tmp_path / "node")
-    try:
+    with reporting_on_failure(RuntimeNode(tmp_path / "node"), test_failed) as n:
         yield n
-    finally:
-        failed = test_failed()
-        if failed:
-            if n.agents:
-                sys.stdout.write("\n===== agent output =====\n" + n.agent_logs() + "\n")
-            sys.stdout.write("\n===== containerd log =====\n" + n.containerd.log_tail() + "\n")
-        n.close()

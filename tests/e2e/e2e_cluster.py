@@ -28,6 +28,7 @@ children are stopped by pid, the namespaces deleted, the shared-memory files rem
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -37,19 +38,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from imds_probe import Prober, Sample, fetch_once
-from netns import BRIDGE, METADATA_IP, NetnsError, NodeNet, PodNet, call_in_netns
+from netns import (BRIDGE, METADATA_IP, NetnsError, NodeNet, PodNet, call_in_netns,
+                   remove_stale_namespaces)
 
 from kiamfast.testing.apiserver import ApiServer
 from kiamfast.testing.fake_imds import FakeImds
 from kiamfast.testing.sts import FaultProxy
 
 __all__ = ["Agent", "AgentError", "Node", "Pod", "Sts", "ACCOUNT", "BASE_ARN", "ROLE_KEY",
-           "STARTUP_TAINT", "REPO", "remove_stale_shared_memory", "wrong_answers"]
+           "STARTUP_TAINT", "REPO", "remove_stale_shared_memory", "reporting_on_failure",
+           "sweep_stale_runs", "wrong_answers"]
 
 REPO = Path(__file__).resolve().parents[2]
 JS_DIR = REPO / "tests" / "js"
@@ -653,6 +656,30 @@ class Node:
     def agent_logs(self) -> str:
         return "\n".join(f"--- agent {a.pid if a.proc else '-'} ---\n{a.log()}"
                          for a in self.agents)
+
+    def failure_report(self) -> list[tuple[str, str]]:
+        """(title, text) of what to read first when a test on this node failed."""
+        return [("agent output", self.agent_logs())] if self.agents else []
+
+
+@contextlib.contextmanager
+def reporting_on_failure(node: Node, failed: Callable[[], bool]) -> Iterator[Node]:
+    """For a fixture: yields ``node``, then closes it, printing its failure_report() first
+    when ``failed()`` says the test failed."""
+    try:
+        yield node
+    finally:
+        if failed():
+            for title, text in node.failure_report():
+                sys.stdout.write(f"\n===== {title} =====\n{text}\n")
+        node.close()
+
+
+def sweep_stale_runs() -> None:
+    """What test runs killed half-way left: node namespaces (and the agents in them), table
+    files."""
+    remove_stale_namespaces()
+    remove_stale_shared_memory()
 
 
 def remove_stale_shared_memory() -> None:

@@ -235,6 +235,9 @@ class RuntimeNode(Node):
 
     # -- teardown ------------------------------------------------------------------------
 
+    def failure_report(self) -> list[tuple[str, str]]:
+        return [*super().failure_report(), ("containerd log", self.containerd.log_tail())]
+
     def _stoppers(self) -> list[Callable[[], None]]:
         """Containerd and its sandboxes go after the agents, before the node's namespaces."""
         return [self.runtime.close] if self.runtime is not None else []

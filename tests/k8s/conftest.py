@@ -16,8 +16,6 @@ Without the binaries every test here skips, naming them and ``bash tests/k8s/bui
 from __future__ import annotations
 
 import secrets
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -77,34 +75,21 @@ def unique():
 @pytest.fixture(scope="session")
 def kubelet_available(kube_cluster):
     """Skips, naming what is missing, when a real node cannot run here."""
-    import kubelet
-    from containerd import unavailable_reason as containerd_missing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-    from netns import remove_stale_namespaces
-    from netns import unavailable_reason as netns_missing
-    from sdk_clients import missing_reason as sdk_missing
-    reason = (netns_missing() or containerd_missing() or kubelet.missing_reason()
-              or sdk_missing("go"))
+    from kubelet_node import missing_reason
+    reason = missing_reason()
     if reason:
         pytest.skip(reason)
-    from e2e_cluster import remove_stale_shared_memory
-    remove_stale_namespaces()   # and the agents a killed run left in them
-    remove_stale_shared_memory()
+    from e2e_cluster import sweep_stale_runs
+    sweep_stale_runs()
 
 
 @pytest.fixture
 def kubelet_node(request, test_failed, tmp_path, kube_cluster, kubelet_available):
     """A node of the real cluster: kubelet + containerd in a fresh node namespace, registered
     with the startup taint; no agent yet. Indirect parameters: more kubelet flags."""
+    from e2e_cluster import reporting_on_failure
     from kubelet_node import KubeletNode
     node = KubeletNode(tmp_path / "node", kube_cluster,
                        kubelet_args=getattr(request, "param", None))
-    try:
-        yield node
-    finally:
-        if test_failed():
-            for title, text in (("agent", node.agent_logs() if node.agents else ""),
-                                ("kubelet", node.kubelet.log_tail(60) if node.kubelet else ""),
-                                ("containerd", node.containerd.log_tail())):
-                sys.stdout.write(f"\n===== {title} =====\n{text}\n")
-        node.close()
+    with reporting_on_failure(node, test_failed) as n:
+        yield n

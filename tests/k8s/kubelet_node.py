@@ -25,22 +25,41 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import kube
 from cri_api.v1 import api_pb2 as cri
 from kubelet import APP_CONTAINER, Kubelet, app_image
+from kubelet import missing_reason as kubelet_missing
 from tcp_proxy import TcpProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
 from e2e_cluster import ROLE_KEY, STARTUP_TAINT  # noqa: E402
 from netns import call_in_netns  # noqa: E402
+from netns import unavailable_reason as netns_missing  # noqa: E402
 from runtime_node import RuntimeNode, wait_until  # noqa: E402
+from runtime_node import containerd_unavailable_reason as containerd_missing  # noqa: E402
 from sdk_clients import go_client  # noqa: E402
+from sdk_clients import missing_reason as sdk_missing  # noqa: E402
 
-__all__ = ["KubePod", "KubeletNode"]
+__all__ = ["KubePod", "KubeletNode", "PodIpWatch", "go_time", "missing_reason",
+           "wait_untainted"]
+
+
+def missing_reason() -> str | None:
+    """Why a KubeletNode cannot run here, or None: root and network namespaces, containerd,
+    the binaries of tests/k8s/build.sh, the Go SDK client of tests/sdk."""
+    return (netns_missing() or containerd_missing() or kube.missing_binaries()
+            or kubelet_missing() or sdk_missing("go"))
+
+
+def go_time(rfc3339: str) -> float:
+    """A time the Go client printed (RFC 3339, nanoseconds), as seconds since the epoch."""
+    whole, _, fraction = rfc3339.rstrip("Z").partition(".")
+    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{fraction or 0}")
 
 
 @dataclass
@@ -194,6 +213,10 @@ class KubeletNode(RuntimeNode):
         return status.started_at / 1e9
 
     # -- teardown ------------------------------------------------------------------------
+
+    def failure_report(self) -> list[tuple[str, str]]:
+        kubelet = [("kubelet log", self.kubelet.log_tail(60))] if self.kubelet else []
+        return [*super().failure_report(), *kubelet]
 
     def _stoppers(self) -> list[Callable[[], None]]:
         """The kubelet before its containerd; the proxy and the node's API namespace last."""
