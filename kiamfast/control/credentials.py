@@ -426,6 +426,11 @@ class CredentialManager:
                 self.table.clear_cred(slot)
                 heapq.heappush(self._free, slot)
 
+    def role_of_slot(self, slot: int) -> tuple[str, str | None] | None:
+        """(role ARN, external ID) of the key a slot holds (an adopted one included)."""
+        entry = self._by_slot.get(slot)
+        return None if entry is None else (entry.key.role_arn, entry.key.external_id)
+
     def slot_of(self, pod_uid: str) -> int | None:
         key = self._pods.get(pod_uid)
         return None if key is None else self._entries[key].slot

@@ -21,9 +21,10 @@ Two sources, one rule each:
 * **The API server** is the source of the role policy: annotations, namespaces, default
   role.  A pod the runtime shows but the watch has not delivered yet is decided from its
   sandbox's annotations (the kubelet copies the pod's), unless the policy needs a namespace
-  the agent has not seen yet.  Where no runtime is reachable (no endpoint, or an outage),
-  the API is also the source of ownership, with the rules below; the runtime's view is
-  dropped as soon as it is stale, never mixed with the API's.
+  the agent has not seen yet.  Where no runtime is configured, the API is also the source
+  of ownership, with the rules below.  While a configured runtime cannot be asked, its last
+  view may only take owners away: an address keeps an owner only where that view and the
+  API's rules name the same pod (`_fallback`).
 
 API ownership (only without a runtime view):
 
@@ -88,6 +89,9 @@ class CredentialSink(Protocol):
     def acquire(self, pod_uid: str, req: Any) -> int: ...
 
     def release(self, pod_uid: str) -> None: ...
+
+    def role_of_slot(self, slot: int) -> tuple[str, str | None] | None:
+        """(role ARN, external ID) of the key a slot holds, or None."""
 
 
 class TableWriter(Protocol):
@@ -226,11 +230,12 @@ class Ownership:
         # A runtime is configured but has not answered yet: nothing is decided by the API's
         # rules meanwhile, and workers wait for the first poll (runtime_mode is published).
         self._awaiting_runtime = expect_runtime
-        # The last poll attempt failed: the last view still holds for the addresses it
-        # shows (no sandbox starts or stops while the runtime is down), the API's rules
-        # decide the others; workers answer a connection only after an attempt begun
-        # after it (success or failure) was applied.
+        # The last poll attempt failed: the fallback decides (`_fallback`): an address has
+        # an owner only where the last view and the API name the same pod; workers answer
+        # a connection only after an attempt begun after it (success or failure) was
+        # applied.
         self._runtime_stale = False
+        self._newcomer_unplaced = False             # the fallback's guard, as last applied
         self._failed_ns = 0
         self._published_failed = 0
         self._runtime_ips: dict[str, set[str]] = {}  # uid -> ips, the same view inverted
@@ -239,6 +244,12 @@ class Ownership:
         self._verified_ns = 0                        # date of the view to publish
         self._published_verified = 0
         self._published_mode: bool | None = None
+        # uid -> (pod state, credential slot) a previous control process decided: stands for
+        # a pod whose namespace the agent has not seen yet, until the API can overrule it
+        # (the namespace arrives, or the watch has synced without it).
+        self._adopted_decisions: dict[str, tuple[int, int]] = {
+            uid: (state, slot) for uid, state, slot in self._written.values()
+            if state in (POD_ROLE, POD_DENIED)}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._tombstone_cap = tombstones
         self._dirty_ips: set[str] = set()
@@ -448,18 +459,23 @@ class Ownership:
         self._reconcile()
 
     def runtime_failed(self, started_ns: int) -> None:
-        """A poll attempt begun at `started_ns` failed.  The last view keeps the addresses it
-        shows; the API's rules decide the others, until the runtime answers again."""
+        """A poll attempt begun at `started_ns` failed.  Until the runtime answers again an
+        address has an owner only where its last view and the API agree (`_fallback`)."""
         self._failed_ns = max(self._failed_ns, started_ns)
         if self._runtime_stale:
             return
-        log.warning("the container runtime cannot be asked: addresses it showed keep their "
-                    "owners, the API server decides the others until it answers again")
+        log.warning("the container runtime cannot be asked: an address keeps its owner only "
+                    "where the runtime's last view and the API server name the same pod")
         self._expect_runtime = True
         self._runtime_stale = True
         self._awaiting_runtime = False
         if self._runtime is None:
-            self._runtime = {}
+            # No view in this process yet: what the table holds (a previous process's
+            # decisions) stands in for the last view, with the same limits.
+            self._runtime = {ip: uid for ip, (uid, _, _) in self._written.items()}
+            for ip, uid in self._runtime.items():
+                self._runtime_ips.setdefault(uid, set()).add(ip)
+        self._newcomer_unplaced = self._unplaced_newcomer()
         self._dirty_ips.update(self._written)
         self._dirty_ips.update(self._claimants)
         self._dirty_ips.update(self._runtime)
@@ -501,6 +517,9 @@ class Ownership:
     def set_synced(self, synced: bool) -> None:
         self._synced = synced
         if synced:
+            # The API can overrule a previous process's decisions from now on.
+            self._dirty_pods.update(u for u in self._adopted_decisions if self._pod(u))
+            self._adopted_decisions.clear()
             self._reconcile()
 
     def _reconcile(self) -> None:
@@ -520,12 +539,17 @@ class Ownership:
             if pod is not None:
                 self._decide(pod)
         self._dirty_pods.clear()
+        if self._runtime_stale:
+            unplaced = self._unplaced_newcomer()
+            if unplaced != self._newcomer_unplaced:
+                self._newcomer_unplaced = unplaced
+                self._dirty_ips.update(self._runtime)   # the guard moves every agreement
         claims: list[tuple[str, Written]] = []
         releases: list[tuple[str, str]] = []
         for ip in sorted(self._dirty_ips):
-            if self.runtime_mode:
-                self._api_owner(ip)   # keeps the API's high-water marks for a fallback
-            want = self._desired(ip)
+            # The API's owner, kept up to date (high-water marks) even while the runtime
+            # decides: the fallback needs it the moment a poll fails.
+            want = self._desired(ip, self._api_owner(ip))
             have = self._written.get(ip)
             if want == have:
                 continue
@@ -613,9 +637,10 @@ class Ownership:
         if pod.cred_key is not None:
             self._gone.add(uid)
         self._dirty_pods.discard(uid)
-        if uid in self._sandboxes:
+        if uid in self._sandboxes and not self._runtime_stale:
             # Deleted from the API while its sandbox still runs (a forced delete): the
-            # processes asking from its address are still this pod's.
+            # processes asking from its address are still this pod's.  Not from a stale
+            # view: the API's delete is the fresher evidence.
             self._sandbox_pod(self._sandboxes[uid])
 
     def _set_claims(self, pod: _Pod, *, seen: int) -> None:
@@ -670,19 +695,48 @@ class Ownership:
         self._hw[ip] = best_key
         return best
 
-    def _desired(self, ip: str) -> Written | None:
+    def _desired(self, ip: str, api_owner: str | None) -> Written | None:
         if self._awaiting_runtime:
             return self._written.get(ip)       # the runtime decides, once it answers
         if self._runtime is None:
-            uid = self._api_owner(ip)
+            uid = api_owner
+        elif self._runtime_stale:
+            return self._fallback(ip, api_owner)
         else:
             uid = self._runtime.get(ip)
-            if uid is None and self._runtime_stale:
-                uid = self._api_owner(ip)
         if uid is None:
             if not self._reconciled:
                 return self._written.get(ip)   # a restart: keep serving until we know
             return None
+        return self._entry(uid)
+
+    def _fallback(self, ip: str, api_owner: str | None) -> Written | None:
+        """Who owns `ip` while the runtime cannot be asked.
+
+        Its last view is old evidence: the agent's link to the runtime can break while the
+        kubelet goes on stopping and starting sandboxes, so that view may only ever take an
+        owner away.  The address keeps an owner only where the last view and the API name
+        the same pod, and only while no pod of the node could hold an address unseen by
+        both (a pod the last view did not show, whose address the API has not published:
+        it may sit on an address a dead pod freed while the API still shows the dead one).
+        Where they disagree nobody owns the address: it is written undecided (workers wait,
+        then answer 503: the SDK retries) until a poll succeeds.  Where neither names a
+        pod, it is free (404)."""
+        seen = self._runtime.get(ip) if self._runtime is not None else None
+        if seen is None and api_owner is None:
+            return None
+        if seen == api_owner and not self._newcomer_unplaced:
+            return self._entry(seen)
+        return (api_owner or seen, POD_UNDECIDED, -1)   # type: ignore[return-value]
+
+    def _unplaced_newcomer(self) -> bool:
+        """A live pod of the API that the last view did not show and whose address the API
+        has not published yet."""
+        return any(pod.live and not pod.api_ips and uid not in self._runtime_ips
+                   for uid, pod in self.pods.items())
+
+    def _entry(self, uid: str) -> Written | None:
+        """The table entry of an address `uid` owns."""
         pod = self._pod(uid)
         if pod is None:
             return None
@@ -694,6 +748,22 @@ class Ownership:
         if ident.kind == IdentityKind.NO_ROLE:
             return (uid, POD_NO_ROLE, -1)
         return (uid, POD_DENIED, -1)
+
+    def _adopted_identity(self, pod: _Pod, ident: PodIdentity) -> PodIdentity | None:
+        """What a previous control process decided for this pod, for as long as the API
+        cannot overrule it (the pod's namespace not seen, the watch not synced: a restart
+        while the API server is down).  Only the decision it wrote: a denial stays a
+        denial, and a role only if the credential slot it wrote holds this very role."""
+        decision = self._adopted_decisions.get(pod.uid) if not self._synced else None
+        if decision is None:
+            return None
+        state, slot = decision
+        if state == POD_DENIED:
+            return ident
+        external_id = (pod.annotations.get(self.policy.external_id_key) or "").strip()
+        if self.sink.role_of_slot(slot) != (ident.role_arn, external_id or None):
+            return None
+        return PodIdentity.role(ident.role_arn, external_id)
 
     def _decide(self, pod: _Pod) -> None:
         if not pod.live:
@@ -710,7 +780,12 @@ class Ownership:
         self._gone.discard(pod.uid)
         rules = self.namespaces.get(pod.namespace)
         ident = self.policy.decide(pod.annotations, rules, namespace=pod.namespace, pod=pod.name)
+        adopted = None
         if rules is None and ident.kind == IdentityKind.DENIED and ident.namespace_unknown:
+            adopted = self._adopted_identity(pod, ident)
+        if adopted is not None:
+            ident = adopted
+        elif rules is None and ident.kind == IdentityKind.DENIED and ident.namespace_unknown:
             now = self.clock()
             if pod.undecided_since is None:
                 pod.undecided_since = now

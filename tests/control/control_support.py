@@ -40,6 +40,10 @@ class SlotSink:
             self.holders.pop(pod_uid, None)
             self.log.append(("release", pod_uid))
 
+    def role_of_slot(self, slot: int) -> tuple[str, Any] | None:
+        with self.lock:
+            return next((key for key, s in self.slots.items() if s == slot), None)
+
     def slot_for(self, role: str, external_id: Any = None) -> int:
         return self.slots[(role, external_id)]
 

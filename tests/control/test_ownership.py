@@ -349,7 +349,33 @@ def test_runtime_owner_whose_namespace_is_unknown_waits(make_model, table, clock
     assert lookup(table, "10.0.0.9")[:2] == ("w", ROLE)
 
 
-def test_losing_the_runtime_keeps_its_last_view_and_asks_the_api_for_the_rest(make_model, table):
+UNDECIDED = tablemod.POD_UNDECIDED
+
+
+def test_a_stale_view_never_keeps_an_owner_against_the_api(make_model, table, sink):
+    """The agent's link to the runtime broke while the kubelet went on: it stopped A, the API
+    deleted A, B got A's address and the API shows B Running there.  B must never be
+    answered with A's role (it was, from the last view: found by review, tried with a real
+    containerd)."""
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a", rv=5))
+    m.apply_runtime(view(("a", "10.0.0.4", {"iam.amazonaws.com/role": "role-a"})))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
+    m.runtime_failed(5_000)
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))  # agree
+    m.delete_pod(pod("a", rv=6))
+    m.apply_pod(pod("b", ips=("10.0.0.4",), role="role-b", rv=7))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("b", UNDECIDED, -1)   # they disagree: nobody, 503
+    assert "a" not in sink.holders
+    m.apply_runtime(view(("b", "10.0.0.4", {}), started_ns=6_000))   # back: the runtime decides
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("b", ROLE, sink.slot_for(BASE + "role-b"))
+
+
+def test_during_an_outage_an_address_the_last_view_did_not_show_has_no_owner(make_model, table):
     m = make_model()
     m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))       # the API, late: a is dead
     m.apply_pod(pod("c", ips=("10.0.0.5",), role="r"))
@@ -358,15 +384,47 @@ def test_losing_the_runtime_keeps_its_last_view_and_asks_the_api_for_the_rest(ma
     assert lookup(table, "10.0.0.4")[0] == "b" and lookup(table, "10.0.0.5") is None
     m.runtime_failed(5_000)
     m.commit()
-    # No sandbox starts or stops while the runtime is down: what it showed still holds;
-    # what it did not show, the API decides.  Workers answer connections older than the
-    # failed attempt from that.
-    assert lookup(table, "10.0.0.4")[0] == "b"
-    assert lookup(table, "10.0.0.5")[0] == "c"
+    # The last view and the API disagree about both addresses: nobody owns them until a
+    # poll succeeds.  Workers answer connections older than the failed attempt from that.
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
+    assert lookup(table, "10.0.0.5") == ("c", UNDECIDED, -1)
     assert table.runtime_mode and table.failed_ns == 5_000
     m.apply_runtime(view(("b", "10.0.0.4", {}), started_ns=6_000))   # back: only its view
     m.commit()
     assert lookup(table, "10.0.0.5") is None and table.verified_ns == 6_000
+
+
+def test_during_an_outage_a_new_pod_without_an_address_suspends_every_agreement(make_model,
+                                                                                 table, sink):
+    """A pod the last view did not show may already sit on an address a dead pod freed,
+    while the API still shows the dead pod there: until the API publishes where the new pod
+    is, no agreement of the last view and the API is evidence."""
+    m = make_model()
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a"))
+    m.apply_runtime(view(("a", "10.0.0.4", {})))
+    m.runtime_failed(5_000)
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
+    m.apply_pod(pod("n", phase="Pending", role="role-n", rv=9))     # scheduled, no address yet
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
+    m.apply_pod(pod("n", ips=("10.0.0.9",), role="role-n", rv=10))  # it is elsewhere
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
+    assert lookup(table, "10.0.0.9") == ("n", UNDECIDED, -1)         # not in the last view
+
+
+def test_a_pod_deleted_during_an_outage_is_not_rebuilt_from_the_stale_view(make_model, table,
+                                                                           sink):
+    m = make_model()
+    m.apply_pod(pod("k", ips=("10.0.0.8",), role="r"))
+    m.apply_runtime(view(("k", "10.0.0.8", {"iam.amazonaws.com/role": "r"})))
+    m.runtime_failed(5_000)
+    m.commit()
+    m.delete_pod(pod("k", rv=9))
+    m.commit()
+    assert lookup(table, "10.0.0.8") == ("k", UNDECIDED, -1)
+    assert "k" not in m.sandbox_pods and "k" not in sink.holders
 
 
 def test_view_date_is_published_after_its_addresses(make_model, table):
@@ -403,6 +461,66 @@ def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
     m.commit()
     assert lookup(table, "10.0.0.5") is None               # a was deleted meanwhile
     assert m.mapping() == {"10.0.0.6": ("uid-b", ROLE, sink.slot_for(BASE + "b"))}
+
+
+def adopted_model(table, sink, clock=None, **policy_kw):
+    """A new control process over what the dead one left in `table`."""
+    from kiamfast.control.ownership import Ownership
+    from kiamfast.control.roles import RolePolicy
+    adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
+    kw = {} if clock is None else {"clock": clock}
+    return Ownership(policy=RolePolicy(base_role_arn=BASE, **policy_kw), table=table, sink=sink,
+                     adopted=adopted, expect_runtime=True, **kw)
+
+
+def test_restart_while_the_runtime_is_down_holds_the_adopted_owners_until_the_api_agrees(
+        table, sink):
+    slot = sink.acquire("uid-a", type("R", (), {"role_arn": BASE + "a", "external_id": None}))
+    table.claim_ip("10.0.0.5", "uid-a", ROLE, slot)          # what the dead process left
+    m = adopted_model(table, sink)
+    m.runtime_failed(5_000)                                  # the first attempt fails
+    m.commit()
+    # Nobody confirms the adopted owner yet: undecided (503, retried), not released (404).
+    assert lookup(table, "10.0.0.5") == ("uid-a", UNDECIDED, -1)
+    m.replace_pods([pod("uid-a", ips=("10.0.0.5",), role="a")], list_rv=50)
+    m.set_synced(True)
+    m.commit()
+    assert lookup(table, "10.0.0.5") == ("uid-a", ROLE, slot)
+
+
+def test_restart_during_an_api_outage_keeps_adopted_decisions_of_restricted_namespaces(
+        table, sink, clock):
+    """Namespace restrictions on, the control process restarted while the API server is down:
+    the runtime shows the established pods, their namespaces are unknown.  What the previous
+    process decided stands (it was served at once, and it is after the grace period), until
+    the API can overrule it."""
+    req = type("R", (), {"role_arn": BASE + "app", "external_id": None})
+    slot = sink.acquire("uid-w", req)
+    table.claim_ip("10.0.0.9", "uid-w", ROLE, slot)
+    table.claim_ip("10.0.0.10", "uid-d", DENIED, -1)
+    m = adopted_model(table, sink, clock, namespace_restrictions=True)
+    m.apply_runtime(view(("uid-w", "10.0.0.9", {"iam.amazonaws.com/role": "app"}),
+                         ("uid-d", "10.0.0.10", {"iam.amazonaws.com/role": "other"})))
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("uid-w", ROLE, slot)
+    assert lookup(table, "10.0.0.10") == ("uid-d", DENIED, -1)
+    clock.advance(60)
+    m.expire()
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("uid-w", ROLE, slot)
+    m.apply_namespace(namespace("default", {NS_KEY: '["other"]'}))   # the API is back
+    m.commit()
+    assert lookup(table, "10.0.0.9")[:2] == ("uid-w", DENIED)
+    assert lookup(table, "10.0.0.10") == ("uid-d", ROLE, sink.slot_for(BASE + "other"))
+
+
+def test_an_adopted_slot_of_another_role_is_not_taken_over(table, sink, clock):
+    slot = sink.acquire("uid-w", type("R", (), {"role_arn": BASE + "old", "external_id": None}))
+    table.claim_ip("10.0.0.9", "uid-w", ROLE, slot)
+    m = adopted_model(table, sink, clock, namespace_restrictions=True)
+    m.apply_runtime(view(("uid-w", "10.0.0.9", {"iam.amazonaws.com/role": "new"})))
+    m.commit()
+    assert lookup(table, "10.0.0.9") == ("uid-w", UNDECIDED, -1)   # waits for its namespace
 
 
 # ---- status, notify, credentials ---------------------------------------------------------------

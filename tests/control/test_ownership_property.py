@@ -169,16 +169,17 @@ class Oracle:
         assert mapped == shown, f"table {mapped} != the last runtime poll {shown}"
 
     def check_stale(self, t: tablemod.Table, view: RuntimeView, sink: SlotSink) -> None:
-        """The runtime cannot be asked: the last view's addresses keep their owners (no
-        sandbox starts or stops meanwhile), the API's rules hold for the others."""
+        """The runtime cannot be asked while sandboxes go on starting and stopping.  An
+        address that still answers (not undecided) is owned by the pod both the last view
+        and the API name.  (Not always the pod that holds it now: a pod the watch has not
+        delivered, or one whose sandbox moved, can sit on an address a dead pod freed while
+        the API still shows the dead one: the API's own limit, docs/architecture.md.)"""
         shown = {ip: sb.pod_uid for ip, sb in view.owners.items()}
-        others = []
-        for entry in t.snapshot():
-            if entry["ip"] in shown:
-                assert entry["pod_uid"] == shown[entry["ip"]], (entry, shown)
-            else:
-                others.append(entry)
-        self.check(t, sink, entries=others)
+        answered = [e for e in t.snapshot() if e["pod_state"] != tablemod.POD_UNDECIDED]
+        for entry in answered:
+            ip, uid = entry["ip"], entry["pod_uid"]
+            assert shown.get(ip) == uid, f"{ip} -> {uid}: the last view showed {shown.get(ip)}"
+        self.check(t, sink, entries=answered)
 
     def check(self, t: tablemod.Table, sink: SlotSink, entries=None) -> None:
         for entry in (t.snapshot() if entries is None else entries):
@@ -197,7 +198,12 @@ class Oracle:
                                                                 ident.external_id or None)
 
 
-EMPTY_VIEW = RuntimeView(started_ns=0, sandboxes=(), owners={}, conflicts=frozenset())
+def table_view(t: tablemod.Table) -> RuntimeView:
+    """The table's mapping as a runtime view (only `owners[ip].pod_uid` is read)."""
+    owners = {e["ip"]: Sandbox(id=e["pod_uid"], pod_uid=e["pod_uid"], name="", namespace="",
+                               ips=(e["ip"],), annotations={}, created_ns=0)
+              for e in t.snapshot()}
+    return RuntimeView(started_ns=0, sandboxes=(), owners=owners, conflicts=frozenset())
 
 # Weighted towards churn on the small address pool, where the races are.
 ACTIONS = (["create"] * 3 + ["sandbox"] * 4 + ["publish"] * 3 + ["die"] * 3 + ["publish_death"] * 2
@@ -217,7 +223,7 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
     t = tablemod.Table.create(path, ip_capacity=64, cred_capacity=8, value_size=256,
                               aux_count=0, aux_size=64, max_workers=1)
     last_view: list[RuntimeView] = []
-    stale: list[bool] = []        # the runtime cannot be asked (its last view still holds)
+    stale: list[bool] = []        # the runtime cannot be asked (the fallback decides)
 
     def start_model(adopted=None) -> Ownership:
         m = Ownership(policy=policy, table=t, sink=sink, adopted=adopted)
@@ -258,8 +264,6 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
             if action == "create":
                 world.create(data.draw(st.sampled_from(NAMESPACES)),
                              data.draw(st.sampled_from([None, "r1", "r2"])))
-            elif action in ("sandbox", "recreate", "die") and stale:
-                continue   # the runtime is down: no sandbox starts or stops meanwhile
             elif action == "sandbox":
                 cands = [u for u in live if world.alive[u] and not world.truth_ip[u]]
                 if not cands:
@@ -342,6 +346,8 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
                 last_view[:] = [v]
                 stale.clear()
             elif action == "runtime_failed":
+                if not last_view and not stale:
+                    last_view[:] = [table_view(t)]   # no view yet: the table stands in
                 model.runtime_failed(time.monotonic_ns())
                 stale[:] = [True]
             elif action == "restart":
@@ -367,7 +373,7 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
                  f"table={ {e['ip']: e['pod_uid'] for e in t.snapshot()} }")
             model.commit()
             if stale:
-                oracle.check_stale(t, last_view[0] if last_view else EMPTY_VIEW, sink)
+                oracle.check_stale(t, last_view[0], sink)
             elif last_view:
                 oracle.check_runtime(t, last_view[0])
             else:

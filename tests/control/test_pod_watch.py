@@ -172,22 +172,25 @@ def test_runtime_wins_over_a_dead_pod_the_api_still_shows_running(cluster, table
     run(body())
 
 
-def test_runtime_outage_falls_back_to_the_api_view(cluster, table):
+def test_runtime_outage_answers_only_where_the_last_view_and_the_api_agree(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
             cluster.create_pod("default", "p", node=NODE, ips=["10.1.0.6"], phase="Running",
                                annotations={ROLE_KEY: "r"})
-            uid = uid_of(cluster, "default", "p")
-            await h.until(lambda: h.at("10.1.0.6") is not None, what="pod")
-            h.model.apply_runtime(runtime_view())             # the runtime: no such sandbox
+            cluster.create_pod("default", "q", node=NODE, ips=["10.1.0.7"], phase="Running",
+                               annotations={ROLE_KEY: "r"})
+            uid_p, uid_q = uid_of(cluster, "default", "p"), uid_of(cluster, "default", "q")
+            await h.until(lambda: h.at("10.1.0.7") is not None, what="pods")
+            h.model.apply_runtime(runtime_view((uid_q, "default", "q", "10.1.0.7", {})))   # not .6
             h.model.commit()
             assert h.at("10.1.0.6") is None
             h.model.runtime_failed(time.monotonic_ns())
             h.model.commit()
-            # workers answer after this failed attempt, from the fallback: the last view
-            # (empty) and the API for the rest
+            # workers answer after this failed attempt, from the fallback: q, where the
+            # last view and the API agree; nobody (undecided: 503) where they do not
             assert table.runtime_mode and table.failed_ns > 0
-            assert h.at("10.1.0.6") == (uid, ROLE, h.slot("r"))
+            assert h.at("10.1.0.7") == (uid_q, ROLE, h.slot("r"))
+            assert h.at("10.1.0.6") == (uid_p, tablemod.POD_UNDECIDED, -1)
     run(body())
 
 
