@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
+from typing import Any
 
 import orjson
 import prometheus_client
@@ -31,7 +33,7 @@ from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config
-from kiamfast.control import iptables, imds_client, runtime, taint
+from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
 from kiamfast.control.credentials import CredentialManager
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher
@@ -43,6 +45,10 @@ log = logging.getLogger("kiamfast.control")
 HEALTH_INTERVAL = 30.0
 PUBLISH_INTERVAL = 2.0
 HEARTBEAT_INTERVAL = 1.0
+LINK_CHECK_INTERVAL = 5.0
+# /readyz answers 503 once the runtime has been unreachable this long (a restart of
+# containerd takes a few seconds; a lasting outage must show in `kubectl get ds`).
+RUNTIME_UNREADY_AFTER = 15.0
 
 
 class ControlTaskFailed(Exception):
@@ -62,6 +68,11 @@ class ControlProcess:
         self.manager: CredentialManager | None = None
         self.poller: runtime.RuntimePoller | None = None
         self.runtime_state = "disabled"       # for /healthz: disabled | ok | unreachable: ...
+        # Whether addresses follow the runtime: an endpoint was given or found, or the table
+        # a previous control process left was decided by one (never drop its freshness
+        # checks because an 'auto' socket is briefly absent).
+        self.runtime_expected = False
+        self.link = runtime_link.LinkMonitor()
         self.runtime_settled = asyncio.Event()  # the runtime answered, or failed, once
         self.taint_removal = taint.TaintRemoval(config.node, config.node_startup_taint)
         self.ready = False
@@ -122,7 +133,7 @@ class ControlProcess:
                                adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
                                                    ip["cred_slot"])
                                         for ip in self.table.snapshot()},
-                               expect_runtime=self.poller is not None)
+                               expect_runtime=self.runtime_expected)
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
@@ -136,6 +147,7 @@ class ControlProcess:
         ]
         if self.poller is not None:
             tasks.append(asyncio.create_task(self.poller.run(), name="runtime"))
+            tasks.append(asyncio.create_task(self._watch_runtime_link(), name="runtime-link"))
         starting = asyncio.create_task(self._become_ready(), name="ready")
         starting.add_done_callback(self._log_failure)
         stop = asyncio.create_task(self._stop.wait())
@@ -171,31 +183,93 @@ class ControlProcess:
         if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:
             log.warning("--kubelet-url and --kubelet-insecure have no effect any more: the "
                         "container runtime (--cri-endpoint) knows a pod's address first")
-        endpoint = runtime.resolve_endpoint(self.config.cri_endpoint)
-        if endpoint is None:
-            log.info("no container runtime endpoint (--cri-endpoint=%s): addresses follow "
-                     "the API server", self.config.cri_endpoint or '""')
-            return None
+        self.runtime_expected = self.table.runtime_mode   # a previous process's, if any
+        if self.config.cri_endpoint.strip() == "auto":
+            client: Any = runtime_link.AutoEndpointClient()
+            if runtime.resolve_endpoint("auto") is not None:
+                self.runtime_expected = True
+            elif not self.runtime_expected:
+                log.info("no container runtime socket yet (--cri-endpoint=auto): addresses "
+                         "follow the API server until one appears")
+        else:
+            endpoint = runtime.resolve_endpoint(self.config.cri_endpoint)
+            if endpoint is None:
+                log.info("no container runtime endpoint (--cri-endpoint=%s): addresses "
+                         "follow the API server", self.config.cri_endpoint or '""')
+                return None
+            client = runtime.RuntimeClient(endpoint)
+            self.runtime_expected = True
         self.runtime_state = "connecting"
-        return runtime.RuntimePoller(runtime.RuntimeClient(endpoint), on_view=self._on_view,
+        # backoff_max: a local socket costs nothing to retry, and an 'auto' socket that
+        # appears late should be found within seconds.
+        return runtime.RuntimePoller(client, on_view=self._on_view,
                                      on_state=self._on_runtime_state,
-                                     on_failure=self._on_runtime_failure)
+                                     on_failure=self._on_runtime_failure, backoff_max=5.0)
 
     def _on_view(self, view: runtime.RuntimeView) -> None:
+        self.runtime_expected = True
         self.model.apply_runtime(view)
         self.model.commit()
         self.runtime_settled.set()
 
     def _on_runtime_failure(self, started_ns: int) -> None:
-        self.model.runtime_failed(started_ns)
-        self.model.commit()
+        if self.runtime_expected:     # else: an 'auto' socket not found yet (API mode)
+            self.model.runtime_failed(started_ns)
+            self.model.commit()
         self.runtime_settled.set()
 
     def _on_runtime_state(self, reachable: bool, message: str) -> None:
-        self.runtime_state = "ok" if reachable else f"unreachable: {message}"
+        if reachable:
+            self.runtime_state = "ok"
+        elif self.runtime_expected:
+            self.runtime_state = f"unreachable: {message}"
+        else:
+            self.runtime_state = f"none found: {message}"
+        self.link.state(reachable or not self.runtime_expected)
         if self.instance_id:
             self._publish_health()
         self.runtime_settled.set()
+
+    async def _watch_runtime_link(self) -> None:
+        """Make a lasting runtime outage visible: /readyz 503 after RUNTIME_UNREADY_AFTER;
+        /healthz 500 (the liveness probe restarts the container) only when the agent's own
+        link is dead: its socket path is there but refuses, while the kubelet reaches the
+        runtime (runtime_link.LinkMonitor).  A socket path that is not there at all is not
+        cured by a restart, so it never fails the liveness probe."""
+        while True:
+            await asyncio.sleep(LINK_CHECK_INTERVAL)
+            outage = self.link.outage_seconds()
+            if self.ready and (outage >= RUNTIME_UNREADY_AFTER) == self.table.ready:
+                unready = outage >= RUNTIME_UNREADY_AFTER
+                log.warning("container runtime unreachable for %.0fs: /readyz %s", outage,
+                            503 if unready else 200)
+                self.table.set_status(ready=not unready)
+            was = self.link.broken
+            endpoint = self.poller.client.endpoint
+            if outage >= self.link.grace and os.path.exists(endpoint.removeprefix("unix://")):
+                node = await self._read_node()
+                if node is not None:
+                    self.link.judge(node, endpoint, self.poller.last_error)
+            else:
+                self.link.broken = ""
+            if self.link.broken != was:
+                if self.link.broken:
+                    log.error("%s", self.link.broken)
+                self._publish_health()
+
+    async def _read_node(self) -> dict[str, Any] | None:
+        """This node as the API shows it, or None (no --node, or the API cannot answer:
+        then nothing proves the link dead)."""
+        if not self.config.node or self.watcher is None:
+            return None
+        from kubernetes import client as kclient
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, taint.read_node, kclient.CoreV1Api(self.watcher.api_client),
+                self.config.node, 10.0)
+        except Exception as exc:
+            log.debug("cannot read node %s: %s", self.config.node, exc)
+            return None
 
     async def _become_ready(self) -> None:
         await self.watcher.wait_synced()
@@ -253,7 +327,7 @@ class ControlProcess:
     def _publish_health(self) -> None:
         """kube2iam's /healthz body, plus where addresses come from (the runtime's state) and
         the startup taint's removal."""
-        self.healthy = bool(self.instance_id)
+        self.healthy = bool(self.instance_id) and not self.link.broken
         if self.healthy:
             body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": self.instance_id,
                                  "runtime": self.runtime_state,
@@ -261,8 +335,9 @@ class ControlProcess:
             self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
             self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
         else:
+            error = self.link.broken or self.health_error
             self.table.write_aux(tbl.AUX_HEALTH, b"")
-            self.table.write_aux(tbl.AUX_HEALTH_ERROR, self.health_error.encode()[:4096])
+            self.table.write_aux(tbl.AUX_HEALTH_ERROR, error.encode()[:4096])
 
     async def _publish(self) -> None:
         """Metrics text and /debug/store JSON for the workers to serve.  What pods write

@@ -95,14 +95,14 @@ def _describe(exc: Exception, node_name: str) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
-def _read_node(api: Any, node_name: str, timeout: float) -> dict[str, Any]:
+def read_node(api: Any, node_name: str, timeout: float) -> dict[str, Any]:
     response = api.read_node(node_name, _preload_content=False, _request_timeout=timeout)
     return json.loads(response.data)
 
 
 def _remove_once(api: Any, node_name: str, taint_key: str, timeout: float) -> bool:
     """One read and one patch: True if removed, False if absent; raises the API's error."""
-    matches = startup_taints(_read_node(api, node_name, timeout), taint_key)
+    matches = startup_taints(read_node(api, node_name, timeout), taint_key)
     if not matches:
         return False
     api.patch_node(node_name, removal_patch(matches), _content_type=JSON_PATCH,
@@ -127,7 +127,7 @@ def remove_startup_taint(api: Any, node_name: str, taint_key: str, *, attempts: 
         if attempt:
             time.sleep(min(2.0, 0.05 * (2 ** attempt)) * random.uniform(0.5, 1.0))
         try:
-            node = _read_node(api, node_name, timeout)
+            node = read_node(api, node_name, timeout)
         except Exception as exc:  # ApiException, urllib3 errors
             if _status(exc) in _RETRYABLE or _status(exc) is None and attempt + 1 < attempts:
                 last = exc

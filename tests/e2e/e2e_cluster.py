@@ -140,8 +140,9 @@ class Agent:
     """``python -m kiamfast`` in the node namespace, with the DaemonSet's flags."""
 
     def __init__(self, node: "Node", *, workers: int = 1, extra_args: Iterable[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, wrapper: Iterable[str] = ()) -> None:
         self.node = node
+        self.wrapper = list(wrapper)   # argv the agent runs under (e.g. its mount namespace)
         tag = secrets.token_hex(4)
         self.table_path = f"{SHM_PREFIX}{os.getpid()}-{tag}"
         self.token_key_file = f"{self.table_path}.token-key"
@@ -192,7 +193,8 @@ class Agent:
         if self._log is not None:
             self._log.close()
         self._log = open(self.log_path, "ab")
-        self.proc = self.node.net.ns.popen([sys.executable, "-m", "kiamfast", *self.args],
+        self.proc = self.node.net.ns.popen([*self.wrapper, sys.executable, "-m", "kiamfast",
+                                            *self.args],
                                            env=self.env, cwd=str(REPO), stdout=self._log,
                                            stderr=subprocess.STDOUT)
         return self

@@ -1,0 +1,110 @@
+"""The agent's link to the runtime, reached through a mount as the DaemonSet reaches it.
+
+The agent runs in a mount namespace of its own that sees the real containerd's socket the
+way a container does: through a bind mount of the socket *file* (what the manifests did)
+or of its *directory* (what they do now).  containerd recreates its socket when it
+restarts, so a file mount keeps the dead inode: the agent's link is dead while containerd
+goes on working for the rest of the node.  That is the case where a stale runtime view once
+handed a new pod the previous pod's role; STS judges every answer here.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e_cluster import assert_own_role, wrong_answers
+from runtime_node import RuntimeNode, wait_until
+
+pytestmark = pytest.mark.root
+
+
+def bind_mounted(source: Path, target: Path) -> list[str]:
+    """argv prefix: run the rest in a new mount namespace where `source` is bind-mounted
+    on `target` (a file or a directory, as a container's hostPath volume)."""
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            str(source), str(target)]
+
+
+def runtime_health(node: RuntimeNode) -> str:
+    return node.healthz().get("runtime", "")
+
+
+def test_dead_socket_file_mount_never_hands_a_reused_address_the_old_pods_role(runtime_node):
+    node = runtime_node
+    target = node.workdir / "cri.sock"
+    target.touch()
+    agent = node.start_agent(wrapper=bind_mounted(node.containerd.socket, target),
+                             extra_args=[f"--cri-endpoint=unix://{target}"])
+    reused = "10.88.0.77"
+    node.containerd.set_range(reused, reused)
+    old = node.add_pod("old", role="role-old", ip_in_api=True)
+    assert old.wait_credentials().ok, agent.log()
+    wait_until(lambda: runtime_health(node) == "ok", timeout=15, what="runtime ok")
+
+    node.containerd.restart()        # a new socket: the agent's mount still names the old one
+    wait_until(lambda: runtime_health(node).startswith("unreachable"), timeout=15,
+               what="/healthz runtime unreachable through the dead mount")
+    # The node goes on: the kubelet stops the old pod, the API deletes it, a new pod gets
+    # its address and the API shows it Running there.
+    node.remove_sandbox(old)
+    node.api.delete_pod(old.namespace, old.name)
+    new = node.add_pod("new", role="role-new", ip_in_api=True)
+    assert new.ip == reused
+    prober = new.prober(interval=0.02).start()
+    time.sleep(6.0)
+    samples = prober.stop()
+
+    assert runtime_health(node).startswith("unreachable"), "the link healed: nothing proved"
+    assert samples, "no answers at all"
+    assert wrong_answers(new, samples) == [], \
+        (f"{len(wrong_answers(new, samples))} of {len(samples)} answers wrong",
+         wrong_answers(new, samples)[:5])
+    assert node.imds_credential_requests() == []
+
+
+def test_socket_directory_mount_survives_a_containerd_restart(runtime_node):
+    node = runtime_node
+    mounted = node.workdir / "containerd-dir"
+    mounted.mkdir()
+    socket = mounted / node.containerd.socket.name
+    agent = node.start_agent(wrapper=bind_mounted(node.containerd.socket.parent, mounted),
+                             extra_args=[f"--cri-endpoint=unix://{socket}"])
+    steady = node.add_pod("steady", role="role-steady", ip_in_api=True)
+    assert steady.wait_credentials().ok, agent.log()
+    wait_until(lambda: runtime_health(node) == "ok", timeout=15, what="runtime ok")
+
+    node.containerd.restart()        # a new socket in the same directory
+    # A pod the API has no address for can only be served from a runtime poll through the
+    # mount, made after the restart.
+    early = node.add_pod("early", role="role-early")
+    assert_own_role(early, early.botocore_credentials())
+    assert_own_role(steady, steady.botocore_credentials())
+    wait_until(lambda: runtime_health(node) == "ok", timeout=30, what="/healthz runtime ok")
+
+
+def test_auto_endpoint_found_after_the_agent_started(runtime_node):
+    """--cri-endpoint=auto on a node whose containerd socket is absent when the agent starts
+    (containerd restarting): the agent serves from the API meanwhile and keeps looking; once
+    the socket is there, addresses follow the runtime."""
+    node = runtime_node
+    run_containerd = node.workdir / "run-containerd"   # the container's /run/containerd
+    run_containerd.mkdir()
+    Path("/run/containerd").mkdir(exist_ok=True)       # the mount point (the shims use it)
+    agent = node.start_agent(wrapper=bind_mounted(run_containerd, Path("/run/containerd")),
+                             extra_args=["--cri-endpoint=auto"])
+    steady = node.add_pod("steady", role="role-steady", ip_in_api=True)
+    assert steady.wait_credentials().ok, agent.log()
+    assert runtime_health(node).startswith("none found"), runtime_health(node)
+
+    (run_containerd / "containerd.sock").symlink_to(node.containerd.socket)   # it is back
+    wait_until(lambda: runtime_health(node) == "ok", timeout=20,
+               what="/healthz runtime ok once the socket appeared")
+    assert "container runtime socket found: unix:///run/containerd/containerd.sock" \
+        in agent.log()
+    early = node.add_pod("early", role="role-early")    # the API has no address for it
+    assert_own_role(early, early.botocore_credentials())
+    assert_own_role(steady, steady.botocore_credentials())
