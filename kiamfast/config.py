@@ -329,7 +329,8 @@ FLAGS: tuple[Flag, ...] = (
        "it and when a stopped sandbox gives it up, seconds before the API server. auto = the "
        "first of unix:///run/containerd/containerd.sock, "
        "unix:///var/run/containerd/containerd.sock, unix:///var/run/crio/crio.sock that "
-       "exists at start; \"\" or none = the API server's view only."),
+       "exists, looked up again until one does (the API server's view meanwhile); \"\" or "
+       "none = the API server's view only."),
     _f("kubelet-url", "str", "", "Accepted for compatibility with earlier kiamfast versions; no "
        "effect: the kubelet's /pods only mirrors the API server for ordinary pods, the "
        "container runtime (--cri-endpoint) knows first."),
