@@ -103,16 +103,23 @@ def test_a_stopped_sandbox_gets_nothing_even_while_the_api_says_running(node):
     assert status == 404
 
 
-def test_runtime_outage_falls_back_to_the_api_and_recovers(node):
-    pod(node, "steady", role="role-steady", ips=["127.0.0.24"], phase="Running")
+def test_runtime_outage_answers_where_the_last_view_and_the_api_agree_and_recovers(node):
+    uid = pod(node, "steady", role="role-steady", ips=["127.0.0.24"], phase="Running")
+    node["cri"].put(fake_sandbox(name="steady", uid=uid, ip="127.0.0.24",
+                                 annotations={ROLE_KEY: "role-steady"}))
+    assert role_of(node, "127.0.0.24") == (200, "role-steady")
+    pod(node, "api-only", role="role-api", ips=["127.0.0.25"], phase="Running")   # no sandbox
     node["cri"].stop()                                  # the socket is gone
     until(lambda: b"unreachable" in http(node["port"], "/healthz")[1])
     health = orjson.loads(http(node["port"], "/healthz")[1])
     assert node["cri"].endpoint in health["runtime"]
     until(lambda: b"kiamfast_runtime_up 0" in http(node["port"], "/metrics")[1])
-    # The API's view meanwhile: published addresses are served, never another identity.
+    # The fallback meanwhile: served where the last view and the API agree; where they do
+    # not, nobody (503: retry), never another identity.
     assert role_of(node, "127.0.0.24") == (200, "role-steady")
+    assert role_of(node, "127.0.0.25")[0] == 503
     node["cri"].start()
     until(lambda: b'"runtime":"ok"' in http(node["port"], "/healthz")[1])
-    assert role_of(node, "127.0.0.24")[0] == 404        # no sandbox holds it: nobody's
+    assert role_of(node, "127.0.0.24") == (200, "role-steady")
+    assert role_of(node, "127.0.0.25")[0] == 404        # no sandbox holds it: nobody's
     until(lambda: b"kiamfast_runtime_up 1" in http(node["port"], "/metrics")[1])
