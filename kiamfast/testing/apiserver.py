@@ -253,6 +253,19 @@ class ApiServer(HttpFrontend):
             raise NotFoundError(f'nodes "{name}" not found')
         return node
 
+    def set_node_ready(self, name: str, status: str, *,
+                       message: str = "kubelet is posting ready status") -> dict:
+        """The kubelet's Ready condition: "True", "False" (e.g. "container runtime is
+        down") or "Unknown"; its lastTransitionTime moves only when the status changes."""
+        def fn(o: dict) -> None:
+            for cond in o.setdefault("status", {}).setdefault("conditions", []):
+                if cond.get("type") == "Ready":
+                    now = now_rfc3339()
+                    if cond.get("status") != status:
+                        cond["lastTransitionTime"] = now
+                    cond.update(status=status, message=message, lastHeartbeatTime=now)
+        return self._store.modify("Node", ("", name), fn)
+
     def set_node_taints(self, name: str, taints: list | None) -> dict:
         def fn(o: dict) -> None:
             if taints:

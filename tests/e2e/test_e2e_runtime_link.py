@@ -65,6 +65,37 @@ def test_dead_socket_file_mount_never_hands_a_reused_address_the_old_pods_role(r
          wrong_answers(new, samples)[:5])
     assert node.imds_credential_requests() == []
 
+    # The probes: /readyz turns 503, and since the kubelet keeps the node Ready (it reaches
+    # containerd) the link is the agent's own and dead: /healthz 500 for the liveness probe,
+    # whose restart would renew the mount.
+    wait_until(lambda: node.http("GET", "/readyz")[0] == 503, timeout=30, what="/readyz 503")
+    status, body = wait_until(lambda: (r := node.http("GET", "/healthz"))[0] == 500 and r,
+                              timeout=90, what="/healthz 500 for the dead link")
+    assert b"link to unix://" in body and b"broken" in body, body
+
+
+def test_runtime_down_for_the_whole_node_never_fails_the_liveness_probe(runtime_node):
+    """containerd itself is down: the kubelet reports the node not Ready. A restart of the
+    agent would cure nothing (and the kubelet could not even do it without the runtime), so
+    /healthz stays 200 while /readyz says 503."""
+    node = runtime_node
+    agent = node.start_agent()
+    steady = node.add_pod("steady", role="role-steady", ip_in_api=True)
+    assert steady.wait_credentials().ok, agent.log()
+    node.containerd.kill()
+    down_at = time.monotonic()
+    wait_until(lambda: runtime_health(node).startswith("unreachable"), timeout=15,
+               what="/healthz runtime unreachable")
+    time.sleep(max(0.0, down_at + 35 - time.monotonic()))   # the kubelet's 30 s + a status sync
+    node.api.set_node_ready(node.name, "False", message="container runtime is down")
+    wait_until(lambda: node.http("GET", "/readyz")[0] == 503, timeout=30, what="/readyz 503")
+    statuses = []
+    while time.monotonic() < down_at + 80:                  # past the agent's 60 s grace
+        statuses.append(node.http("GET", "/healthz")[0])
+        time.sleep(1.0)
+    assert set(statuses) == {200}, statuses
+    assert "link to" not in agent.log()
+
 
 def test_socket_directory_mount_survives_a_containerd_restart(runtime_node):
     node = runtime_node
