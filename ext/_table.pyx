@@ -18,6 +18,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStri
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_CheckExact
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
 from cpython.pycapsule cimport PyCapsule_New
+from posix.signal cimport kill
+from posix.unistd cimport getpid
+from libc.signal cimport SIGKILL
 
 import os
 import secrets
@@ -138,6 +141,25 @@ DEF READ_TRIES = 64          # bounded reader retries before BUSY
 DEF NAME_BUF = 1024          # accepted-names part copied for `match`
 DEF MAX_LOAD_NUM = 3         # live + tombstones <= 3/4 of capacity
 DEF MAX_LOAD_DEN = 4
+
+
+# Tests only (tests/table/test_compaction_crash.py): a writer SIGKILLs itself at the n-th write
+# step of an index rebuild.  A plain int read off the request path; 0 (never) in production.
+cdef int crash_countdown = 0
+
+
+def _crash_at_step(int n):
+    """Tests only: SIGKILL this process at the `n`-th write step of the next index rebuild."""
+    global crash_countdown
+    crash_countdown = n
+
+
+cdef inline void crash_point() noexcept nogil:
+    global crash_countdown
+    if crash_countdown > 0:
+        crash_countdown -= 1
+        if crash_countdown == 0:
+            kill(getpid(), SIGKILL)
 
 
 class TableError(Exception):
@@ -496,10 +518,14 @@ cdef class Table:
             if self.ips[i].used == KF_SLOT_LIVE:
                 live.append(PyBytes_FromStringAndSize(<char *>&self.ips[i], sizeof(kf_ip_slot)))
         self._slot_begin(&h.index_seq)
+        crash_point()
         for i in range(cap):
             self._slot_begin(&self.ips[i].seq)
+            crash_point()
             self.ips[i].used = KF_SLOT_EMPTY
+            crash_point()
             self._slot_end(&self.ips[i].seq)
+            crash_point()
         cdef const kf_ip_slot *src
         for raw in live:
             src = <const kf_ip_slot *>PyBytes_AS_STRING(raw)
@@ -507,6 +533,7 @@ cdef class Table:
             while self.ips[j].used != KF_SLOT_EMPTY:
                 j = (j + 1) & self.ip_mask
             self._slot_begin(&self.ips[j].seq)
+            crash_point()
             self.ips[j].key[0] = src.key[0]
             self.ips[j].key[1] = src.key[1]
             self.ips[j].pod_state = src.pod_state
@@ -514,7 +541,9 @@ cdef class Table:
             self.ips[j].uid_len = src.uid_len
             memcpy(self.ips[j].uid, src.uid, KF_UID_MAX)
             self.ips[j].used = KF_SLOT_LIVE
+            crash_point()
             self._slot_end(&self.ips[j].seq)
+            crash_point()
         h.ip_live = len(live)
         h.ip_tombstones = 0
         self._slot_end(&h.index_seq)
