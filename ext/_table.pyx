@@ -18,6 +18,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStri
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_CheckExact
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
 from cpython.pycapsule cimport PyCapsule_New
+from posix.signal cimport kill
+from posix.unistd cimport getpid
+from libc.signal cimport SIGKILL
 
 import os
 import secrets
@@ -138,6 +141,25 @@ DEF READ_TRIES = 64          # bounded reader retries before BUSY
 DEF NAME_BUF = 1024          # accepted-names part copied for `match`
 DEF MAX_LOAD_NUM = 3         # live + tombstones <= 3/4 of capacity
 DEF MAX_LOAD_DEN = 4
+
+
+# Tests only (tests/table/test_compaction_crash.py): a writer SIGKILLs itself at the n-th write
+# step of an index rebuild.  A plain int read off the request path; 0 (never) in production.
+cdef int crash_countdown = 0
+
+
+def _crash_at_step(int n):
+    """Tests only: SIGKILL this process at the `n`-th write step of the next index rebuild."""
+    global crash_countdown
+    crash_countdown = n
+
+
+cdef inline void crash_point() noexcept nogil:
+    global crash_countdown
+    if crash_countdown > 0:
+        crash_countdown -= 1
+        if crash_countdown == 0:
+            kill(getpid(), SIGKILL)
 
 
 class TableError(Exception):
@@ -487,37 +509,69 @@ cdef class Table:
             i = (i + 1) & self.ip_mask
         return -1
 
-    cdef _compact(self):
-        """Rebuild the index without tombstones.  Readers see index_seq odd and retry."""
-        cdef kf_header *h = self.hdr
-        cdef uint32_t cap = self.ip_capacity, i, j
-        live = []
-        for i in range(cap):
+    # ---- index rebuild: crash-safe (docs/architecture.md, "Compaction") ----------------------
+
+    # A crash point after each store of a rebuild: the crash test stops the writer between any
+    # two of them.
+    cdef void _set_used(self, uint32_t i, uint32_t used) noexcept nogil:
+        self._slot_begin(&self.ips[i].seq)
+        crash_point()
+        self.ips[i].used = used
+        crash_point()
+        self._slot_end(&self.ips[i].seq)
+        crash_point()
+
+    cdef void _copy_slot(self, uint32_t src, uint32_t dst) noexcept nogil:
+        """Everything but the seqlock: key, owner, state, credential slot, `used`."""
+        self._slot_begin(&self.ips[dst].seq)
+        crash_point()
+        memcpy(<uint8_t *>&self.ips[dst] + 8, <uint8_t *>&self.ips[src] + 8, sizeof(kf_ip_slot) - 8)
+        crash_point()
+        self._slot_end(&self.ips[dst].seq)
+        crash_point()
+
+    cdef void _rehash(self) noexcept nogil:
+        """Empty every tombstone, then move each live entry to the first empty slot of its
+        probe path until none moves (each move shortens a path, so this ends).  A move writes
+        the copy before it empties the original: killed anywhere, every entry is still in a
+        slot, at worst twice with identical content."""
+        cdef uint32_t i, j
+        cdef bint moved = True
+        for i in range(self.ip_capacity):
+            if self.ips[i].used == KF_SLOT_TOMBSTONE:
+                self._set_used(i, KF_SLOT_EMPTY)
+        while moved:
+            moved = False
+            for i in range(self.ip_capacity):
+                if self.ips[i].used != KF_SLOT_LIVE:
+                    continue
+                j = <uint32_t>(key_hash(self.ips[i].key) & self.ip_mask)
+                while j != i and self.ips[j].used != KF_SLOT_EMPTY:
+                    j = (j + 1) & self.ip_mask
+                if j != i:
+                    self._copy_slot(i, j)
+                    self._set_used(i, KF_SLOT_EMPTY)
+                    moved = True
+
+    cdef void _count_slots(self) noexcept nogil:
+        cdef uint32_t i, live = 0, tomb = 0
+        for i in range(self.ip_capacity):
             if self.ips[i].used == KF_SLOT_LIVE:
-                live.append(PyBytes_FromStringAndSize(<char *>&self.ips[i], sizeof(kf_ip_slot)))
-        self._slot_begin(&h.index_seq)
-        for i in range(cap):
-            self._slot_begin(&self.ips[i].seq)
-            self.ips[i].used = KF_SLOT_EMPTY
-            self._slot_end(&self.ips[i].seq)
-        cdef const kf_ip_slot *src
-        for raw in live:
-            src = <const kf_ip_slot *>PyBytes_AS_STRING(raw)
-            j = <uint32_t>(key_hash(src.key) & self.ip_mask)
-            while self.ips[j].used != KF_SLOT_EMPTY:
-                j = (j + 1) & self.ip_mask
-            self._slot_begin(&self.ips[j].seq)
-            self.ips[j].key[0] = src.key[0]
-            self.ips[j].key[1] = src.key[1]
-            self.ips[j].pod_state = src.pod_state
-            self.ips[j].cred_slot = src.cred_slot
-            self.ips[j].uid_len = src.uid_len
-            memcpy(self.ips[j].uid, src.uid, KF_UID_MAX)
-            self.ips[j].used = KF_SLOT_LIVE
-            self._slot_end(&self.ips[j].seq)
-        h.ip_live = len(live)
-        h.ip_tombstones = 0
-        self._slot_end(&h.index_seq)
+                live += 1
+            elif self.ips[i].used == KF_SLOT_TOMBSTONE:
+                tomb += 1
+        self.hdr.ip_live = live
+        self.hdr.ip_tombstones = tomb
+
+    cdef void _compact(self) noexcept nogil:
+        """Rebuild the index without tombstones, in place.  Readers see index_seq odd and
+        retry, then answer BUSY; a writer killed here leaves it odd, which tells the next
+        writer's attach to finish the rebuild (_repair_index)."""
+        self._slot_begin(&self.hdr.index_seq)
+        crash_point()
+        self._rehash()
+        self._count_slots()
+        self._slot_end(&self.hdr.index_seq)
 
     def claim_ip(self, ip, pod_uid, int pod_state, int cred_slot=-1):
         """Make `pod_uid` the owner of `ip` (moving it from any previous owner in one write)."""
@@ -1025,26 +1079,21 @@ cdef class Table:
 
     cdef _repair(self):
         """A writer killed mid-write leaves odd sequences.  The new writer clears such slots
-        (their content is unknown) and makes the sequence even again before serving."""
-        cdef kf_header *h = self.hdr
+        (their content is unknown), finishes a rebuild of the index it finds half done, and
+        makes every sequence even again before serving."""
         cdef uint32_t i
         cdef kf_blob_head *b
-        cdef uint32_t live = 0, tomb = 0
         repaired = 0
-        if kf_load_relaxed_u64(&h.index_seq) & 1:
-            kf_store_release_u64(&h.index_seq, kf_load_relaxed_u64(&h.index_seq) + 1)
-            repaired += 1
         for i in range(self.ip_capacity):
             if kf_load_relaxed_u64(&self.ips[i].seq) & 1:
                 self.ips[i].used = KF_SLOT_TOMBSTONE
                 kf_store_release_u64(&self.ips[i].seq, kf_load_relaxed_u64(&self.ips[i].seq) + 1)
                 repaired += 1
-            if self.ips[i].used == KF_SLOT_LIVE:
-                live += 1
-            elif self.ips[i].used == KF_SLOT_TOMBSTONE:
-                tomb += 1
-        h.ip_live = live
-        h.ip_tombstones = tomb
+        if kf_load_relaxed_u64(&self.hdr.index_seq) & 1:
+            repaired += 1 + self._repair_index()
+        else:
+            repaired += self._drop_unreachable()
+        self._count_slots()
         for i in range(self.cred_capacity):
             b = self._cred(i)
             if kf_load_relaxed_u64(&b.seq) & 1:
@@ -1062,6 +1111,48 @@ cdef class Table:
                 repaired += 1
         self.repaired = repaired
         self._commit()
+
+    cdef int _repair_index(self) except -1:
+        """Finish a rebuild a killed writer left (index_seq odd; readers answer BUSY until the
+        end).  Its moves can leave one key in two slots: identical copies keep one; copies
+        that differ are both emptied, as neither can be trusted to name the owner.  Returns
+        the number of slots emptied."""
+        cdef uint32_t i
+        cdef int emptied = 0
+        first = {}          # key -> slot of its first copy
+        differing = set()
+        for i in range(self.ip_capacity):
+            if self.ips[i].used != KF_SLOT_LIVE:
+                continue
+            key = PyBytes_FromStringAndSize(<char *>self.ips[i].key, 16)
+            if key not in first:
+                first[key] = i
+                continue
+            if memcmp(<uint8_t *>&self.ips[i] + 8, <uint8_t *>&self.ips[<uint32_t>first[key]] + 8,
+                      sizeof(kf_ip_slot) - 8) != 0:
+                differing.add(key)
+            self._set_used(i, KF_SLOT_EMPTY)
+            emptied += 1
+        for key in differing:
+            self._set_used(first[key], KF_SLOT_EMPTY)
+            emptied += 1
+        self._rehash()
+        self._count_slots()
+        self._slot_end(&self.hdr.index_seq)
+        return emptied
+
+    cdef int _drop_unreachable(self) except -1:
+        """Tombstone every live slot that a lookup of its key does not reach: behind a hole or
+        behind another copy of the key, as an older kiamfast killed mid-compaction could leave
+        them.  No reader finds these, so no answer changes; a release can no longer expose
+        one.  Returns how many."""
+        cdef uint32_t i
+        cdef int free_at, dropped = 0
+        for i in range(self.ip_capacity):
+            if self.ips[i].used == KF_SLOT_LIVE and self._find(self.ips[i].key, &free_at) != <int>i:
+                self._set_used(i, KF_SLOT_TOMBSTONE)
+                dropped += 1
+        return dropped
 
 
 
