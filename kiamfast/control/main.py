@@ -470,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
     table = tbl.Table.attach(args.table, writer=True)
     if table.repaired:
-        log.warning("repaired %d slots a previous control process left half-written",
+        log.warning("repaired %d slots a previous control process left half-written or "
+                    "unreachable (a compaction it did not finish)",
                     table.repaired)
     channels = [socket.socket(fileno=int(fd)) for fd in args.channel_fds.split(",") if fd]
     for sock in channels:
