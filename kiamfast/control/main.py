@@ -239,11 +239,7 @@ class ControlProcess:
         while True:
             await asyncio.sleep(LINK_CHECK_INTERVAL)
             outage = self.link.outage_seconds()
-            if self.ready and (outage >= RUNTIME_UNREADY_AFTER) == self.table.ready:
-                unready = outage >= RUNTIME_UNREADY_AFTER
-                log.warning("container runtime unreachable for %.0fs: /readyz %s", outage,
-                            503 if unready else 200)
-                self.table.set_status(ready=not unready)
+            self._runtime_readiness(unready=outage >= RUNTIME_UNREADY_AFTER, outage=outage)
             was = self.link.broken
             endpoint = self.poller.client.endpoint
             if outage >= self.link.grace and os.path.exists(endpoint.removeprefix("unix://")):
@@ -256,6 +252,16 @@ class ControlProcess:
                 if self.link.broken:
                     log.error("%s", self.link.broken)
                 self._publish_health()
+
+    def _runtime_readiness(self, *, unready: bool, outage: float) -> None:
+        """/readyz follows the runtime once the agent is ready (before that it is 503)."""
+        if not self.ready or unready != self.table.ready:
+            return
+        if unready:
+            log.warning("container runtime unreachable for %.0fs: /readyz 503", outage)
+        else:
+            log.info("container runtime reachable again: /readyz 200")
+        self.table.set_status(ready=not unready)
 
     async def _read_node(self) -> dict[str, Any] | None:
         """This node as the API shows it, or None (no --node, or the API cannot answer:
