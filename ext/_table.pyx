@@ -478,6 +478,16 @@ cdef class Table:
         self._check_writer()
         kf_store_release_u64(&self.hdr.heartbeat_ns, kf_now_ns_monotonic())
 
+    def reset_freshness(self):
+        """Forget the runtime-poll dates and the heartbeat (a table adopted from an agent
+        that stopped, maybe before a reboot restarted CLOCK_MONOTONIC): no poll it recorded
+        may count for a connection accepted from now on.  The only call that moves them back."""
+        self._check_writer()
+        kf_store_release_u64(&self.hdr.verified_ns, 0)
+        kf_store_release_u64(&self.hdr.failed_ns, 0)
+        kf_store_release_u64(&self.hdr.heartbeat_ns, 0)
+        self._commit()
+
     # ---- IP slots: writer ------------------------------------------------------------------
 
     cdef inline void _slot_begin(self, uint64_t *seq) noexcept nogil:

@@ -15,12 +15,21 @@ What it hands the children, and why it holds it itself:
   pods' connections, and connections wait in the backlog while a worker restarts;
 * the IMDSv2 token key, in an in-memory file (memfd) each worker inherits.  With
   ``--token-key-file`` it is loaded from (or created in) that file so tokens survive
-  restarts; with ``--token-key-file ""`` it exists only in memory, new at every start.
+  restarts; with ``--token-key-file ""`` it exists only in memory, new at every start;
+* the table lock (``<table>.lock``, flock), inherited by the control process: while any
+  process of an agent that can write the table lives, no other supervisor touches it.
+
+The table a previous agent left at ``--table-path`` (a restarted container, or a new pod
+after an upgrade through the hostPath) is adopted if it is ours alone and of this agent's
+layout: its credential slots stay, so the new control process serves them again with no
+STS call; who owns which address, and every date of a runtime poll, is forgotten
+(docs/architecture.md, "Node start and stop").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import os
 import secrets
@@ -37,7 +46,7 @@ from kiamfast import channel, logs
 from kiamfast.config import Config
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import WorkerError, listen_socket
-from kiamfast.table import AUX_COUNT, AUX_SIZE, Table
+from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -45,6 +54,7 @@ RESTART_BACKOFF_MIN = 0.5
 RESTART_BACKOFF_MAX = 10.0
 HEALTHY_AFTER = 30.0          # a child that ran this long restarts with the minimum backoff
 STOP_GRACE = 10.0
+LOCK_WAIT = STOP_GRACE        # how long a previous agent's control process gets to exit
 TOKEN_KEY_BYTES = 32
 # `-P`: the children must import the kiamfast the parent imported.  `python -m` would put
 # the working directory first on sys.path, and started from a source checkout a child
@@ -90,29 +100,46 @@ def load_token_key(path: str) -> bytes:
     return _read_own_key_file(path) or _write_new_key_file(path)
 
 
-def _read_own_key_file(path: str) -> bytes | None:
-    """The key in ``path`` if it is ours alone: a regular file (not a symlink), owned by our
-    uid, no group or other permission bits, the right size.  Else None (log a line)."""
+def _not_ours_alone(st: os.stat_result) -> str | None:
+    """Why a file we opened is not ours alone (a regular file of our uid with no group or
+    other permission bits), or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, open to group or others"
+    return None
+
+
+def _open_own_file(path: str) -> tuple[int | None, str | None]:
+    """``(fd, None)`` for ``path`` if it is ours alone, opened without following a symlink;
+    ``(None, None)`` if there is no file; ``(None, why)`` if it is not ours alone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as e:   # ELOOP: a symlink was planted at the path
-        log.warning("token key file %s is unusable (%s); replacing it", path, e.strerror)
-        return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)   # of what we opened, so nothing can swap it in between
-        if not stat.S_ISREG(st.st_mode):
-            problem = "is not a regular file"
-        elif st.st_uid != os.geteuid():
-            problem = f"is owned by uid {st.st_uid}"
-        elif st.st_mode & 0o077:
-            problem = f"has mode {stat.S_IMODE(st.st_mode):04o}, open to group or others"
-        elif st.st_size != TOKEN_KEY_BYTES:
-            problem = f"holds {st.st_size} bytes, not {TOKEN_KEY_BYTES}"
-        else:
-            return f.read()
-    log.warning("token key file %s %s; replacing it with a new key", path, problem)
+        return None, f"is unusable ({e.strerror})"
+    problem = _not_ours_alone(os.fstat(fd))   # of what we opened: nothing can swap it
+    if problem:
+        os.close(fd)
+        return None, problem
+    return fd, None
+
+
+def _read_own_key_file(path: str) -> bytes | None:
+    """The key in ``path`` if it is ours alone and of the right size.  Else None (log a
+    line)."""
+    fd, problem = _open_own_file(path)
+    if fd is not None:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size == TOKEN_KEY_BYTES:
+                return f.read()
+            problem = f"holds {size} bytes, not {TOKEN_KEY_BYTES}"
+    if problem:
+        log.warning("token key file %s %s; replacing it with a new key", path, problem)
     return None
 
 
@@ -133,6 +160,104 @@ def _write_new_key_file(path: str) -> bytes:
         os.unlink(tmp)
         raise
     return key
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+def table_layout(config: Config) -> dict[str, int]:
+    """The capacities of the table this configuration makes (and adopts)."""
+    return {"ip_capacity": 1024, "cred_capacity": 512, "value_size": 16384,
+            "aux_count": AUX_COUNT, "aux_size": AUX_SIZE,
+            "max_workers": max(64, config.workers)}
+
+
+def lock_table(path: str) -> int:
+    """An fd holding the exclusive flock of ``<path>.lock``, taken within LOCK_WAIT.  The
+    file is never replaced or removed: a new inode would be a second, free lock."""
+    lock_path = f"{path}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | os.O_CLOEXEC, 0o600)
+    try:
+        problem = _not_ours_alone(os.fstat(fd))
+        if problem:
+            raise OSError(f"table lock {lock_path} {problem}; remove it")
+        _flock_within(fd, lock_path, LOCK_WAIT)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _flock_within(fd: int, lock_path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(f"table lock {lock_path} is held by another kiamfast (an agent "
+                              "on another port with this --table-path, or a previous "
+                              "agent's control process still running)") from None
+            if not waiting:
+                log.warning("table lock %s is held; waiting for the process holding it to "
+                            "exit (at most %.0fs)", lock_path, timeout)
+                waiting = True
+            time.sleep(0.05)
+
+
+def open_table(config: Config) -> Table:
+    """The table a previous agent left at --table-path, adopted, or else a fresh one (atomic
+    rename over whatever is there).  Call with the table lock held."""
+    layout = table_layout(config)
+    table = _adopt_table(config.table_path, layout)
+    if table is None:
+        table = Table.create(config.table_path, **layout)
+    return table
+
+
+def _adopt_table(path: str, layout: dict[str, int]) -> Table | None:
+    """The table at ``path`` if it is ours alone and of ``layout``, with everything but its
+    credentials forgotten (:func:`_forget_the_node`); else None (log a line)."""
+    fd, problem = _open_own_file(path)
+    if fd is None:
+        if problem:
+            log.warning("table %s %s; creating a fresh one", path, problem)
+        return None
+    try:   # attach the very file checked above, whatever the path names by now
+        table = Table.attach(f"/proc/self/fd/{fd}", writer=True)
+    except TableLayoutError as e:
+        log.warning("table %s: %s; creating a fresh one", path, e)
+        return None
+    finally:
+        os.close(fd)
+    found = {name: table.layout[name] for name in layout}
+    if found != layout:
+        log.warning("table %s has the layout %s, this agent makes %s; creating a fresh one",
+                    path, found, layout)
+        table.close()
+        return None
+    _forget_the_node(table)
+    log.info("adopted the table %s: credentials kept, addresses cleared", path)
+    return table
+
+
+def _forget_the_node(table: Table) -> None:
+    """Keep only the credential slots (the new control process adopts them by key).
+
+    The agent was down for an unknown time, perhaps across a reboot, which restarts
+    CLOCK_MONOTONIC: a poll date it left could make any new connection look covered, so
+    the dates go; sandboxes or pods may have come and gone, so no address keeps an owner
+    (the new control process decides every address again before a worker answers it:
+    with a runtime after its first poll, without one after its first sync); and what the
+    old control process published (readiness, health, metrics) is not this one's."""
+    table.reset_freshness()
+    table.set_status(ready=False, synced=False, pending_pods=0)   # before the addresses go
+    for slot in table.snapshot():
+        table.release_ip(slot["ip"], slot["pod_uid"])
+    for index in range(AUX_COUNT):
+        table.write_aux(index, b"")
 
 
 def token_key_fd(key: bytes) -> int:
@@ -183,15 +308,21 @@ class Supervisor:
         self.config = config
         self.stopping = False
         self.children: list[Child] = []
+        self.listeners: list[socket.socket] = []
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.lock_fd = self.token_key_fd = -1
+        self.table: Table | None = None
 
     # ---- set-up -----------------------------------------------------------------------------
 
     def prepare(self) -> None:
+        """Bind the port (a running agent on it stops us here), take the table lock (a
+        previous agent's control process gets LOCK_WAIT to exit), then the table and key."""
         cfg = self.config
-        self.table = Table.create(cfg.table_path, max_workers=max(64, cfg.workers),
-                                  aux_count=AUX_COUNT, aux_size=AUX_SIZE)
-        self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
         self.listeners = listeners(cfg)
+        self.lock_fd = lock_table(cfg.table_path)
+        self.table = open_table(cfg)
+        self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
         listen_args = ["--listen-fd", str(self.listeners[0].fileno())]
         if len(self.listeners) > 1:
             listen_args += ["--metrics-listen-fd", str(self.listeners[1].fileno())]
@@ -211,7 +342,7 @@ class Supervisor:
             argv=[*CHILD_PYTHON, "-m", "kiamfast.control", "--table", cfg.table_path,
                   "--channel-fds", ",".join(map(str, control_fds)),
                   "--config-json", config_to_json(cfg)],
-            fds=control_fds)
+            fds=(*control_fds, self.lock_fd))
 
     def wait_listening(self, timeout: float = 10.0) -> bool:
         """Whether a worker answers HTTP on the app port.  The socket is bound here, so a
@@ -294,6 +425,19 @@ class Supervisor:
                 p.kill()
                 p.wait()
         log.info("stopped")
+
+    def close(self) -> None:
+        """Give back what prepare() took: the port, the channels, the table lock, the table's
+        mapping, the key's memfd (how tests end a supervisor that started no children)."""
+        for sock in [*self.listeners, *(end for pair in self.pairs for end in pair)]:
+            sock.close()
+        for fd in (self.lock_fd, self.token_key_fd):
+            if fd >= 0:
+                os.close(fd)
+        if self.table is not None:
+            self.table.close()
+        self.listeners, self.pairs, self.table = [], [], None
+        self.lock_fd = self.token_key_fd = -1
 
 
 def run(config: Config) -> int:

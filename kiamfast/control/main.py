@@ -196,6 +196,7 @@ class ControlProcess:
             if endpoint is None:
                 log.info("no container runtime endpoint (--cri-endpoint=%s): addresses "
                          "follow the API server", self.config.cri_endpoint or '""')
+                self.runtime_expected = False   # the operator turned it off: no poll comes
                 return None
             client = runtime.RuntimeClient(endpoint)
             self.runtime_expected = True

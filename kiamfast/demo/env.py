@@ -511,7 +511,7 @@ class DemoEnvironment:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        for path in (self.table_path, self.table_path + ".token-key"):
+        for path in (self.table_path, self.table_path + ".token-key", self.table_path + ".lock"):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if not keep_workdir:

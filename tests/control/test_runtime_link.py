@@ -119,3 +119,18 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     assert t.runtime_mode is previous_runtime_mode
     assert t.failed_ns == (5_000 if previous_runtime_mode else 0)
     t.close()
+
+
+def test_runtime_turned_off_never_waits_for_a_poll_over_a_runtime_decided_table(tmp_path):
+    """--cri-endpoint=none after an agent that used a runtime (a changed config): no poll
+    will ever come, so nothing may wait for one."""
+    from kiamfast import table as tablemod
+    from kiamfast.config import Config
+    from kiamfast.control.main import ControlProcess
+
+    t = tablemod.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8,
+                              value_size=1024, aux_count=5, aux_size=4096, max_workers=1)
+    t.set_status(runtime_mode=True)
+    cp = ControlProcess(Config(cri_endpoint="none"), t, [])
+    assert cp._runtime_poller() is None and cp.runtime_expected is False
+    t.close()

@@ -373,6 +373,14 @@ REFUSED = [
     ({"workers": 0}, "workers: 0: a number of worker processes from 1 to 64"),
     ({"updateStrategy": "Recreate"}, "updateStrategy Recreate: a DaemonSet updates by"),
     ({"cri": {"socketPath": "run/containerd.sock"}}, "cri.socketPath \"run/containerd.sock\""),
+    ({"cri": {"socketPath": "/containerd.sock"}}, "the chart mounts the socket's directory, "
+                                                  "and / is the whole node"),
+    ({"stateDir": "run/kiamfast"}, "stateDir \"run/kiamfast\": an absolute directory"),
+    ({"stateDir": "/"}, "stateDir \"/\": an absolute directory on the node, not /"),
+    ({"extraArgs": {"table-path": "/dev/shm/t"}}, "extraArgs.table-path: the chart sets "
+                                                  "--table-path from its own value (stateDir)"),
+    ({"extraArgs": {"token-key-file": "/k"}}, "extraArgs.token-key-file: the chart sets "
+                                              "--token-key-file from its own value (stateDir)"),
 ]
 
 
@@ -414,18 +422,25 @@ def test_the_chart_accepts_exactly_the_values_it_documents():
 
 # ---- kiamfast's own values ------------------------------------------------------------------
 
-def test_container_runtime_socket_is_mounted_read_only_at_its_own_path(tmp_path):
-    for values, socket in (({}, "/run/containerd/containerd.sock"),
-                           ({"cri": {"socketPath": "/var/run/crio/crio.sock"}},
-                            "/var/run/crio/crio.sock")):
+def test_container_runtime_socket_directory_is_mounted_read_only_at_its_own_path(tmp_path):
+    """The socket's directory, not the socket: a restarted runtime replaces the socket file,
+    and a mount of the file would keep the dead one (ECONNREFUSED until the agent's
+    container restarts)."""
+    for values, socket, directory in (
+            ({}, "/run/containerd/containerd.sock", "/run/containerd"),
+            ({"cri": {"socketPath": "/var/run/crio/crio.sock"}}, "/var/run/crio/crio.sock",
+             "/var/run/crio")):
         objs = render(values_file(tmp_path, values))
         spec, c = pod_spec(objs), container(objs)
         cfg, _ = agent_config(objs)
-        assert cfg.cri_endpoint == f"unix://{socket}"
-        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == socket)
+        assert cfg.cri_endpoint == f"unix://{socket}"   # inside the mounted directory
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == directory)
         assert mount["readOnly"] is True
+        assert mount["mountPropagation"] == "HostToContainer"   # unmounts reach the copy
         volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
-        assert volume["hostPath"] == {"path": socket, "type": "Socket"}
+        assert volume["hostPath"] == {"path": directory, "type": "Directory"}
+        assert not any(m["mountPath"] == socket for m in c["volumeMounts"])
+        assert not any(v.get("hostPath", {}).get("type") == "Socket" for v in spec["volumes"])
 
 
 def test_container_runtime_disabled_means_no_mount_and_none(tmp_path):
@@ -436,18 +451,24 @@ def test_container_runtime_disabled_means_no_mount_and_none(tmp_path):
     assert cfg.cri_endpoint in ("none", "")
     assert not any("hostPath" in v and v["hostPath"]["type"] == "Socket"
                    for v in spec["volumes"])
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/dev/shm", "/tmp",
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/run/kiamfast", "/tmp",
                                                            "/run/xtables.lock"}
 
 
-def test_shared_table_is_on_a_memory_backed_volume():
-    objs = render()
-    spec, c = pod_spec(objs), container(objs)
-    cfg, _ = agent_config(objs)
-    shm = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
-    volume = next(v for v in spec["volumes"] if v["name"] == shm["name"])
-    assert volume["emptyDir"]["medium"] == "Memory"
-    assert cfg.table_path.startswith("/dev/shm/") and cfg.token_key_file.startswith("/dev/shm/")
+def test_table_and_token_key_are_in_a_node_directory_a_new_pod_finds(tmp_path):
+    """A restarted container or the new pod of an upgrade adopts the table and the token
+    key only if they outlive the pod: a hostPath, at the same path inside."""
+    for values, directory in (({}, "/run/kiamfast"), ({"stateDir": "/var/run/iam"},
+                                                      "/var/run/iam")):
+        objs = render(values_file(tmp_path, values))
+        spec, c = pod_spec(objs), container(objs)
+        cfg, _ = agent_config(objs)
+        assert cfg.table_path == f"{directory}/table"
+        assert cfg.token_key_file == f"{directory}/token-key"
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == directory)
+        assert not mount.get("readOnly")
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["hostPath"] == {"path": directory, "type": "DirectoryOrCreate"}
 
 
 def test_workers_set_the_flag_and_size_the_memory(tmp_path):

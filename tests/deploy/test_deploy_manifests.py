@@ -115,13 +115,23 @@ def test_daemonset_args_parse_with_our_parser(kustomization):
     caps = container["securityContext"]["capabilities"]["add"]
     assert container["securityContext"].get("privileged") or "NET_ADMIN" in caps
 
-    # The shared table and the token key are on the memory-backed /dev/shm volume.
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    # The table and the token key are in a node directory (a restarted or upgraded agent
+    # adopts them); the runtime's socket directory is mounted, not the socket file.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    shm = volumes[mounts["/dev/shm"]]
-    assert shm["emptyDir"]["medium"] == "Memory"
-    assert cfg.table_path.startswith("/dev/shm/")
-    assert cfg.token_key_file.startswith("/dev/shm/")
+    state = mounts["/run/kiamfast"]
+    assert volumes[state["name"]]["hostPath"] == {"path": "/run/kiamfast",
+                                                  "type": "DirectoryOrCreate"}
+    assert not state.get("readOnly")
+    assert (cfg.table_path, cfg.token_key_file) == ("/run/kiamfast/table",
+                                                    "/run/kiamfast/token-key")
+    assert cfg.cri_endpoint == "unix:///run/containerd/containerd.sock"
+    runtime_dir = mounts["/run/containerd"]
+    assert volumes[runtime_dir["name"]]["hostPath"] == {"path": "/run/containerd",
+                                                        "type": "Directory"}
+    assert runtime_dir["readOnly"] is True
+    assert runtime_dir["mountPropagation"] == "HostToContainer"
+    assert not any(v.get("hostPath", {}).get("type") == "Socket" for v in pod["volumes"])
 
 
 def test_eks_overlay_changes_only_what_it_says():

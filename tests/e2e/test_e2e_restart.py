@@ -9,6 +9,12 @@ key (or any other), and a pod that was there all along keeps its exact credentia
 STS cannot be asked.  (While no control process runs, an agent without a container runtime
 can only serve what the table holds: the address still names the old pod.  With a runtime,
 new connections wait for a poll instead: tests/e2e/test_e2e_runtime.py.)
+
+The whole agent killed (-9, as an OOM kill ends its container) and started again with the
+same table file, as the restarted container or an upgrade's new pod finds it, on a node
+without a runtime (with a real containerd: tests/e2e/test_e2e_runtime.py): the pod that
+stayed gets its exact credentials with no STS call; an address whose pod went away
+meanwhile never yields its role, not even before the new agent has synced.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import signal
 import time
 
 import pytest
+
+from e2e_cluster import wrong_answers
 
 pytestmark = pytest.mark.root
 
@@ -80,4 +88,49 @@ def test_restart_after_an_outage_with_a_reused_address(node):
     for s in samples:
         assert s.ok and s.access_key not in old_keys and s.role == "role-new", \
             f"{s}\n" + agent.log()
+    assert node.imds_credential_requests() == []
+
+
+def new_keys(node, before: dict[str, str]) -> list[str]:
+    """The role names of the credentials STS issued since ``before`` (an ``issued()``)."""
+    return sorted(arn.rsplit("/", 1)[1] for key, arn in node.sts.issued().items()
+                  if key not in before)
+
+
+def test_whole_agent_killed_and_restarted_without_a_runtime(node):
+    """No container runtime: the addresses follow the API server.  A pod deleted while the
+    agent is down, its address given to a pod of another role: the old table's entry for it
+    is never served, not even before the new agent has synced."""
+    agent = node.start_agent()
+    steady = node.add_pod("steady", "10.77.0.71", role="role-steady")
+    leaving = node.add_pod("leaving", "10.77.0.70", role="role-leaving")
+    first = steady.wait_credentials()
+    assert first.ok and first.role == "role-steady", f"{first}\n" + agent.log()
+    assert leaving.wait_credentials().ok
+    issued = node.sts.issued()
+
+    agent.kill()
+    node.api.delete_pod("default", leaving.name)
+    node.remove_pod_net(leaving)
+    successor = node.add_pod("successor", "10.77.0.70", role="role-successor")
+    node.api.slow_list(3.0)    # the new agent syncs late: early answers could only be the table's
+    prober = successor.prober(interval=0.02).start()
+    agent.start()
+    deadline = time.monotonic() + 20
+    while agent.readyz() != 503:   # the new workers answer, the control process not synced
+        assert time.monotonic() < deadline and agent.running(), agent.log()
+        time.sleep(0.02)
+    early = successor.fetch(timeout=1.0)
+    node.api.slow_list(0)
+    agent.wait_ready()
+    samples = prober.stop()
+
+    assert early.status == 503, early
+    assert wrong_answers(successor, [early, *samples], allowed_errors=(0, 503, 404)) == [], \
+        wrong_answers(successor, [early, *samples], allowed_errors=(0, 503, 404))[:10]
+    again = steady.fetch()
+    assert again.ok and again.access_key == first.access_key, f"{again}\n" + agent.log()
+    got = successor.wait_credentials()
+    assert got.ok and got.role == "role-successor", got
+    assert new_keys(node, issued) == ["role-successor"], agent.log()
     assert node.imds_credential_requests() == []

@@ -225,7 +225,8 @@ def test_agent_killed_and_restarted_while_sandboxes_run(runtime_node):
     to a new one (the API still shows the dead pod Running with it). After the restart
     every pod gets its own credentials again, the early one (whose address only the runtime
     knows) and the new one on the reused address included; in between a pod gets nothing,
-    never the node's role or the dead pod's."""
+    never the node's role or the dead pod's. The new agent adopts the table: the pods that
+    stayed get the exact keys they had, and STS issues a key only for the new pod."""
     node = runtime_node
     agent = node.start_agent()
     reused = "10.88.0.60"
@@ -234,9 +235,10 @@ def test_agent_killed_and_restarted_while_sandboxes_run(runtime_node):
     node.containerd.set_range(None, None)
     established = node.add_pod("established", role="role-est", ip_in_api=True)
     early = node.add_pod("early", role="role-early")
+    before = {pod.name: pod.wait_credentials().access_key for pod in (doomed, established, early)}
     for pod in (doomed, established, early):
-        sample = pod.wait_credentials()
-        assert_own_role(pod, {"AccessKeyId": sample.access_key})
+        assert_own_role(pod, {"AccessKeyId": before[pod.name]})
+    issued = node.sts.issued()
 
     agent.kill()
     assert not agent.running()
@@ -250,10 +252,13 @@ def test_agent_killed_and_restarted_while_sandboxes_run(runtime_node):
     prober = successor.prober(interval=0.02).start()   # asking before the agent is back
 
     agent.start().wait_ready()
+    for pod in (early, established):
+        assert pod.fetch().access_key == before[pod.name], agent.log()
     for pod in (early, successor):
         assert_own_role(pod, pod.botocore_credentials())
-    assert_own_role(established, {"AccessKeyId": established.fetch().access_key})
     samples = prober.stop()
+    new_keys = [arn for key, arn in node.sts.issued().items() if key not in issued]
+    assert [arn.rsplit("/", 1)[1] for arn in new_keys] == ["role-successor"], agent.log()
 
     assert wrong_answers(successor, samples, allowed_errors=(0, 503, 404)) == [], \
         wrong_answers(successor, samples, allowed_errors=(0, 503, 404))[:10]

@@ -67,7 +67,12 @@ app.kubernetes.io/part-of: kiamfast
 {{- default .Values.host.port .Values.prometheus.metricsPort -}}
 {{- end -}}
 
-{{/* The runtime endpoint flag value: the mounted socket, or none. */}}
+{{/* The directory of the runtime's socket, mounted (not the socket: see deploy/README.md). */}}
+{{- define "kiamfast.criDir" -}}
+{{- dir .Values.cri.socketPath -}}
+{{- end -}}
+
+{{/* The runtime endpoint flag value: the socket in the mounted directory, or none. */}}
 {{- define "kiamfast.criEndpoint" -}}
 {{- if .Values.cri.enabled -}}
 {{- printf "unix://%s" .Values.cri.socketPath -}}
@@ -104,6 +109,8 @@ kiamfast's own flags come last.
 - --workers={{ .Values.workers }}
 - --node-startup-taint={{ .Values.startupTaint.key }}
 - --cri-endpoint={{ include "kiamfast.criEndpoint" . }}
+- --table-path={{ .Values.stateDir }}/table
+- --token-key-file={{ .Values.stateDir }}/token-key
 {{- end -}}
 
 {{/* The default resources, from the measured RSS (values.yaml, resources). */}}

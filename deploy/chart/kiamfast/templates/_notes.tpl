@@ -31,7 +31,7 @@ NOTE: image.repository {{ .Values.image.repository }} is kube2iam's image; runni
 {{- if .Values.podSecurityPolicy.enabled }}
 
 NOTE: podSecurityPolicy.* is ignored: PodSecurityPolicy was removed in Kubernetes 1.25. The
-agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities{{ if .Values.cri.enabled }}, and a hostPath mount of {{ .Values.cri.socketPath }}{{ end }}: label the namespace for the privileged Pod Security level.
+agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities, and hostPath mounts of {{ .Values.stateDir }}{{ if .Values.cri.enabled }} and {{ include "kiamfast.criDir" . }}{{ end }}: label the namespace for the privileged Pod Security level.
 {{- end }}
 {{- if not .Values.rbac.create }}
 

@@ -41,7 +41,7 @@ listen-host
 Every value kiamfast cannot mean the way kube2iam's chart did fails here, with the reason.
 */}}
 {{- define "kiamfast.validate" -}}
-{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "global" -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "global" -}}
 {{- range $key, $_ := .Values -}}
 {{- if eq $key "probe" -}}
 {{- fail "probe: the old stable/kube2iam switch is livenessProbe.enabled and readinessProbe.enabled in kube2iam's chart 2.x and here; set those instead" -}}
@@ -62,8 +62,9 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
 {{- fail (printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default" $key $value $key $key) -}}
 {{- end -}}
-{{- if has $key (list "workers" "node-startup-taint" "cri-endpoint") -}}
-{{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get (dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath") $key)) -}}
+{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" -}}
+{{- if hasKey $owned $key -}}
+{{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get $owned $key)) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.host.iptables (not .Values.host.ip) -}}
@@ -83,12 +84,18 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if and .Values.cri.enabled (not (hasPrefix "/" (toString .Values.cri.socketPath))) -}}
 {{- fail (printf "cri.socketPath %q: an absolute path of the runtime's socket on the node" (toString .Values.cri.socketPath)) -}}
 {{- end -}}
+{{- if and .Values.cri.enabled (eq (include "kiamfast.criDir" .) "/") -}}
+{{- fail (printf "cri.socketPath %q: the chart mounts the socket's directory, and / is the whole node; use the runtime's own directory" (toString .Values.cri.socketPath)) -}}
+{{- end -}}
+{{- if not (regexMatch "^/[^/]" (toString .Values.stateDir)) -}}
+{{- fail (printf "stateDir %q: an absolute directory on the node, not /, for the agent's table and token key" (toString .Values.stateDir)) -}}
+{{- end -}}
 {{- with .Values.resources -}}
 {{- with .limits -}}
 {{- with .memory -}}
 {{- $need := int (include "kiamfast.minimumMemoryMi" $) -}}
 {{- if lt (int (include "kiamfast.mebibytes" .)) $need -}}
-{{- fail (printf "resources.limits.memory %v: kiamfast needs at least %dMi with %v worker(s) (control process ~96 MiB and ~27 MiB per worker measured, plus the shared table in /dev/shm, counted against the limit); kube2iam, one Go process, fit in less" . $need $.Values.workers) -}}
+{{- fail (printf "resources.limits.memory %v: kiamfast needs at least %dMi with %v worker(s) (control process ~96 MiB and ~27 MiB per worker measured, plus the shared table in memory, counted against the limit); kube2iam, one Go process, fit in less" . $need $.Values.workers) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
