@@ -369,7 +369,9 @@ FLAGS: tuple[Flag, ...] = (
        "set it is checked in addition to --namespace-restrictions, and a namespace without "
        "the annotation permits no role (as in kiam). \"\" disables."),
     _f("table-path", "str", "/dev/shm/kiamfast-table", "File on tmpfs holding the shared "
-       "table between the control process and the workers."),
+       "table between the control process and the workers. A restarted or upgraded agent "
+       "adopts the one it finds (a regular file of the agent's user, mode 0600, the same "
+       "layout) and keeps its credentials; the chart puts it in the hostPath stateDir."),
     _f("ready-prefetch-timeout", "duration", 10.0, "At startup, how long to wait for the "
        "credentials of this node's pods before reporting ready anyway."),
     _f("metadata-ipv6", "bool", False, "Also redirect the IPv6 metadata address "
