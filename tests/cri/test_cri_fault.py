@@ -15,6 +15,8 @@ import time
 import grpc
 import pytest
 
+from poller_tasks import running, stop
+
 from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeUnavailable
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
@@ -185,19 +187,6 @@ def test_version_names_the_runtime(cri_fault, client):
 
 # -- the poller never lets a fault out ---------------------------------------------------
 
-async def _running(poller):
-    task = asyncio.create_task(poller.run())
-    await asyncio.sleep(0)
-    return task
-
-
-async def _stop(task):
-    assert not task.done(), task
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, client, recorder,
                                                                   caplog):
     pod = fake_sandbox(name="steady", ip="10.0.5.1")
@@ -206,7 +195,7 @@ def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, cli
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.05, backoff_min=0.05, backoff_max=0.1)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         faults = [dict(error=grpc.StatusCode.UNAVAILABLE), dict(garbage=True),
                   dict(delay=0.8), dict(error=grpc.StatusCode.INTERNAL)]
@@ -222,7 +211,7 @@ def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, cli
         await asyncio.to_thread(cri_fault.start)
         await recorder.until(lambda: poller.healthy, timeout=3)
         view = await recorder.view_after(poller, time.monotonic_ns())
-        await _stop(task)
+        await stop(task)
         return poller, view
 
     with caplog.at_level(logging.WARNING, logger="kiamfast.runtime"):
@@ -239,7 +228,7 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         # Slow, but well inside the client's 0.5 s deadline (a poll that times out is a
         # failure, not a slow poll).
@@ -255,7 +244,7 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
             await asyncio.sleep(0.002)
         views = await asyncio.gather(first, *waits)
         await asyncio.sleep(0.7)           # nothing else follows
-        await _stop(task)
+        await stop(task)
         return views, cri_fault.calls["ListPodSandbox"] - lists_before
 
     views, lists = asyncio.run(asyncio.wait_for(body(), 15))
@@ -272,7 +261,7 @@ def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, cl
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                on_failure=failures.append, interval=30.0,
                                backoff_min=10.0, backoff_max=10.0, demand_spacing=0.05)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(cri_fault.stop)
         poller.need(time.monotonic_ns())
@@ -288,7 +277,7 @@ def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, cl
         await asyncio.to_thread(cri_fault.start)  # back before the 10 s backoff ends
         back = time.monotonic_ns()
         view = await recorder.view_after(poller, back)
-        await _stop(task)
+        await stop(task)
         return attempts, view
 
     attempts, view = asyncio.run(asyncio.wait_for(body(), 10))
@@ -302,12 +291,12 @@ def test_need_from_another_thread_is_handed_to_the_loop(cri_fault, client, recor
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         after = time.monotonic_ns()
         await asyncio.to_thread(poller.need, after)
         await recorder.until(lambda: recorder.views[-1].started_ns >= after, timeout=3)
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -326,11 +315,11 @@ def test_need_from_the_future_is_answered_once_not_polled_for_forever(cri_fault,
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         poller.need(time.monotonic_ns() + 10 * 10**9)   # a wrong clock: 10 s ahead
         await asyncio.sleep(0.5)
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 10))
     assert len(recorder.views) == 2, len(recorder.views)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from containerd import sweep_stale_runs
+from poller_tasks import running, stop
 
 from kiamfast.control import runtime
 from kiamfast.control.runtime import (RuntimeClient, RuntimePoller, RuntimeUnavailable,
@@ -187,27 +188,14 @@ def test_killed_containerd_is_unavailable_and_restarted_one_still_has_the_sandbo
 
 # -- the poller ------------------------------------------------------------------------
 
-async def _running(poller):
-    task = asyncio.create_task(poller.run())
-    await asyncio.sleep(0)
-    return task
-
-
-async def _stop(task):
-    assert not task.done(), task   # run() must never have returned or raised
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 @pytest.mark.root
 def test_poller_polls_periodically(containerd, client, recorder):
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.1)
-        task = await _running(poller)
+        task = await running(poller)
         await asyncio.sleep(0.55)
-        await _stop(task)
+        await stop(task)
         return poller
 
     poller = asyncio.run(asyncio.wait_for(body(), 10))
@@ -225,7 +213,7 @@ def test_need_is_answered_by_a_view_that_no_longer_shows_a_sandbox_stopped_befor
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)   # only need() makes it poll
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         for i in range(3):
             pod = await asyncio.to_thread(containerd.run_sandbox, f"short-{i}")
@@ -235,7 +223,7 @@ def test_need_is_answered_by_a_view_that_no_longer_shows_a_sandbox_stopped_befor
             stopped_at = time.monotonic_ns()
             view = await recorder.view_after(poller, stopped_at)
             assert view.started_ns >= stopped_at and pod.ip not in view.owners
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 20))
     assert len(recorder.views) == 7   # the first one and one per need(): nothing periodic
@@ -248,7 +236,7 @@ def test_concurrent_needs_are_all_satisfied_with_few_polls(containerd, client, r
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         polls_before = client.stats["polls"]
 
@@ -259,7 +247,7 @@ def test_concurrent_needs_are_all_satisfied_with_few_polls(containerd, client, r
             assert view.started_ns >= after
 
         await asyncio.gather(*(caller() for _ in range(50)))
-        await _stop(task)
+        await stop(task)
         return client.stats["polls"] - polls_before
 
     polls = asyncio.run(asyncio.wait_for(body(), 20))
@@ -274,7 +262,7 @@ def test_poller_reports_a_runtime_outage_once_backs_off_and_recovers(
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.1, backoff_max=1.0, rng=random.Random(7))
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(containerd.kill)
         await recorder.until(lambda: not poller.healthy)
@@ -289,7 +277,7 @@ def test_poller_reports_a_runtime_outage_once_backs_off_and_recovers(
         await asyncio.to_thread(containerd.start)
         await recorder.until(lambda: poller.healthy, timeout=5)
         view = await recorder.view_after(poller, time.monotonic_ns())
-        await _stop(task)
+        await stop(task)
         return poller, failed_during, views_before, view
 
     poller, failed_during, views_before, view = asyncio.run(asyncio.wait_for(body(), 30))
