@@ -8,11 +8,13 @@ sandbox is NOTREADY. So this module asks the runtime, the way the kubelet itself
 (`GetPodStatus` takes a pod's IP only from a `SANDBOX_READY` sandbox):
 
 * `RuntimeClient.poll()` sends `ListPodSandbox` (READY only) and then `PodSandboxStatus`
-  for READY sandboxes it has not seen before. A sandbox's addresses never change, so status
-  answers are cached by sandbox id and dropped once the id is no longer listed: a steady
-  node costs one ~0.3 ms call per poll, and when the list of READY ids has not changed the
-  previous view is reused with the new start time. The view names the owner of every address claimed
-  by exactly one READY sandbox; an address claimed by two is owned by nobody.
+  for READY sandboxes it has not seen before, up to 8 at once (50 pods starting together on
+  a slow runtime must not queue their status calls one behind the other). A sandbox's
+  addresses never change, so status answers are cached by sandbox id and dropped once the
+  id is no longer listed: a steady node costs one ~0.3 ms call per poll, and when the
+  view's sandboxes have not changed the previous view is reused with the new start time.
+  The view names the owner of every address claimed by exactly one READY sandbox; an
+  address claimed by two is owned by nobody.
 * `RuntimeView.started_ns` is taken *before* the list request is sent. The freshness
   argument rests on it: a view started at S reflects every sandbox stop that completed
   before S, so a connection accepted at T may be answered from a view with S >= T.
@@ -21,9 +23,13 @@ sandbox is NOTREADY. So this module asks the runtime, the way the kubelet itself
   one follow-up poll; an outage is reported once and retried with jittered backoff.
 
 What the runtime says is treated as untrusted input: a sandbox without the kubelet's three
-`io.kubernetes.pod.*` labels, a host-network sandbox, or one with an unparsable address is
-skipped (one log line per sandbox id, never per poll); two READY sandboxes claiming one
-address put it in `conflicts` (one log line per episode). Any failure to get an answer
+`io.kubernetes.pod.*` labels, a host-network sandbox, or one with no or an unparsable
+address is skipped (one log line per sandbox id, never per poll) and asked again after 1 s,
+doubling up to 30 s (an address can show up late; a skip must not last the sandbox's life);
+two READY sandboxes claiming one address put it in `conflicts` (one log line per episode).
+A `PodSandboxStatus` error is retried once within the poll (unless it timed out); if it
+fails again only that sandbox is left out of the view (it owns nothing there) and it is
+asked again on the next poll (one log line per episode). Any failure to get the list
 (socket missing, timeout, gRPC error, runtime restarting) is `RuntimeUnavailable`.
 
 Only the control process imports this module; server workers never import grpc.
@@ -57,6 +63,10 @@ DEFAULT_ENDPOINTS = ("unix:///run/containerd/containerd.sock",
 POD_UID_LABEL = "io.kubernetes.pod.uid"
 POD_NAME_LABEL = "io.kubernetes.pod.name"
 POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+
+STATUS_CONCURRENCY = 8     # PodSandboxStatus calls in flight at once within one poll
+SKIP_RECHECK_FIRST = 1.0   # a skipped sandbox is asked again after this many seconds,
+SKIP_RECHECK_MAX = 30.0    # doubling up to this
 
 # gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted runtime should
 # be reached on the poller's schedule instead, so keep gRPC's short (we also rebuild the
@@ -100,7 +110,7 @@ class Sandbox:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeView:
-    """One observation. When the READY set did not change since the previous poll, the new
+    """One observation. When its sandboxes did not change since the previous poll, the new
     view shares the previous one's `sandboxes`, `owners` and `conflicts` objects (only
     `started_ns` differs), so a consumer can skip its work with an identity check."""
     started_ns: int                  # monotonic_ns taken just before ListPodSandbox was sent
@@ -115,6 +125,19 @@ class RuntimeUnavailable(Exception):
 
 class _Skip(Exception):
     """A sandbox the view must leave out; the message says why (logged once per id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _StatusFailed:
+    """A PodSandboxStatus that gave no answer, after its retry: why."""
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Recheck:
+    """When to ask a skipped sandbox again, and the wait that led there (doubled next time)."""
+    at_ns: int
+    wait: float
 
 
 def canonical_ip(text: str) -> str:
@@ -172,14 +195,15 @@ class RuntimeClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
-        # id -> Sandbox (or None: skipped). Only READY answers are cached.
-        self._cache: dict[str, Sandbox | None] = {}
-        self._skipped_logged: set[str] = set()
+        self._status_pool: ThreadPoolExecutor | None = None
+        self._cache: dict[str, Sandbox] = {}        # listed READY sandboxes' entries, by id
+        self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
+        self._failing: set[str] = set()             # ids whose status failed (logged)
         self._conflicts_logged: set[str] = set()
-        self._last_ids: tuple[str, ...] = ()
         self._last_view: RuntimeView | None = None
         self.stats: dict[str, int] = {"polls": 0, "status_calls": 0, "errors": 0,
-                                      "skipped_sandboxes": 0, "conflicts": 0}
+                                      "status_errors": 0, "skipped_sandboxes": 0,
+                                      "conflicts": 0}
 
     def _runtime(self) -> Any:
         with self._lock:
@@ -200,8 +224,6 @@ class RuntimeClient:
         try:
             return getattr(self._runtime(), method)(request, timeout=self.timeout)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND and method == "PodSandboxStatus":
-                raise   # the sandbox went away between list and status: not an outage
             self.stats["errors"] += 1
             self._reset()
             raise RuntimeUnavailable(
@@ -224,56 +246,104 @@ class RuntimeClient:
         listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only)).items
         self.stats["polls"] += 1
         ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
-        if ready_ids == self._last_ids and self._last_view is not None:
+        self._forget_unlisted(set(ready_ids))
+        now = self._clock_ns()
+        due = [i for i in dict.fromkeys(ready_ids) if self._due(i, now)]
+        for sandbox_id, (answer, calls) in zip(due, self._statuses(due)):
+            self.stats["status_calls"] += calls
+            self._settle(sandbox_id, answer, now)
+        sandboxes = tuple(self._cache[i] for i in ready_ids if i in self._cache)
+        last = self._last_view
+        if last is not None and _same_entries(last.sandboxes, sandboxes):
             # nothing started or stopped since: same owners, observed at this poll's time
-            return dataclasses.replace(self._last_view, started_ns=started_ns)
-        sandboxes = []
-        for sandbox_id in ready_ids:
-            if sandbox_id not in self._cache:
-                entry = self._status(sandbox_id)
-                if entry is _GONE:
-                    continue
-                self._cache[sandbox_id] = entry   # type: ignore[assignment]
-            entry = self._cache[sandbox_id]
-            if entry is not None:
-                sandboxes.append(entry)
-        listed_ids = set(ready_ids)
-        for stale in [k for k in self._cache if k not in listed_ids]:
-            del self._cache[stale]
-        self._skipped_logged &= listed_ids
-        view = self._view(started_ns, sandboxes)
-        # a sandbox left out because it vanished mid-poll (NOT_FOUND) must be asked again
-        complete = all(sandbox_id in self._cache for sandbox_id in ready_ids)
-        self._last_ids, self._last_view = (ready_ids, view) if complete else ((), None)
-        return view
+            return dataclasses.replace(last, started_ns=started_ns)
+        self._last_view = self._view(started_ns, sandboxes)
+        return self._last_view
 
-    def _status(self, sandbox_id: str) -> Sandbox | None | object:
-        """Status of a newly listed sandbox: its entry, None (skipped: cached as such), or
-        _GONE (removed or no longer READY meanwhile: not cached, absent from this view)."""
-        self.stats["status_calls"] += 1
+    def _forget_unlisted(self, listed_ids: set[str]) -> None:
+        for entries in (self._cache, self._skips):
+            for stale in [k for k in entries if k not in listed_ids]:
+                del entries[stale]
+        self._failing &= listed_ids
+
+    def _due(self, sandbox_id: str, now: int) -> bool:
+        """Whether to ask this listed sandbox's status in this poll: never for a cached entry,
+        once its recheck time came for a skip, always otherwise (new, failed or gone)."""
+        if sandbox_id in self._cache:
+            return False
+        recheck = self._skips.get(sandbox_id)
+        return recheck is None or recheck.at_ns <= now
+
+    def _statuses(self, sandbox_ids: list[str]) -> list[tuple[Any, int]]:
+        """`_fetch_status` of each id, STATUS_CONCURRENCY at a time, in the order asked."""
+        if not sandbox_ids:
+            return []
+        if self._status_pool is None:
+            self._status_pool = ThreadPoolExecutor(max_workers=STATUS_CONCURRENCY,
+                                                   thread_name_prefix="kiamfast-cri-status")
+        return list(self._status_pool.map(self._fetch_status, sandbox_ids))
+
+    def _fetch_status(self, sandbox_id: str) -> tuple[Any, int]:
+        """(answer, calls made): the status message, _GONE (NOT_FOUND: removed since the
+        list) or _StatusFailed. Runs on a pool thread: touches no state of the client. A
+        failure is retried once, unless it timed out: a second wait would hold the whole
+        poll, and every first call waiting for it, as long again."""
+        request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+        for calls in (1, 2):
+            try:
+                return self._runtime().PodSandboxStatus(request, timeout=self.timeout).status, calls
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return _GONE, calls
+                failure = _StatusFailed(_describe(exc))
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+            except Exception as exc:   # a malformed answer the stub could not even raise for
+                failure = _StatusFailed(f"{type(exc).__name__}: {exc}")
+        return failure, calls
+
+    def _settle(self, sandbox_id: str, answer: Any, now: int) -> None:
+        """Record one status answer: cache a READY sandbox's entry, schedule a skip's recheck,
+        or leave the sandbox out (failed, or gone or no longer READY: not cached, so asked
+        again if still listed)."""
+        if isinstance(answer, _StatusFailed):
+            self._status_failed(sandbox_id, answer.error)
+            return
+        if sandbox_id in self._failing:
+            self._failing.discard(sandbox_id)
+            log.info("CRI %s: sandbox %s status answered again", self.endpoint, sandbox_id)
+        if answer is _GONE or answer.state != cri.SANDBOX_READY:
+            return
         try:
-            status = self._call("PodSandboxStatus",
-                                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)).status
-        except grpc.RpcError:   # NOT_FOUND only; everything else is RuntimeUnavailable
-            return _GONE
-        if status.state != cri.SANDBOX_READY:
-            return _GONE
-        try:
-            return sandbox_from_status(status)
+            self._cache[sandbox_id] = sandbox_from_status(answer)
         except _Skip as why:
-            self._log_skip(sandbox_id, str(why))
+            self._skip(sandbox_id, str(why), now)
         except Exception as exc:   # a garbage answer must not stop the poll
-            self._log_skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}")
-        return None
+            self._skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}", now)
+        else:
+            if self._skips.pop(sandbox_id, None) is not None:
+                log.info("CRI %s: sandbox %s, skipped before, now owns %s", self.endpoint,
+                         sandbox_id, ", ".join(self._cache[sandbox_id].ips))
 
-    def _log_skip(self, sandbox_id: str, why: str) -> None:
-        if sandbox_id not in self._skipped_logged:
-            self._skipped_logged.add(sandbox_id)
+    def _status_failed(self, sandbox_id: str, error: str) -> None:
+        self.stats["status_errors"] += 1
+        if sandbox_id not in self._failing:
+            self._failing.add(sandbox_id)
+            log.warning("CRI %s: PodSandboxStatus %s failed twice (%s): the sandbox owns "
+                        "nothing until it answers; asked again every poll", self.endpoint,
+                        sandbox_id, error)
+
+    def _skip(self, sandbox_id: str, why: str, now: int) -> None:
+        """Leave the sandbox out and ask again later (1 s, doubling to 30 s): logged once."""
+        recheck = self._skips.get(sandbox_id)
+        if recheck is None:
             self.stats["skipped_sandboxes"] += 1
-            log.warning("CRI %s: sandbox %s skipped (owns no address): %s",
-                        self.endpoint, sandbox_id, why)
+            log.warning("CRI %s: sandbox %s skipped (owns no address): %s", self.endpoint,
+                        sandbox_id, why)
+        wait = SKIP_RECHECK_FIRST if recheck is None else min(SKIP_RECHECK_MAX, recheck.wait * 2)
+        self._skips[sandbox_id] = _Recheck(at_ns=now + round(wait * 1e9), wait=wait)
 
-    def _view(self, started_ns: int, sandboxes: list[Sandbox]) -> RuntimeView:
+    def _view(self, started_ns: int, sandboxes: tuple[Sandbox, ...]) -> RuntimeView:
         claims: dict[str, list[Sandbox]] = {}
         for sandbox in sandboxes:
             for ip in sandbox.ips:
@@ -290,14 +360,21 @@ class RuntimeClient:
             log.info("CRI %s: address conflict over for %s", self.endpoint,
                      ", ".join(sorted(ended)))
         self._conflicts_logged = set(conflicts)
-        return RuntimeView(started_ns=started_ns, sandboxes=tuple(sandboxes),
+        return RuntimeView(started_ns=started_ns, sandboxes=sandboxes,
                            owners=MappingProxyType(owners), conflicts=conflicts)
 
     def close(self) -> None:
         self._reset()
+        if self._status_pool is not None:
+            self._status_pool.shutdown(wait=False, cancel_futures=True)
+            self._status_pool = None
 
 
 _GONE = object()
+
+
+def _same_entries(a: tuple[Sandbox, ...], b: tuple[Sandbox, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class RuntimePoller:

@@ -2,8 +2,9 @@
 
 What the agent will rely on, checked where it comes from: a READY sandbox owns its
 addresses under the pod identity in its labels; a stopped sandbox (or one whose pause
-process died) owns nothing at once, before anyone removes it; an address host-local hands to a new sandbox moves with it; a
-view started after a stop never shows the stopped owner; status answers are asked once per
+process died) owns nothing at once, before anyone removes it; an address host-local hands
+to a new sandbox moves with it; a view started after a stop never shows the stopped owner;
+status answers are asked once per sandbox, and many asked at once each land on their own
 sandbox; host-network and label-less sandboxes own nothing; a killed containerd is an
 outage the poller reports once and recovers from, with the sandboxes still there. And the
 harness itself: a client entered into a sandbox reaches the node from the sandbox's
@@ -149,6 +150,17 @@ def test_status_is_asked_once_per_sandbox(containerd, client):
     containerd.remove_sandbox(first.id)
     view = client.poll()
     assert first.ip not in view.owners and client.stats["status_calls"] == 3
+
+
+@pytest.mark.root
+def test_new_sandboxes_asked_together_each_own_their_own_addresses(containerd, client):
+    """One poll asks the statuses of many new sandboxes at once (several in flight): each
+    answer must land on its own sandbox, as containerd gives them."""
+    pods = [containerd.run_sandbox(f"batch-{i}") for i in range(12)]
+    view = client.poll()
+    assert {ip: (s.id, s.pod_uid, s.name) for ip, s in view.owners.items()} == \
+        {ip: (p.id, p.uid, p.name) for p in pods for ip in (p.ip, *p.additional_ips)}
+    assert client.stats["status_calls"] == 12 and client.stats["status_errors"] == 0
 
 
 @pytest.mark.root
