@@ -19,8 +19,10 @@ sandbox is NOTREADY. So this module asks the runtime, the way the kubelet itself
   argument rests on it: a view started at S reflects every sandbox stop that completed
   before S, so a connection accepted at T may be answered from a view with S >= T.
 * `RuntimePoller` runs the polls on one dedicated thread (gRPC calls never touch the event
-  loop), periodically and on demand (`need()`), coalescing concurrent demands into at most
-  one follow-up poll; an outage is reported once and retried with jittered backoff.
+  loop), periodically and on demand (`need()`), coalescing concurrent demands into one
+  follow-up poll; demand polls start at least `demand_floor` apart, so a pod opening
+  connections in a loop costs the runtime at most 1/floor polls per second; an outage is
+  reported once and retried with jittered backoff.
 
 What the runtime says is treated as untrusted input: a sandbox without the kubelet's three
 `io.kubernetes.pod.*` labels, a host-network sandbox, or one with no or an unparsable
@@ -67,6 +69,9 @@ POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
 STATUS_CONCURRENCY = 8     # PodSandboxStatus calls in flight at once within one poll
 SKIP_RECHECK_FIRST = 1.0   # a skipped sandbox is asked again after this many seconds,
 SKIP_RECHECK_MAX = 30.0    # doubling up to this
+# Demand polls start at least this far apart (see RuntimePoller): a first call waits at most
+# this much longer than the runtime's answer, a seventh of --wait-budget's 0.35 s.
+DEMAND_FLOOR = 0.05
 
 # gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted runtime should
 # be reached on the poller's schedule instead, so keep gRPC's short (we also rebuild the
@@ -384,22 +389,28 @@ class RuntimePoller:
     thread. `on_view`, `on_failure` and `on_state` are called on the event loop thread.
     `on_state` is called at every change of health, the first poll's outcome included;
     `on_failure(started_ns)` after every failed attempt, dated like a view (before the
-    request).  During an outage a demand still gets an attempt at once (at most one per
-    `demand_spacing`): the runtime may be back before the backoff ends, and a connection
-    accepted meanwhile must be judged by an attempt begun after it.
+    request).
+
+    A demand starts a poll before the periodic one is due, but never sooner than
+    `demand_floor` after the previous demand poll began: every need that arrives during a
+    poll or during the floor is served by the one poll that follows, so one pod opening
+    connections in a loop costs the runtime at most 1/floor polls per second (plus the
+    periodic ones), and a first call waits at most the floor longer.  During an outage a
+    demand gets an attempt the same way: the runtime may be back before the backoff ends,
+    and a connection accepted meanwhile must be judged by an attempt begun after it.
     """
 
     def __init__(self, client: RuntimeClient, *, on_view: Callable[[RuntimeView], None],
                  on_state: Callable[[bool, str], None],
                  on_failure: Callable[[int], None] = lambda started_ns: None,
                  interval: float = 1.0, backoff_max: float = 30.0, backoff_min: float = 0.2,
-                 demand_spacing: float = 0.05, rng: Any = None,
+                 demand_floor: float = DEMAND_FLOOR, rng: Any = None,
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.client = client
         self._on_view = on_view
         self._on_state = on_state
         self._on_failure = on_failure
-        self.demand_spacing = demand_spacing
+        self.demand_floor = demand_floor
         self.interval = interval
         self.backoff_max = backoff_max
         self.backoff_min = min(backoff_min, backoff_max)
@@ -412,6 +423,7 @@ class RuntimePoller:
         self._wanted_ns = -1         # the largest after_ns asked for by need()
         self._last_started_ns = -1   # started_ns of the last view handed to on_view
         self._last_attempt_ns = -1   # when the last attempt (view or failure) began
+        self._demand_began = float("-inf")   # loop time the last demand poll began
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.stats: dict[str, int] = {"polls": 0, "failed_polls": 0, "outages": 0,
@@ -423,8 +435,8 @@ class RuntimePoller:
 
     def need(self, after_ns: int) -> None:
         """A request needs a view whose started_ns >= after_ns (a connection accepted at after_ns).
-        If a poll is running that started before after_ns, another one follows immediately after it;
-        requests arriving while a poll runs are coalesced into one following poll."""
+        If a poll is running that started before after_ns, another one follows it (not sooner
+        than the floor); requests arriving meanwhile are coalesced into that poll."""
         loop = self._loop
         if loop is not None and loop.is_running():
             try:
@@ -447,19 +459,20 @@ class RuntimePoller:
         return self._wanted_ns > self._last_attempt_ns
 
     async def run(self) -> None:
-        """Forever: poll every `interval` s, or at once when need() asks. Never raises for
-        runtime faults; cancel it to stop."""
+        """Forever: poll every `interval` s, or sooner when need() asks (see the floor above).
+        Never raises for runtime faults; cancel it to stop."""
         loop = asyncio.get_running_loop()
         self._loop, self._wake = loop, asyncio.Event()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiamfast-cri")
         failures = 0
+        early = False                              # the first poll is nobody's demand
         try:
             while True:
-                demanded = self._demanded()
                 self._wake.clear()
                 self.stats["polls"] += 1
-                if demanded:
+                if early:
                     self.stats["demand_polls"] += 1
+                    self._demand_began = loop.time()
                 attempt_ns = self._clock_ns()      # not after the client's own request
                 try:
                     view = await loop.run_in_executor(executor, self.client.poll)
@@ -472,7 +485,7 @@ class RuntimePoller:
                         self._on_failure(attempt_ns)
                     except Exception:
                         log.exception("CRI %s: on_failure failed", self.client.endpoint)
-                    await self._pause(self._backoff(failures))
+                    early = await self._pause(self._backoff(failures))
                     continue
                 failures = 0
                 self._last_started_ns = view.started_ns
@@ -483,28 +496,28 @@ class RuntimePoller:
                     self._on_view(view)
                 except Exception:
                     log.exception("CRI %s: on_view failed", self.client.endpoint)
-                if not self._demanded():
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
-                    except TimeoutError:
-                        pass
+                early = await self._pause(self.interval)
         finally:
             self._loop = self._wake = None
             executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _pause(self, backoff: float) -> None:
-        """Wait out the backoff, or less when a request wants an attempt (not sooner than
-        demand_spacing: an unreachable runtime costs one attempt per spacing at most)."""
+    async def _pause(self, wait: float) -> bool:
+        """Wait `wait` s (the interval or a backoff), or less when a request wants a poll:
+        until demand_floor after the previous demand poll began. True if it ended early."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + backoff
-        await asyncio.sleep(min(self.demand_spacing, backoff))
-        left = until - loop.time()
-        if left > 0 and not self._demanded():
+        until = loop.time() + wait
+        while not self._demanded():
+            left = until - loop.time()
+            if left <= 0:
+                return False
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=left)
             except TimeoutError:
-                pass
+                return False
+        start = min(until, self._demand_began + self.demand_floor)
+        await asyncio.sleep(max(0.0, start - loop.time()))
+        return start < until
 
     def _backoff(self, failures: int) -> float:
         """Jittered exponential: between half and all of min(cap, min * 2^(n-1))."""

@@ -258,13 +258,13 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
 
 def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, client, recorder):
     """A connection accepted during an outage is judged by an attempt begun after it (the
-    runtime may be back before the backoff ends), at most one per demand_spacing."""
+    runtime may be back before the backoff ends), at most one per demand_floor."""
     failures = []
 
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                on_failure=failures.append, interval=30.0,
-                               backoff_min=10.0, backoff_max=10.0, demand_spacing=0.05)
+                               backoff_min=10.0, backoff_max=10.0, demand_floor=0.05)
         task = await running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(cri_fault.stop)

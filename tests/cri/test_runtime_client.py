@@ -293,9 +293,9 @@ def test_poller_reports_a_runtime_outage_once_backs_off_and_recovers(
         return poller, failed_during, views_before, view
 
     poller, failed_during, views_before, view = asyncio.run(asyncio.wait_for(body(), 30))
-    # callers asking all the time get an attempt each 50 ms at most (demand_spacing): about
-    # 40 in 2 s, not 200
-    assert 1 <= failed_during <= 2.0 / 0.05 + 3, failed_during
+    # callers asking all the time get an attempt each demand_floor at most: about 40 in
+    # 2 s at 50 ms, not 200
+    assert 1 <= failed_during <= 2.0 / poller.demand_floor + 3, failed_during
     assert [ok for ok, _ in recorder.states] == [True, False, True]
     message = recorder.states[1][1]
     assert containerd.endpoint in message and "UNAVAILABLE" in message

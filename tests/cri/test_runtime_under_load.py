@@ -6,19 +6,26 @@
 * A skip verdict (no address, an address that does not parse...) is asked again after 1 s,
   doubling up to 30 s, never cached for the sandbox's life; logged once per sandbox id.
 * New sandboxes' statuses are asked in parallel, at most 8 at once.
+* Demand polls are at least `demand_floor` apart: a connection loop from one pod costs the
+  runtime at most 1/floor polls per second, and no need is lost.
 
-The tests use the CRI fault double (real gRPC, no root).
+The client tests use the CRI fault double (real gRPC, no root); the floor tests a fake client
+that only counts polls.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
+from types import MappingProxyType
 
 import grpc
 import pytest
 
-from kiamfast.control.runtime import RuntimeClient
+from poller_tasks import running, stop
+
+from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeView
 from kiamfast.testing.cri_fault import fake_sandbox
 
 SECOND = 10**9
@@ -161,3 +168,80 @@ def test_answers_arriving_out_of_order_go_to_their_own_sandbox(cri_fault, client
     view = client.poll()
     assert {ip: (s.id, s.pod_uid, s.name) for ip, s in view.owners.items()} == \
         {p.ip: (p.id, p.uid, p.name) for p in pods}
+
+
+# -- the floor between demand polls -------------------------------------------------------
+
+class CountingClient:
+    """Answers every poll at once with an empty view dated when it was asked."""
+    endpoint = "fake://counting"
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def poll(self) -> RuntimeView:
+        self.polls += 1
+        return RuntimeView(started_ns=time.monotonic_ns(), sandboxes=(),
+                           owners=MappingProxyType({}), conflicts=frozenset())
+
+
+def test_a_connection_loop_costs_at_most_one_poll_per_floor_and_loses_no_need(recorder):
+    client = CountingClient()
+    floor = 0.1
+
+    async def body():
+        poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
+                               interval=30.0, demand_floor=floor)
+        task = await running(poller)
+        await recorder.until(lambda: recorder.views)
+        polls_before, began = client.polls, time.monotonic()
+        asks, waits = [], []
+        for _ in range(1000):                     # one pod opening connections in a loop
+            after = time.monotonic_ns()
+            asks.append(after)
+            waits.append(asyncio.ensure_future(recorder.view_after(poller, after)))
+            await asyncio.sleep(0.001)
+        views = await asyncio.gather(*waits)
+        elapsed = time.monotonic() - began
+        await stop(task)
+        return asks, views, client.polls - polls_before, elapsed
+
+    asks, views, polls, elapsed = asyncio.run(asyncio.wait_for(body(), 30))
+    assert all(view.started_ns >= after for after, view in zip(asks, views))
+    assert 1 <= polls <= elapsed / floor + 1, (polls, elapsed)
+
+
+def test_a_demand_after_a_quiet_spell_is_polled_at_once_and_the_next_waits_for_the_floor(
+        recorder):
+    client = CountingClient()
+
+    async def body():
+        poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
+                               interval=30.0, demand_floor=10.0)
+        task = await running(poller)
+        await recorder.until(lambda: recorder.views)
+        await recorder.view_after(poller, time.monotonic_ns(), timeout=5.0)
+        with pytest.raises(TimeoutError):
+            await recorder.view_after(poller, time.monotonic_ns(), timeout=0.5)
+        await stop(task)
+        return poller
+
+    poller = asyncio.run(asyncio.wait_for(body(), 30))
+    assert poller.stats["demand_polls"] == 1 and client.polls == 2
+
+
+def test_periodic_polls_still_serve_needs_during_the_floor(recorder):
+    client = CountingClient()
+
+    async def body():
+        poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
+                               interval=0.2, demand_floor=30.0)
+        task = await running(poller)
+        await recorder.until(lambda: recorder.views)
+        for _ in range(3):
+            await recorder.view_after(poller, time.monotonic_ns(), timeout=5.0)
+        await stop(task)
+        return poller
+
+    poller = asyncio.run(asyncio.wait_for(body(), 30))
+    assert poller.stats["demand_polls"] == 1
