@@ -205,6 +205,8 @@ class RuntimeClient:
         self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
         self._failing: set[str] = set()             # ids whose status failed (logged)
         self._conflicts_logged: set[str] = set()
+        self._listed_ids: tuple[str, ...] = ()      # READY ids the last view was built from
+        self._uncached: list[str] = []              # the listed ids without a cached entry
         self._last_view: RuntimeView | None = None
         self.stats: dict[str, int] = {"polls": 0, "status_calls": 0, "errors": 0,
                                       "status_errors": 0, "skipped_sandboxes": 0,
@@ -251,18 +253,25 @@ class RuntimeClient:
         listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only)).items
         self.stats["polls"] += 1
         ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
-        self._forget_unlisted(set(ready_ids))
+        changed = ready_ids != self._listed_ids
+        if changed:
+            self._forget_unlisted(set(ready_ids))
+            self._uncached = [i for i in dict.fromkeys(ready_ids) if i not in self._cache]
         now = self._clock_ns()
-        due = [i for i in dict.fromkeys(ready_ids) if self._due(i, now)]
-        for sandbox_id, (answer, calls) in zip(due, self._statuses(due)):
-            self.stats["status_calls"] += calls
-            self._settle(sandbox_id, answer, now)
-        sandboxes = tuple(self._cache[i] for i in ready_ids if i in self._cache)
-        last = self._last_view
-        if last is not None and _same_entries(last.sandboxes, sandboxes):
+        # ask the new, the failed or gone before, and the skipped whose recheck is due
+        skips = self._skips
+        due = [i for i in self._uncached if i not in skips or skips[i].at_ns <= now]
+        if due:
+            for sandbox_id, (answer, calls) in zip(due, self._statuses(due)):
+                self.stats["status_calls"] += calls
+                changed |= self._settle(sandbox_id, answer, now)
+            self._uncached = [i for i in self._uncached if i not in self._cache]
+        if not changed and self._last_view is not None:
             # nothing started or stopped since: same owners, observed at this poll's time
-            return dataclasses.replace(last, started_ns=started_ns)
-        self._last_view = self._view(started_ns, sandboxes)
+            return dataclasses.replace(self._last_view, started_ns=started_ns)
+        sandboxes = tuple(self._cache[i] for i in ready_ids if i in self._cache)
+        # together: a poll that failed half-way must not leave a list the view does not show
+        self._listed_ids, self._last_view = ready_ids, self._view(started_ns, sandboxes)
         return self._last_view
 
     def _forget_unlisted(self, listed_ids: set[str]) -> None:
@@ -271,18 +280,8 @@ class RuntimeClient:
                 del entries[stale]
         self._failing &= listed_ids
 
-    def _due(self, sandbox_id: str, now: int) -> bool:
-        """Whether to ask this listed sandbox's status in this poll: never for a cached entry,
-        once its recheck time came for a skip, always otherwise (new, failed or gone)."""
-        if sandbox_id in self._cache:
-            return False
-        recheck = self._skips.get(sandbox_id)
-        return recheck is None or recheck.at_ns <= now
-
     def _statuses(self, sandbox_ids: list[str]) -> list[tuple[Any, int]]:
         """`_fetch_status` of each id, STATUS_CONCURRENCY at a time, in the order asked."""
-        if not sandbox_ids:
-            return []
         if self._status_pool is None:
             self._status_pool = ThreadPoolExecutor(max_workers=STATUS_CONCURRENCY,
                                                    thread_name_prefix="kiamfast-cri-status")
@@ -307,28 +306,30 @@ class RuntimeClient:
                 failure = _StatusFailed(f"{type(exc).__name__}: {exc}")
         return failure, calls
 
-    def _settle(self, sandbox_id: str, answer: Any, now: int) -> None:
-        """Record one status answer: cache a READY sandbox's entry, schedule a skip's recheck,
-        or leave the sandbox out (failed, or gone or no longer READY: not cached, so asked
-        again if still listed)."""
+    def _settle(self, sandbox_id: str, answer: Any, now: int) -> bool:
+        """Record one status answer: cache a READY sandbox's entry (True: the view changes),
+        schedule a skip's recheck, or leave the sandbox out (failed, or gone or no longer
+        READY: not cached, so asked again if still listed)."""
         if isinstance(answer, _StatusFailed):
             self._status_failed(sandbox_id, answer.error)
-            return
+            return False
         if sandbox_id in self._failing:
             self._failing.discard(sandbox_id)
             log.info("CRI %s: sandbox %s status answered again", self.endpoint, sandbox_id)
         if answer is _GONE or answer.state != cri.SANDBOX_READY:
-            return
+            return False
         try:
             self._cache[sandbox_id] = sandbox_from_status(answer)
         except _Skip as why:
             self._skip(sandbox_id, str(why), now)
+            return False
         except Exception as exc:   # a garbage answer must not stop the poll
             self._skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}", now)
-        else:
-            if self._skips.pop(sandbox_id, None) is not None:
-                log.info("CRI %s: sandbox %s, skipped before, now owns %s", self.endpoint,
-                         sandbox_id, ", ".join(self._cache[sandbox_id].ips))
+            return False
+        if self._skips.pop(sandbox_id, None) is not None:
+            log.info("CRI %s: sandbox %s, skipped before, now owns %s", self.endpoint,
+                     sandbox_id, ", ".join(self._cache[sandbox_id].ips))
+        return True
 
     def _status_failed(self, sandbox_id: str, error: str) -> None:
         self.stats["status_errors"] += 1
@@ -376,10 +377,6 @@ class RuntimeClient:
 
 
 _GONE = object()
-
-
-def _same_entries(a: tuple[Sandbox, ...], b: tuple[Sandbox, ...]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class RuntimePoller:
