@@ -25,15 +25,6 @@ from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 ROLE = "iam.amazonaws.com/role"
 
 
-@pytest.fixture
-def client(cri_fault):
-    c = RuntimeClient(cri_fault.endpoint, timeout=0.5)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _log_lines(caplog, needle):
     return [r for r in caplog.records if needle in r.getMessage()]
 

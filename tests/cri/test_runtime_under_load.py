@@ -31,15 +31,6 @@ from kiamfast.testing.cri_fault import fake_sandbox
 SECOND = 10**9
 
 
-@pytest.fixture
-def client(cri_fault):
-    c = RuntimeClient(cri_fault.endpoint, timeout=0.5)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.ns = time.monotonic_ns()
