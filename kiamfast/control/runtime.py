@@ -8,22 +8,30 @@ sandbox is NOTREADY. So this module asks the runtime, the way the kubelet itself
 (`GetPodStatus` takes a pod's IP only from a `SANDBOX_READY` sandbox):
 
 * `RuntimeClient.poll()` sends `ListPodSandbox` (READY only) and then `PodSandboxStatus`
-  for READY sandboxes it has not seen before. A sandbox's addresses never change, so status
-  answers are cached by sandbox id and dropped once the id is no longer listed: a steady
-  node costs one ~0.3 ms call per poll, and when the list of READY ids has not changed the
-  previous view is reused with the new start time. The view names the owner of every address claimed
-  by exactly one READY sandbox; an address claimed by two is owned by nobody.
+  for READY sandboxes it has not seen before, up to 8 at once (50 pods starting together on
+  a slow runtime must not queue their status calls one behind the other). A sandbox's
+  addresses never change, so status answers are cached by sandbox id and dropped once the
+  id is no longer listed: a steady node costs one ~0.3 ms call per poll, and when the
+  view's sandboxes have not changed the previous view is reused with the new start time.
+  The view names the owner of every address claimed by exactly one READY sandbox; an
+  address claimed by two is owned by nobody.
 * `RuntimeView.started_ns` is taken *before* the list request is sent. The freshness
   argument rests on it: a view started at S reflects every sandbox stop that completed
   before S, so a connection accepted at T may be answered from a view with S >= T.
 * `RuntimePoller` runs the polls on one dedicated thread (gRPC calls never touch the event
-  loop), periodically and on demand (`need()`), coalescing concurrent demands into at most
-  one follow-up poll; an outage is reported once and retried with jittered backoff.
+  loop), periodically and on demand (`need()`), coalescing concurrent demands into one
+  follow-up poll; demand polls start at least `demand_floor` apart, so a pod opening
+  connections in a loop costs the runtime at most 1/floor polls per second; an outage is
+  reported once and retried with jittered backoff.
 
 What the runtime says is treated as untrusted input: a sandbox without the kubelet's three
-`io.kubernetes.pod.*` labels, a host-network sandbox, or one with an unparsable address is
-skipped (one log line per sandbox id, never per poll); two READY sandboxes claiming one
-address put it in `conflicts` (one log line per episode). Any failure to get an answer
+`io.kubernetes.pod.*` labels, a host-network sandbox, or one with no or an unparsable
+address is skipped (one log line per sandbox id, never per poll) and asked again after 1 s,
+doubling up to 30 s (an address can show up late; a skip must not last the sandbox's life);
+two READY sandboxes claiming one address put it in `conflicts` (one log line per episode).
+A `PodSandboxStatus` error is retried once within the poll (unless it timed out); if it
+fails again only that sandbox is left out of the view (it owns nothing there) and it is
+asked again on the next poll (one log line per episode). Any failure to get the list
 (socket missing, timeout, gRPC error, runtime restarting) is `RuntimeUnavailable`.
 
 Only the control process imports this module; server workers never import grpc.
@@ -57,6 +65,13 @@ DEFAULT_ENDPOINTS = ("unix:///run/containerd/containerd.sock",
 POD_UID_LABEL = "io.kubernetes.pod.uid"
 POD_NAME_LABEL = "io.kubernetes.pod.name"
 POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+
+STATUS_CONCURRENCY = 8     # PodSandboxStatus calls in flight at once within one poll
+SKIP_RECHECK_FIRST = 1.0   # a skipped sandbox is asked again after this many seconds,
+SKIP_RECHECK_MAX = 30.0    # doubling up to this
+# Demand polls start at least this far apart (see RuntimePoller): a first call waits at most
+# this much longer than the runtime's answer, a seventh of --wait-budget's 0.35 s.
+DEMAND_FLOOR = 0.05
 
 # gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted runtime should
 # be reached on the poller's schedule instead, so keep gRPC's short (we also rebuild the
@@ -100,7 +115,7 @@ class Sandbox:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeView:
-    """One observation. When the READY set did not change since the previous poll, the new
+    """One observation. When its sandboxes did not change since the previous poll, the new
     view shares the previous one's `sandboxes`, `owners` and `conflicts` objects (only
     `started_ns` differs), so a consumer can skip its work with an identity check."""
     started_ns: int                  # monotonic_ns taken just before ListPodSandbox was sent
@@ -115,6 +130,19 @@ class RuntimeUnavailable(Exception):
 
 class _Skip(Exception):
     """A sandbox the view must leave out; the message says why (logged once per id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _StatusFailed:
+    """A PodSandboxStatus that gave no answer, after its retry: why."""
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Recheck:
+    """When to ask a skipped sandbox again, and the wait that led there (doubled next time)."""
+    at_ns: int
+    wait: float
 
 
 def canonical_ip(text: str) -> str:
@@ -172,14 +200,17 @@ class RuntimeClient:
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
-        # id -> Sandbox (or None: skipped). Only READY answers are cached.
-        self._cache: dict[str, Sandbox | None] = {}
-        self._skipped_logged: set[str] = set()
+        self._status_pool: ThreadPoolExecutor | None = None
+        self._cache: dict[str, Sandbox] = {}        # listed READY sandboxes' entries, by id
+        self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
+        self._failing: set[str] = set()             # ids whose status failed (logged)
         self._conflicts_logged: set[str] = set()
-        self._last_ids: tuple[str, ...] = ()
+        self._listed_ids: tuple[str, ...] = ()      # READY ids the last view was built from
+        self._uncached: list[str] = []              # the listed ids without a cached entry
         self._last_view: RuntimeView | None = None
         self.stats: dict[str, int] = {"polls": 0, "status_calls": 0, "errors": 0,
-                                      "skipped_sandboxes": 0, "conflicts": 0}
+                                      "status_errors": 0, "skipped_sandboxes": 0,
+                                      "conflicts": 0}
 
     def _runtime(self) -> Any:
         with self._lock:
@@ -200,8 +231,6 @@ class RuntimeClient:
         try:
             return getattr(self._runtime(), method)(request, timeout=self.timeout)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND and method == "PodSandboxStatus":
-                raise   # the sandbox went away between list and status: not an outage
             self.stats["errors"] += 1
             self._reset()
             raise RuntimeUnavailable(
@@ -224,56 +253,103 @@ class RuntimeClient:
         listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only)).items
         self.stats["polls"] += 1
         ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
-        if ready_ids == self._last_ids and self._last_view is not None:
+        changed = ready_ids != self._listed_ids
+        if changed:
+            self._forget_unlisted(set(ready_ids))
+            self._uncached = [i for i in dict.fromkeys(ready_ids) if i not in self._cache]
+        now = self._clock_ns()
+        # ask the new, the failed or gone before, and the skipped whose recheck is due
+        skips = self._skips
+        due = [i for i in self._uncached if i not in skips or skips[i].at_ns <= now]
+        if due:
+            for sandbox_id, (answer, calls) in zip(due, self._statuses(due)):
+                self.stats["status_calls"] += calls
+                changed |= self._settle(sandbox_id, answer, now)
+            self._uncached = [i for i in self._uncached if i not in self._cache]
+        if not changed and self._last_view is not None:
             # nothing started or stopped since: same owners, observed at this poll's time
             return dataclasses.replace(self._last_view, started_ns=started_ns)
-        sandboxes = []
-        for sandbox_id in ready_ids:
-            if sandbox_id not in self._cache:
-                entry = self._status(sandbox_id)
-                if entry is _GONE:
-                    continue
-                self._cache[sandbox_id] = entry   # type: ignore[assignment]
-            entry = self._cache[sandbox_id]
-            if entry is not None:
-                sandboxes.append(entry)
-        listed_ids = set(ready_ids)
-        for stale in [k for k in self._cache if k not in listed_ids]:
-            del self._cache[stale]
-        self._skipped_logged &= listed_ids
-        view = self._view(started_ns, sandboxes)
-        # a sandbox left out because it vanished mid-poll (NOT_FOUND) must be asked again
-        complete = all(sandbox_id in self._cache for sandbox_id in ready_ids)
-        self._last_ids, self._last_view = (ready_ids, view) if complete else ((), None)
-        return view
+        sandboxes = tuple(self._cache[i] for i in ready_ids if i in self._cache)
+        # together: a poll that failed half-way must not leave a list the view does not show
+        self._listed_ids, self._last_view = ready_ids, self._view(started_ns, sandboxes)
+        return self._last_view
 
-    def _status(self, sandbox_id: str) -> Sandbox | None | object:
-        """Status of a newly listed sandbox: its entry, None (skipped: cached as such), or
-        _GONE (removed or no longer READY meanwhile: not cached, absent from this view)."""
-        self.stats["status_calls"] += 1
+    def _forget_unlisted(self, listed_ids: set[str]) -> None:
+        for entries in (self._cache, self._skips):
+            for stale in [k for k in entries if k not in listed_ids]:
+                del entries[stale]
+        self._failing &= listed_ids
+
+    def _statuses(self, sandbox_ids: list[str]) -> list[tuple[Any, int]]:
+        """`_fetch_status` of each id, STATUS_CONCURRENCY at a time, in the order asked."""
+        if self._status_pool is None:
+            self._status_pool = ThreadPoolExecutor(max_workers=STATUS_CONCURRENCY,
+                                                   thread_name_prefix="kiamfast-cri-status")
+        return list(self._status_pool.map(self._fetch_status, sandbox_ids))
+
+    def _fetch_status(self, sandbox_id: str) -> tuple[Any, int]:
+        """(answer, calls made): the status message, _GONE (NOT_FOUND: removed since the
+        list) or _StatusFailed. Runs on a pool thread: touches no state of the client. A
+        failure is retried once, unless it timed out: a second wait would hold the whole
+        poll, and every first call waiting for it, as long again."""
+        request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+        for calls in (1, 2):
+            try:
+                return self._runtime().PodSandboxStatus(request, timeout=self.timeout).status, calls
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return _GONE, calls
+                failure = _StatusFailed(_describe(exc))
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    break
+            except Exception as exc:   # a malformed answer the stub could not even raise for
+                failure = _StatusFailed(f"{type(exc).__name__}: {exc}")
+        return failure, calls
+
+    def _settle(self, sandbox_id: str, answer: Any, now: int) -> bool:
+        """Record one status answer: cache a READY sandbox's entry (True: the view changes),
+        schedule a skip's recheck, or leave the sandbox out (failed, or gone or no longer
+        READY: not cached, so asked again if still listed)."""
+        if isinstance(answer, _StatusFailed):
+            self._status_failed(sandbox_id, answer.error)
+            return False
+        if sandbox_id in self._failing:
+            self._failing.discard(sandbox_id)
+            log.info("CRI %s: sandbox %s status answered again", self.endpoint, sandbox_id)
+        if answer is _GONE or answer.state != cri.SANDBOX_READY:
+            return False
         try:
-            status = self._call("PodSandboxStatus",
-                                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)).status
-        except grpc.RpcError:   # NOT_FOUND only; everything else is RuntimeUnavailable
-            return _GONE
-        if status.state != cri.SANDBOX_READY:
-            return _GONE
-        try:
-            return sandbox_from_status(status)
+            self._cache[sandbox_id] = sandbox_from_status(answer)
         except _Skip as why:
-            self._log_skip(sandbox_id, str(why))
+            self._skip(sandbox_id, str(why), now)
+            return False
         except Exception as exc:   # a garbage answer must not stop the poll
-            self._log_skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}")
-        return None
+            self._skip(sandbox_id, f"unreadable status: {type(exc).__name__}: {exc}", now)
+            return False
+        if self._skips.pop(sandbox_id, None) is not None:
+            log.info("CRI %s: sandbox %s, skipped before, now owns %s", self.endpoint,
+                     sandbox_id, ", ".join(self._cache[sandbox_id].ips))
+        return True
 
-    def _log_skip(self, sandbox_id: str, why: str) -> None:
-        if sandbox_id not in self._skipped_logged:
-            self._skipped_logged.add(sandbox_id)
+    def _status_failed(self, sandbox_id: str, error: str) -> None:
+        self.stats["status_errors"] += 1
+        if sandbox_id not in self._failing:
+            self._failing.add(sandbox_id)
+            log.warning("CRI %s: PodSandboxStatus %s failed twice (%s): the sandbox owns "
+                        "nothing until it answers; asked again every poll", self.endpoint,
+                        sandbox_id, error)
+
+    def _skip(self, sandbox_id: str, why: str, now: int) -> None:
+        """Leave the sandbox out and ask again later (1 s, doubling to 30 s): logged once."""
+        recheck = self._skips.get(sandbox_id)
+        if recheck is None:
             self.stats["skipped_sandboxes"] += 1
-            log.warning("CRI %s: sandbox %s skipped (owns no address): %s",
-                        self.endpoint, sandbox_id, why)
+            log.warning("CRI %s: sandbox %s skipped (owns no address): %s", self.endpoint,
+                        sandbox_id, why)
+        wait = SKIP_RECHECK_FIRST if recheck is None else min(SKIP_RECHECK_MAX, recheck.wait * 2)
+        self._skips[sandbox_id] = _Recheck(at_ns=now + round(wait * 1e9), wait=wait)
 
-    def _view(self, started_ns: int, sandboxes: list[Sandbox]) -> RuntimeView:
+    def _view(self, started_ns: int, sandboxes: tuple[Sandbox, ...]) -> RuntimeView:
         claims: dict[str, list[Sandbox]] = {}
         for sandbox in sandboxes:
             for ip in sandbox.ips:
@@ -290,11 +366,14 @@ class RuntimeClient:
             log.info("CRI %s: address conflict over for %s", self.endpoint,
                      ", ".join(sorted(ended)))
         self._conflicts_logged = set(conflicts)
-        return RuntimeView(started_ns=started_ns, sandboxes=tuple(sandboxes),
+        return RuntimeView(started_ns=started_ns, sandboxes=sandboxes,
                            owners=MappingProxyType(owners), conflicts=conflicts)
 
     def close(self) -> None:
         self._reset()
+        if self._status_pool is not None:
+            self._status_pool.shutdown(wait=False, cancel_futures=True)
+            self._status_pool = None
 
 
 _GONE = object()
@@ -307,22 +386,28 @@ class RuntimePoller:
     thread. `on_view`, `on_failure` and `on_state` are called on the event loop thread.
     `on_state` is called at every change of health, the first poll's outcome included;
     `on_failure(started_ns)` after every failed attempt, dated like a view (before the
-    request).  During an outage a demand still gets an attempt at once (at most one per
-    `demand_spacing`): the runtime may be back before the backoff ends, and a connection
-    accepted meanwhile must be judged by an attempt begun after it.
+    request).
+
+    A demand starts a poll before the periodic one is due, but never sooner than
+    `demand_floor` after the previous demand poll began: every need that arrives during a
+    poll or during the floor is served by the one poll that follows, so one pod opening
+    connections in a loop costs the runtime at most 1/floor polls per second (plus the
+    periodic ones), and a first call waits at most the floor longer.  During an outage a
+    demand gets an attempt the same way: the runtime may be back before the backoff ends,
+    and a connection accepted meanwhile must be judged by an attempt begun after it.
     """
 
     def __init__(self, client: RuntimeClient, *, on_view: Callable[[RuntimeView], None],
                  on_state: Callable[[bool, str], None],
                  on_failure: Callable[[int], None] = lambda started_ns: None,
                  interval: float = 1.0, backoff_max: float = 30.0, backoff_min: float = 0.2,
-                 demand_spacing: float = 0.05, rng: Any = None,
+                 demand_floor: float = DEMAND_FLOOR, rng: Any = None,
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.client = client
         self._on_view = on_view
         self._on_state = on_state
         self._on_failure = on_failure
-        self.demand_spacing = demand_spacing
+        self.demand_floor = demand_floor
         self.interval = interval
         self.backoff_max = backoff_max
         self.backoff_min = min(backoff_min, backoff_max)
@@ -335,6 +420,7 @@ class RuntimePoller:
         self._wanted_ns = -1         # the largest after_ns asked for by need()
         self._last_started_ns = -1   # started_ns of the last view handed to on_view
         self._last_attempt_ns = -1   # when the last attempt (view or failure) began
+        self._demand_began = float("-inf")   # loop time the last demand poll began
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self.stats: dict[str, int] = {"polls": 0, "failed_polls": 0, "outages": 0,
@@ -346,8 +432,8 @@ class RuntimePoller:
 
     def need(self, after_ns: int) -> None:
         """A request needs a view whose started_ns >= after_ns (a connection accepted at after_ns).
-        If a poll is running that started before after_ns, another one follows immediately after it;
-        requests arriving while a poll runs are coalesced into one following poll."""
+        If a poll is running that started before after_ns, another one follows it (not sooner
+        than the floor); requests arriving meanwhile are coalesced into that poll."""
         loop = self._loop
         if loop is not None and loop.is_running():
             try:
@@ -370,19 +456,20 @@ class RuntimePoller:
         return self._wanted_ns > self._last_attempt_ns
 
     async def run(self) -> None:
-        """Forever: poll every `interval` s, or at once when need() asks. Never raises for
-        runtime faults; cancel it to stop."""
+        """Forever: poll every `interval` s, or sooner when need() asks (see the floor above).
+        Never raises for runtime faults; cancel it to stop."""
         loop = asyncio.get_running_loop()
         self._loop, self._wake = loop, asyncio.Event()
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiamfast-cri")
         failures = 0
+        early = False                              # the first poll is nobody's demand
         try:
             while True:
-                demanded = self._demanded()
                 self._wake.clear()
                 self.stats["polls"] += 1
-                if demanded:
+                if early:
                     self.stats["demand_polls"] += 1
+                    self._demand_began = loop.time()
                 attempt_ns = self._clock_ns()      # not after the client's own request
                 try:
                     view = await loop.run_in_executor(executor, self.client.poll)
@@ -395,7 +482,7 @@ class RuntimePoller:
                         self._on_failure(attempt_ns)
                     except Exception:
                         log.exception("CRI %s: on_failure failed", self.client.endpoint)
-                    await self._pause(self._backoff(failures))
+                    early = await self._pause(self._backoff(failures))
                     continue
                 failures = 0
                 self._last_started_ns = view.started_ns
@@ -406,28 +493,28 @@ class RuntimePoller:
                     self._on_view(view)
                 except Exception:
                     log.exception("CRI %s: on_view failed", self.client.endpoint)
-                if not self._demanded():
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout=self.interval)
-                    except TimeoutError:
-                        pass
+                early = await self._pause(self.interval)
         finally:
             self._loop = self._wake = None
             executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _pause(self, backoff: float) -> None:
-        """Wait out the backoff, or less when a request wants an attempt (not sooner than
-        demand_spacing: an unreachable runtime costs one attempt per spacing at most)."""
+    async def _pause(self, wait: float) -> bool:
+        """Wait `wait` s (the interval or a backoff), or less when a request wants a poll:
+        until demand_floor after the previous demand poll began. True if it ended early."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + backoff
-        await asyncio.sleep(min(self.demand_spacing, backoff))
-        left = until - loop.time()
-        if left > 0 and not self._demanded():
+        until = loop.time() + wait
+        while not self._demanded():
+            left = until - loop.time()
+            if left <= 0:
+                return False
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=left)
             except TimeoutError:
-                pass
+                return False
+        start = min(until, self._demand_began + self.demand_floor)
+        await asyncio.sleep(max(0.0, start - loop.time()))
+        return start < until
 
     def _backoff(self, failures: int) -> float:
         """Jittered exponential: between half and all of min(cap, min * 2^(n-1))."""

@@ -12,15 +12,18 @@ A test sets the sandboxes (`put`, `stop`, `remove`) and the faults (`fault(metho
 * `delay`: the answer is held that long (a slow runtime, a timeout when above the client's);
 * `error`: a gRPC status code (UNAVAILABLE, INTERNAL, ...) instead of an answer;
 * `garbage`: bytes that are no valid protobuf message (the client's decoding fails);
-* `times`: the fault applies to the next N calls only (None: until cleared).
+* `gather`: each call is held until that many calls of the method have been in flight at
+  once (at most 5 s): only a client that asks in parallel gets its answers in time;
+* `times`: the fault applies to the next N calls only (None: until cleared);
+* `sandbox_id`: the fault applies to `PodSandboxStatus` for that sandbox only.
 
 Malformed *contents* are ordinary sandboxes built with `fake_sandbox(...)`: one without the
 kubelet's labels, two READY ones claiming one address, a host-network one, an address that
 does not parse. Two switches make it answer like other runtimes: `ignore_filter` (lists
 every sandbox whatever the filter) and `stopped_keep_ips` (a NOTREADY sandbox still reports
-its addresses, as CRI-O may). `calls` counts the requests per method and `arrivals`
-records when each one arrived. `kiamfast demo` can use it to show the runtime path without
-a real runtime.
+its addresses, as CRI-O may). `calls` counts the requests per method, `arrivals` records
+when each one arrived, and `peak` the most calls of a method in flight at once. `kiamfast
+demo` can use it to show the runtime path without a real runtime.
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class _Fault:
     delay: float = 0.0
     error: grpc.StatusCode | None = None
     garbage: bool = False
+    gather: int = 0
     times: int | None = None
 
 
@@ -108,9 +112,11 @@ class CriFault:
         self.stopped_keep_ips = stopped_keep_ips
         self.arrivals: list[tuple[str, int]] = []   # (method, monotonic_ns when it arrived)
         self.calls: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self.peak: Counter[str] = Counter()          # most calls of a method in flight at once
+        self._in_flight: Counter[str] = Counter()
+        self._lock = threading.Condition()
         self._sandboxes: dict[str, FakeSandbox] = {}
-        self._faults: dict[str, _Fault] = {}
+        self._faults: dict[tuple[str, str | None], _Fault] = {}
         self._server: grpc.Server | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -118,7 +124,8 @@ class CriFault:
     def start(self) -> CriFault:
         if os.path.exists(self.socket_path):
             os.unlink(self.socket_path)
-        server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix="cri-fault"))
+        # more threads than any client asks at once: a limit on concurrency is the client's
+        server = grpc.server(ThreadPoolExecutor(max_workers=32, thread_name_prefix="cri-fault"))
         server.add_generic_rpc_handlers((self._handlers(),))
         if server.add_insecure_port(self.endpoint) == 0:
             raise OSError(f"cannot listen on {self.endpoint}")
@@ -167,10 +174,13 @@ class CriFault:
             self._sandboxes.clear()
 
     def fault(self, method: str, *, delay: float = 0.0, error: grpc.StatusCode | None = None,
-              garbage: bool = False, times: int | None = None) -> None:
-        """Make `method` ('ListPodSandbox', 'PodSandboxStatus', 'Version', or '*') misbehave."""
+              garbage: bool = False, gather: int = 0, times: int | None = None,
+              sandbox_id: str | None = None) -> None:
+        """Make `method` ('ListPodSandbox', 'PodSandboxStatus', 'Version', or '*') misbehave
+        (for one sandbox's PodSandboxStatus only, with `sandbox_id`)."""
         with self._lock:
-            self._faults[method] = _Fault(delay=delay, error=error, garbage=garbage, times=times)
+            self._faults[method, sandbox_id] = _Fault(delay=delay, error=error, garbage=garbage,
+                                                      gather=gather, times=times)
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -184,15 +194,26 @@ class CriFault:
                 with self._lock:
                     self.arrivals.append((method, time.monotonic_ns()))
                     self.calls[method] += 1
-                fault = self._take_fault(method)
-                if fault is not None:
-                    if fault.delay:
-                        time.sleep(fault.delay)
-                    if fault.error is not None:
-                        context.abort(fault.error, f"cri-fault: injected {fault.error.name}")
-                    if fault.garbage:
-                        return _GARBAGE
-                return answer(request, context)
+                    self._in_flight[method] += 1
+                    self.peak[method] = max(self.peak[method], self._in_flight[method])
+                    self._lock.notify_all()
+                try:
+                    fault = self._take_fault(method, getattr(request, "pod_sandbox_id", None))
+                    if fault is not None:
+                        if fault.gather:
+                            with self._lock:
+                                self._lock.wait_for(lambda: self.peak[method] >= fault.gather,
+                                                    timeout=5.0)
+                        if fault.delay:
+                            time.sleep(fault.delay)
+                        if fault.error is not None:
+                            context.abort(fault.error, f"cri-fault: injected {fault.error.name}")
+                        if fault.garbage:
+                            return _GARBAGE
+                    return answer(request, context)
+                finally:
+                    with self._lock:
+                        self._in_flight[method] -= 1
             return grpc.unary_unary_rpc_method_handler(
                 serve, request_deserializer=request_type.FromString,
                 response_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString())
@@ -207,9 +228,10 @@ class CriFault:
                                         answer=self._status),
         })
 
-    def _take_fault(self, method: str) -> _Fault | None:
+    def _take_fault(self, method: str, sandbox_id: str | None) -> _Fault | None:
         with self._lock:
-            key = method if method in self._faults else "*" if "*" in self._faults else None
+            key = next((k for k in ((method, sandbox_id), (method, None), ("*", None))
+                        if k in self._faults), None)
             if key is None:
                 return None
             fault = self._faults[key]

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from containerd import Containerd, NodeNetns, unavailable_reason  # noqa: E402
 
-from kiamfast.control.runtime import RuntimePoller, RuntimeView  # noqa: E402
+from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeView  # noqa: E402
 from kiamfast.testing.cri_fault import CriFault  # noqa: E402
 
 
@@ -74,6 +74,17 @@ def containerd(test_failed, session_containerd):
 def cri_fault():
     with CriFault() as runtime:
         yield runtime
+
+
+@pytest.fixture
+def client(cri_fault):
+    """A client of the fault double with a short deadline (0.5 s); test_runtime_client.py
+    has its own, of the real containerd."""
+    c = RuntimeClient(cri_fault.endpoint, timeout=0.5)
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 class ViewRecorder:

@@ -3,8 +3,10 @@
 The fault double (kiamfast/testing/cri_fault.py) speaks the real runtime.v1 gRPC protocol on
 a unix socket. Each fault must end in the safe outcome: a surprising sandbox owns nothing
 (logged once), an address two READY sandboxes claim is owned by nobody (logged once per
-episode), an error, a timeout or garbage is `RuntimeUnavailable` naming the endpoint, and
-nothing ever escapes the poller, which reports the outage once and recovers. No root needed.
+episode), an error, a timeout or garbage in the list is `RuntimeUnavailable` naming the
+endpoint (in one sandbox's status it only leaves that sandbox out: test_runtime_under_load),
+and nothing ever escapes the poller, which reports the outage once and recovers. No root
+needed.
 """
 from __future__ import annotations
 
@@ -15,19 +17,12 @@ import time
 import grpc
 import pytest
 
+from poller_tasks import running, stop
+
 from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeUnavailable
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
 ROLE = "iam.amazonaws.com/role"
-
-
-@pytest.fixture
-def client(cri_fault):
-    c = RuntimeClient(cri_fault.endpoint, timeout=0.5)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _log_lines(caplog, needle):
@@ -139,15 +134,14 @@ def test_two_ready_sandboxes_on_one_address_own_it_nobody(cri_fault, client, cap
     assert client.stats["conflicts"] == 2
 
 
-# -- errors: RuntimeUnavailable naming the endpoint ------------------------------------
+# -- errors in the list: RuntimeUnavailable naming the endpoint -------------------------
 
-@pytest.mark.parametrize("method", ["ListPodSandbox", "PodSandboxStatus"])
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                   grpc.StatusCode.PERMISSION_DENIED,
                                   grpc.StatusCode.UNIMPLEMENTED])
-def test_runtime_errors_are_unavailable_naming_endpoint_and_error(cri_fault, client, method, code):
+def test_list_errors_are_unavailable_naming_endpoint_and_error(cri_fault, client, code):
     cri_fault.put(fake_sandbox(name="a", ip="10.0.4.1"))
-    cri_fault.fault(method, error=code, times=1)
+    cri_fault.fault("ListPodSandbox", error=code, times=1)
     with pytest.raises(RuntimeUnavailable) as raised:
         client.poll()
     assert cri_fault.endpoint in str(raised.value) and code.name in str(raised.value)
@@ -162,12 +156,15 @@ def test_slow_runtime_times_out(cri_fault, client):
     assert time.monotonic() - started < 1.2   # the client's 0.5 s, not the runtime's 1.5 s
 
 
-def test_garbage_answer_is_unavailable(cri_fault, client):
+def test_garbage_list_is_unavailable_and_garbage_status_leaves_the_sandbox_out(cri_fault,
+                                                                             client):
     cri_fault.put(fake_sandbox(name="a", ip="10.0.4.2"))
-    for method in ("ListPodSandbox", "PodSandboxStatus"):
-        cri_fault.fault(method, garbage=True, times=1)
-        with pytest.raises(RuntimeUnavailable, match=method):
-            client.poll()
+    cri_fault.fault("ListPodSandbox", garbage=True, times=1)
+    with pytest.raises(RuntimeUnavailable, match="ListPodSandbox"):
+        client.poll()
+    cri_fault.fault("PodSandboxStatus", garbage=True, times=2)   # the call and its retry
+    assert client.poll().owners == {} and client.stats["status_errors"] == 1
+    assert set(client.poll().owners) == {"10.0.4.2"}
 
 
 def test_missing_socket_is_unavailable(tmp_path):
@@ -185,19 +182,6 @@ def test_version_names_the_runtime(cri_fault, client):
 
 # -- the poller never lets a fault out ---------------------------------------------------
 
-async def _running(poller):
-    task = asyncio.create_task(poller.run())
-    await asyncio.sleep(0)
-    return task
-
-
-async def _stop(task):
-    assert not task.done(), task
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, client, recorder,
                                                                   caplog):
     pod = fake_sandbox(name="steady", ip="10.0.5.1")
@@ -206,7 +190,7 @@ def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, cli
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.05, backoff_min=0.05, backoff_max=0.1)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         faults = [dict(error=grpc.StatusCode.UNAVAILABLE), dict(garbage=True),
                   dict(delay=0.8), dict(error=grpc.StatusCode.INTERNAL)]
@@ -222,7 +206,7 @@ def test_poller_survives_every_fault_and_reports_each_outage_once(cri_fault, cli
         await asyncio.to_thread(cri_fault.start)
         await recorder.until(lambda: poller.healthy, timeout=3)
         view = await recorder.view_after(poller, time.monotonic_ns())
-        await _stop(task)
+        await stop(task)
         return poller, view
 
     with caplog.at_level(logging.WARNING, logger="kiamfast.runtime"):
@@ -239,7 +223,7 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         # Slow, but well inside the client's 0.5 s deadline (a poll that times out is a
         # failure, not a slow poll).
@@ -255,7 +239,7 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
             await asyncio.sleep(0.002)
         views = await asyncio.gather(first, *waits)
         await asyncio.sleep(0.7)           # nothing else follows
-        await _stop(task)
+        await stop(task)
         return views, cri_fault.calls["ListPodSandbox"] - lists_before
 
     views, lists = asyncio.run(asyncio.wait_for(body(), 15))
@@ -265,14 +249,14 @@ def test_needs_during_a_slow_poll_are_coalesced_into_one_more_poll(cri_fault, cl
 
 def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, client, recorder):
     """A connection accepted during an outage is judged by an attempt begun after it (the
-    runtime may be back before the backoff ends), at most one per demand_spacing."""
+    runtime may be back before the backoff ends), at most one per demand_floor."""
     failures = []
 
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                on_failure=failures.append, interval=30.0,
-                               backoff_min=10.0, backoff_max=10.0, demand_spacing=0.05)
-        task = await _running(poller)
+                               backoff_min=10.0, backoff_max=10.0, demand_floor=0.05)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(cri_fault.stop)
         poller.need(time.monotonic_ns())
@@ -288,7 +272,7 @@ def test_needs_during_an_outage_get_prompt_attempts_but_never_spin(cri_fault, cl
         await asyncio.to_thread(cri_fault.start)  # back before the 10 s backoff ends
         back = time.monotonic_ns()
         view = await recorder.view_after(poller, back)
-        await _stop(task)
+        await stop(task)
         return attempts, view
 
     attempts, view = asyncio.run(asyncio.wait_for(body(), 10))
@@ -302,12 +286,12 @@ def test_need_from_another_thread_is_handed_to_the_loop(cri_fault, client, recor
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         after = time.monotonic_ns()
         await asyncio.to_thread(poller.need, after)
         await recorder.until(lambda: recorder.views[-1].started_ns >= after, timeout=3)
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -326,11 +310,11 @@ def test_need_from_the_future_is_answered_once_not_polled_for_forever(cri_fault,
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         poller.need(time.monotonic_ns() + 10 * 10**9)   # a wrong clock: 10 s ahead
         await asyncio.sleep(0.5)
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 10))
     assert len(recorder.views) == 2, len(recorder.views)

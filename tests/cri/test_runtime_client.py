@@ -2,8 +2,9 @@
 
 What the agent will rely on, checked where it comes from: a READY sandbox owns its
 addresses under the pod identity in its labels; a stopped sandbox (or one whose pause
-process died) owns nothing at once, before anyone removes it; an address host-local hands to a new sandbox moves with it; a
-view started after a stop never shows the stopped owner; status answers are asked once per
+process died) owns nothing at once, before anyone removes it; an address host-local hands
+to a new sandbox moves with it; a view started after a stop never shows the stopped owner;
+status answers are asked once per sandbox, and many asked at once each land on their own
 sandbox; host-network and label-less sandboxes own nothing; a killed containerd is an
 outage the poller reports once and recovers from, with the sandboxes still there. And the
 harness itself: a client entered into a sandbox reaches the node from the sandbox's
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from containerd import sweep_stale_runs
+from poller_tasks import running, stop
 
 from kiamfast.control import runtime
 from kiamfast.control.runtime import (RuntimeClient, RuntimePoller, RuntimeUnavailable,
@@ -151,6 +153,17 @@ def test_status_is_asked_once_per_sandbox(containerd, client):
 
 
 @pytest.mark.root
+def test_new_sandboxes_asked_together_each_own_their_own_addresses(containerd, client):
+    """One poll asks the statuses of many new sandboxes at once (several in flight): each
+    answer must land on its own sandbox, as containerd gives them."""
+    pods = [containerd.run_sandbox(f"batch-{i}") for i in range(12)]
+    view = client.poll()
+    assert {ip: (s.id, s.pod_uid, s.name) for ip, s in view.owners.items()} == \
+        {ip: (p.id, p.uid, p.name) for p in pods for ip in (p.ip, *p.additional_ips)}
+    assert client.stats["status_calls"] == 12 and client.stats["status_errors"] == 0
+
+
+@pytest.mark.root
 def test_host_network_sandbox_owns_nothing(containerd, client, caplog):
     host = containerd.run_sandbox("node-exporter", host_network=True, annotations={ROLE: "x"})
     pod = containerd.run_sandbox("app")
@@ -187,27 +200,14 @@ def test_killed_containerd_is_unavailable_and_restarted_one_still_has_the_sandbo
 
 # -- the poller ------------------------------------------------------------------------
 
-async def _running(poller):
-    task = asyncio.create_task(poller.run())
-    await asyncio.sleep(0)
-    return task
-
-
-async def _stop(task):
-    assert not task.done(), task   # run() must never have returned or raised
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
 @pytest.mark.root
 def test_poller_polls_periodically(containerd, client, recorder):
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.1)
-        task = await _running(poller)
+        task = await running(poller)
         await asyncio.sleep(0.55)
-        await _stop(task)
+        await stop(task)
         return poller
 
     poller = asyncio.run(asyncio.wait_for(body(), 10))
@@ -225,7 +225,7 @@ def test_need_is_answered_by_a_view_that_no_longer_shows_a_sandbox_stopped_befor
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)   # only need() makes it poll
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         for i in range(3):
             pod = await asyncio.to_thread(containerd.run_sandbox, f"short-{i}")
@@ -235,7 +235,7 @@ def test_need_is_answered_by_a_view_that_no_longer_shows_a_sandbox_stopped_befor
             stopped_at = time.monotonic_ns()
             view = await recorder.view_after(poller, stopped_at)
             assert view.started_ns >= stopped_at and pod.ip not in view.owners
-        await _stop(task)
+        await stop(task)
 
     asyncio.run(asyncio.wait_for(body(), 20))
     assert len(recorder.views) == 7   # the first one and one per need(): nothing periodic
@@ -248,7 +248,7 @@ def test_concurrent_needs_are_all_satisfied_with_few_polls(containerd, client, r
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=30.0)
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         polls_before = client.stats["polls"]
 
@@ -259,7 +259,7 @@ def test_concurrent_needs_are_all_satisfied_with_few_polls(containerd, client, r
             assert view.started_ns >= after
 
         await asyncio.gather(*(caller() for _ in range(50)))
-        await _stop(task)
+        await stop(task)
         return client.stats["polls"] - polls_before
 
     polls = asyncio.run(asyncio.wait_for(body(), 20))
@@ -274,7 +274,7 @@ def test_poller_reports_a_runtime_outage_once_backs_off_and_recovers(
     async def body():
         poller = RuntimePoller(client, on_view=recorder.on_view, on_state=recorder.on_state,
                                interval=0.1, backoff_max=1.0, rng=random.Random(7))
-        task = await _running(poller)
+        task = await running(poller)
         await recorder.until(lambda: recorder.views)
         await asyncio.to_thread(containerd.kill)
         await recorder.until(lambda: not poller.healthy)
@@ -289,13 +289,13 @@ def test_poller_reports_a_runtime_outage_once_backs_off_and_recovers(
         await asyncio.to_thread(containerd.start)
         await recorder.until(lambda: poller.healthy, timeout=5)
         view = await recorder.view_after(poller, time.monotonic_ns())
-        await _stop(task)
+        await stop(task)
         return poller, failed_during, views_before, view
 
     poller, failed_during, views_before, view = asyncio.run(asyncio.wait_for(body(), 30))
-    # callers asking all the time get an attempt each 50 ms at most (demand_spacing): about
-    # 40 in 2 s, not 200
-    assert 1 <= failed_during <= 2.0 / 0.05 + 3, failed_during
+    # callers asking all the time get an attempt each demand_floor at most: about 40 in
+    # 2 s at 50 ms, not 200
+    assert 1 <= failed_during <= 2.0 / poller.demand_floor + 3, failed_during
     assert [ok for ok, _ in recorder.states] == [True, False, True]
     message = recorder.states[1][1]
     assert containerd.endpoint in message and "UNAVAILABLE" in message
