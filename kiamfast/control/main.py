@@ -414,8 +414,12 @@ class ControlProcess:
         if self.poller is not None:
             lines += ["# HELP kiamfast_runtime_total Container runtime activity by kind.",
                       "# TYPE kiamfast_runtime_total counter"]
+            # the poller's attempts, and what the client saw in them (its own "polls" are
+            # the poller's successful ones: named apart)
+            kinds = {**{f"client_{k}" if k in self.poller.stats else k: v
+                        for k, v in self.poller.client.stats.items()}, **self.poller.stats}
             lines += [f'kiamfast_runtime_total{{kind="{k}"}} {v}'
-                      for k, v in sorted(self.poller.stats.items())
+                      for k, v in sorted(kinds.items())
                       if isinstance(v, int) and not isinstance(v, bool)]
         if self.watcher is not None:
             stats = self.watcher.stats()

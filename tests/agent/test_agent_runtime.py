@@ -114,6 +114,9 @@ def test_runtime_outage_answers_where_the_last_view_and_the_api_agree_and_recove
     health = orjson.loads(http(node["port"], "/healthz")[1])
     assert node["cri"].endpoint in health["runtime"]
     until(lambda: b"kiamfast_runtime_up 0" in http(node["port"], "/metrics")[1])
+    metrics = http(node["port"], "/metrics")[1]
+    assert b'kiamfast_runtime_total{kind="failed_polls"}' in metrics      # the poller's
+    assert b'kiamfast_runtime_total{kind="status_calls"} ' in metrics     # the client's
     # The fallback meanwhile: served where the last view and the API agree; where they do
     # not, nobody (503: retry), never another identity.
     assert role_of(node, "127.0.0.24") == (200, "role-steady")
