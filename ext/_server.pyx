@@ -462,7 +462,9 @@ cdef class Core:
     cdef bytes metrics_response
     cdef double metrics_at
     cdef bint has_denials
-    cdef object denials_generation  # table generation `denials` was read at
+    cdef object aux_generation  # table generation the blobs in aux_cache were read at
+    cdef dict aux_cache         # aux index -> its bytes at aux_generation
+    cdef dict ops_cache         # route kind -> (blob, response, status) rendered from it
     cdef bytes node_key
     cdef double bucket_bounds[16]
     cdef int nbuckets
@@ -510,7 +512,9 @@ cdef class Core:
         self.limited = set()
         self.denials_blob = None
         self.denials = {}
-        self.denials_generation = None
+        self.aux_generation = None
+        self.aux_cache = {}
+        self.ops_cache = {}
         self.has_denials = table.layout["aux_count"] > _table.AUX_DENIALS
         self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))
         self.request_ticks = max(1, <long>(settings.request_timeout + 0.999))
@@ -865,23 +869,32 @@ cdef class Core:
         self.last_status = 503
         return finish(R.unavailable(conn.ip), extras, head)
 
+    cdef bytes aux(self, int index):
+        """An aux blob as the table's current generation has it: read (up to aux_size) once
+        per table change, however many requests want it."""
+        generation = self.table.generation   # first: a write after it bumps it again
+        if generation != self.aux_generation:
+            self.aux_generation = generation
+            self.aux_cache = {}
+        blob = self.aux_cache.get(index)
+        if blob is None:
+            blob = self.aux_cache[index] = self.table.read_aux(index)
+        return <bytes>blob
+
     cdef bytes denial(self, Conn conn):
         """kube2iam's 404 text for a role the pod's namespace refuses (role and namespace
-        from the control process's aux blob; the generic text until it is published).  The
-        blob (up to aux_size) is read again only after the table changed: a flood of
-        denied requests costs a dict lookup each."""
+        from the control process's aux blob, parsed once per change of it; the generic text
+        until it is published): a flood of denied requests costs a dict lookup each."""
         table = self.table
         if self.has_denials:
-            generation = table.generation   # first: a write after it bumps it again
-            if generation != self.denials_generation:
-                self.denials_generation = generation
-                blob = table.read_aux(_table.AUX_DENIALS)
+            blob = self.aux(_table.AUX_DENIALS)
+            if blob is not self.denials_blob:
                 if blob != self.denials_blob:
                     try:
                         self.denials = json.loads(blob) if blob else {}
                     except ValueError:
                         self.denials = {}
-                    self.denials_blob = blob
+                self.denials_blob = blob
             found = table.lookup_pod(conn.key16)
             entry = self.denials.get(found[0]) if found is not None else None
             if isinstance(entry, list) and len(entry) == 2:
@@ -893,7 +906,7 @@ cdef class Core:
     cdef bytes render_metrics(self):
         table = self.table
         self.flush_counters()
-        body = table.read_aux(_table.AUX_METRICS)
+        body = self.aux(_table.AUX_METRICS)
         if body and not body.endswith(b"\n"):
             body += b"\n"
         body += _metrics.render(table.counters_sum())
@@ -908,12 +921,8 @@ cdef class Core:
             self.last_status = 503
             return R.NOT_READY
         if kind == K_HEALTHZ:
-            blob = table.read_aux(_table.AUX_HEALTH)
-            if not blob:
-                blob = table.read_aux(_table.AUX_HEALTH_ERROR)
-            resp = R.health(blob)
-            self.last_status = 200 if blob.startswith(b"{") else 500
-            return resp
+            return self.ops_answer(kind, self.aux(_table.AUX_HEALTH)
+                                   or self.aux(_table.AUX_HEALTH_ERROR))
         if kind == K_METRICS:
             # Rendering 4,352 counters x rows and copying the control process's text costs
             # milliseconds: a scrape flood gets the same rendering for METRICS_CACHE_S.
@@ -925,11 +934,21 @@ cdef class Core:
             return self.metrics_response
         # /debug/store
         if self.debug:
-            self.last_status = 200
-            return R.render(200, table.read_aux(_table.AUX_DEBUG_STORE),
-                            content_type=b"application/json")
+            return self.ops_answer(kind, self.aux(_table.AUX_DEBUG_STORE))
         self.last_status = 404
         return R.NOT_FOUND
+
+    cdef bytes ops_answer(self, int kind, bytes blob):
+        """/healthz or /debug/store from the control process's `blob`, rendered once."""
+        cached = self.ops_cache.get(kind)
+        if cached is None or cached[0] is not blob:
+            if kind == K_HEALTHZ:
+                cached = (blob, R.health(blob), 200 if blob.startswith(b"{") else 500)
+            else:
+                cached = (blob, R.render(200, blob, content_type=b"application/json"), 200)
+            self.ops_cache[kind] = cached
+        self.last_status = cached[2]
+        return cached[1]
 
 
 async def _proxy(Core core, Pending entry, bytes method, bytes target):

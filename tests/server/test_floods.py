@@ -13,6 +13,8 @@ import collections
 import json
 import time
 
+import pytest
+
 from kiamfast import channel, table
 from kiamfast.server import metrics
 from kiamfast.server.upstream import PassthroughLimit
@@ -154,6 +156,23 @@ def test_a_flood_of_scrapes_renders_the_metrics_once_a_second(make_server, pods,
     renders = CountingTable.calls["counters_sum"]
     assert 1 <= renders <= 1 + int(elapsed)
     assert CountingTable.calls["read_aux", table.AUX_METRICS] == renders
+
+
+@pytest.mark.parametrize("path,aux,blob", [
+    ("/healthz", table.AUX_HEALTH, b'{"hostIP":"10.0.0.5","instanceId":"i-0abc"}'),
+    ("/debug/store", table.AUX_DEBUG_STORE, b'{"rolesByIP":{"10.0.0.9":"r"}}'),
+])
+def test_a_flood_of_operational_requests_reads_their_blob_once_per_change(
+        make_server, pods, writer, path, aux, blob):
+    writer.write_aux(aux, blob)
+    server = make_server(table_cls=counting_table(), debug=True)
+    with Client(server.port) as c:
+        c.send(b"".join(build("GET", path) for _ in range(50)))
+        got = c.read(50)
+    assert [(r.status, r.body.rstrip(b"\n")) for r in got] == [(200, blob)] * 50
+    assert CountingTable.calls["read_aux", aux] == 1
+    writer.write_aux(aux, blob.replace(b"10.0.0", b"10.9.9"))    # the next one is seen
+    assert b"10.9.9" in server.get(path).body
 
 
 def test_cached_metrics_catch_up_with_new_requests(server, pods):
