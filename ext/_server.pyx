@@ -768,11 +768,6 @@ cdef class Core:
         if self.unverified and self.demanded_ns <= horizon < self.newest_unverified_ns:
             self.demand_runtime()   # the outstanding demand was answered, others still wait
 
-    def wake(self):
-        """Re-check every waiting request now, whatever it waits for (tests)."""
-        for entry in list(self.waiters):
-            (<Pending>entry).conn.retry(<Pending>entry, False)
-
     def _wait_expired(self, Pending entry):
         entry.timer = None
         if entry in self.waiters:
