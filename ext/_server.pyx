@@ -40,6 +40,7 @@ cdef extern from "string.h" nogil:
 import asyncio
 import collections
 import hashlib
+import heapq
 import json
 import logging
 
@@ -50,7 +51,7 @@ from kiamfast import table as _table
 from kiamfast.server import metrics as _metrics
 from kiamfast.server import responses as R
 from kiamfast.server import routes as _routes
-from kiamfast.server.upstream import UpstreamError
+from kiamfast.server.upstream import PassthroughLimit, UpstreamError
 
 # ---- the table's lookup, called through its C API (kiamfast._table.C_API_LOOKUP) -------------
 
@@ -123,6 +124,9 @@ cdef int C_CONNECTIONS_TIMED_OUT = _metrics.CONNECTIONS_TIMED_OUT
 cdef int C_UPSTREAM_ERRORS = _metrics.UPSTREAM_ERRORS
 cdef int C_CLIENT_LIMIT = _metrics.CLIENT_LIMIT
 cdef int C_POD_NOT_FOUND = _metrics.POD_NOT_FOUND
+cdef int C_CONNECTIONS_EVICTED = _metrics.CONNECTIONS_EVICTED
+cdef int C_PASSTHROUGH_LIMITED = _metrics.PASSTHROUGH_LIMITED
+cdef int C_WAIT_RECHECKS = _metrics.WAIT_RECHECKS
 cdef int C_USED = _metrics.USED
 
 _CODE_OF_SLOT = (200, 400, 401, 403, 404, 405, 408, 413, 414, 431, 500, 503, 999)
@@ -157,8 +161,7 @@ cdef bytes H_CONNECTION = b"connection"
 ROUTE_CACHE_MAX = 4096
 
 DEF FEED_SLICE = 8192  # bytes parsed at a time when a client sends a lot at once
-DEF ASKED_RUNTIME = 1  # b"R" sent for this request
-DEF ASKED_SLOT = 2    # b"C" sent for this request
+DEF METRICS_CACHE_S = 1.0  # a /metrics rendering is served for this long (counters: 1 s old)
 
 
 # ---- IMDSv2 session tokens (documented in kiamfast.server.tokens) --------------------------------
@@ -411,7 +414,9 @@ cdef class Pending:
     cdef double started
     cdef int method
     cdef bint done
-    cdef int asked  # ASKED_* bits: what the control process was already told
+    cdef bint asked_slot     # b"C" was sent for this request
+    cdef bint parked_runtime  # in Core.unverified: waits for a runtime poll begun after its
+                              # connection (a heap entry without this flag is stale)
 
 
 cdef class Core:
@@ -425,7 +430,12 @@ cdef class Core:
     cdef readonly double wait_budget
     cdef object loop
     cdef readonly set conns
-    cdef readonly set waiters
+    cdef readonly set waiters  # every waiting request
+    cdef list unverified       # heap (accept time, n, Pending): waiting for a runtime poll
+    cdef set rechecked         # the other waiters: looked up again on every table change
+    cdef long parked           # tie-breaker for the heap
+    cdef uint64_t demanded_ns  # accept time of the last b"R" sent
+    cdef uint64_t newest_unverified_ns  # newest accept time that needed a runtime poll
     cdef object channel
     cdef readonly int worker_index
     cdef uint64_t counters[NCOUNTERS]
@@ -437,7 +447,8 @@ cdef class Core:
     cdef bint debug
     cdef Py_ssize_t max_url, max_header_bytes, max_body, max_request_bytes
     cdef int max_headers, max_pipeline, max_connections, max_per_client
-    cdef dict per_client       # key16 -> open connections from that address
+    cdef dict per_client       # key16 -> set of open connections from that address
+    cdef object passthrough    # PassthroughLimit: each address's share of the upstream
     cdef object denials_blob   # the aux blob `denials` was parsed from
     cdef dict denials          # pod uid -> [role ARN, namespace]
     cdef set limited           # addresses at their limit (logged once per episode)
@@ -445,7 +456,15 @@ cdef class Core:
     cdef long idle_ticks, request_ticks
     cdef object sweeper
     cdef int last_status
-    cdef int asked
+    cdef bint asked_slot
+    cdef bint waits_for_runtime  # the last answer_cred that returned None: UNVERIFIED
+    cdef bint metrics_elsewhere  # a separate --metrics-port: none on the app port
+    cdef bytes metrics_response
+    cdef double metrics_at
+    cdef bint has_denials
+    cdef object aux_generation  # table generation the blobs in aux_cache were read at
+    cdef dict aux_cache         # aux index -> its bytes at aux_generation
+    cdef dict ops_cache         # route kind -> (blob, response, status) rendered from it
     cdef bytes node_key
     cdef double bucket_bounds[16]
     cdef int nbuckets
@@ -463,6 +482,14 @@ cdef class Core:
         self.loop = loop
         self.conns = set()
         self.waiters = set()
+        self.unverified = []
+        self.rechecked = set()
+        self.parked = 0
+        self.demanded_ns = 0
+        self.newest_unverified_ns = 0
+        self.metrics_elsewhere = settings.separate_metrics_port
+        self.metrics_response = None
+        self.metrics_at = 0.0
         self.channel = channel_sock
         self.worker_index = worker_index
         self.upstream = upstream
@@ -479,9 +506,16 @@ cdef class Core:
         self.max_connections = settings.max_connections
         self.max_per_client = settings.max_connections_per_client
         self.per_client = {}
+        self.passthrough = PassthroughLimit(rate=settings.passthrough_rate,
+                                            burst=settings.passthrough_burst,
+                                            concurrency=settings.passthrough_concurrency)
         self.limited = set()
         self.denials_blob = None
         self.denials = {}
+        self.aux_generation = None
+        self.aux_cache = {}
+        self.ops_cache = {}
+        self.has_denials = table.layout["aux_count"] > _table.AUX_DENIALS
         self.idle_ticks = max(1, <long>(settings.idle_timeout + 0.999))
         self.request_ticks = max(1, <long>(settings.request_timeout + 0.999))
         self.tick = 0
@@ -506,10 +540,12 @@ cdef class Core:
             loop.add_reader(channel_sock.fileno(), self._on_channel)
         self.sweeper = loop.call_later(1.0, self._sweep)
 
-    cdef bint admit(self, bytes key16):
+    cdef bint admit(self, Conn conn):
         """Take one of this address's connection places: one pod holding idle connections
         must not lock the other pods out of the worker."""
-        cdef int n = self.per_client.get(key16, 0)
+        cdef bytes key16 = conn.key16
+        cdef set mine = self.per_client.get(key16)
+        cdef Py_ssize_t n = len(mine) if mine is not None else 0
         if n >= self.max_per_client:
             self.event(C_CLIENT_LIMIT)
             if key16 not in self.limited:
@@ -517,18 +553,49 @@ cdef class Core:
                 _log.warning("client %s holds %d connections, the per-address limit; "
                              "refusing more", _table.key_ip(key16), n)
             return False
-        self.per_client[key16] = n + 1
+        if len(self.conns) >= self.max_connections and not self.make_room(n):
+            self.event(C_CONNECTIONS_REJECTED)
+            return False
+        if mine is None:
+            mine = self.per_client[key16] = set()
+        mine.add(conn)
         return True
 
-    cdef void leave(self, bytes key16):
-        cdef int n = self.per_client.get(key16, 1) - 1
-        if n <= 0:
-            self.per_client.pop(key16, None)
+    cdef bint make_room(self, Py_ssize_t own):
+        """At max_connections: close the oldest connection with nothing outstanding of the
+        address holding the most, if it holds at least two more than the newcomer's address
+        (`own`). Addresses hoarding connections cannot keep a new pod out, and nobody is left
+        with fewer than the newcomer."""
+        cdef set heaviest = None
+        cdef Conn victim = None
+        cdef Conn c
+        for conns in self.per_client.values():
+            if heaviest is None or len(<set>conns) > len(heaviest):
+                heaviest = <set>conns
+        if heaviest is None or len(heaviest) <= own + 1:
+            return False
+        for conn in heaviest:
+            c = <Conn>conn
+            if c.queue is None and c.out is None and (victim is None
+                                                      or c.last_tick < victim.last_tick):
+                victim = c
+        if victim is None:
+            return False
+        self.event(C_CONNECTIONS_EVICTED)
+        victim.evict()
+        return True
+
+    cdef void leave(self, Conn conn):
+        cdef bytes key16 = conn.key16
+        cdef set mine = self.per_client.get(key16)
+        if mine is None:
+            return
+        mine.discard(conn)
+        if not mine:
+            del self.per_client[key16]
             self.limited.discard(key16)
-        else:
-            self.per_client[key16] = n
-            if n < self.max_per_client // 2:
-                self.limited.discard(key16)
+        elif len(mine) < self.max_per_client // 2:
+            self.limited.discard(key16)
 
     def protocol(self):
         """Protocol factory for loop.create_server."""
@@ -618,11 +685,13 @@ cdef class Core:
 
     # -- the channel to the control process -----------------------------------------------
 
-    cdef void send(self, bytes message):
+    cdef bint send(self, bytes message):
         if self.channel is None:
-            return
+            return False
         if not _channel.send(self.channel, message):
             self.event(C_CHANNEL_DROPS)
+            return False
+        return True
 
     def _on_channel(self):
         cdef bint wake = False
@@ -630,15 +699,74 @@ cdef class Core:
             if message[:1] == _channel.WAKE:
                 wake = True
         if wake and self.waiters:
-            self.recheck(False)
+            self.on_table_change()
 
-    cdef void recheck(self, bint final):
-        for entry in list(self.waiters):
-            (<Pending>entry).conn.retry(<Pending>entry, final)
+    # -- waiting requests -------------------------------------------------------------------
+    #
+    # A request waiting for a runtime poll (UNVERIFIED) can only be answered once a poll or
+    # a failed attempt begun after its connection was accepted is published: those wait in
+    # a heap by accept time and are looked up again only then. Every other waiter (pending
+    # credentials, an undecided owner, an unsynced table) may be answered by any change, so
+    # it is looked up again on every b"W". Each worker has at most one b"R" outstanding: the
+    # wake that answers it asks for the newest connection still waiting.
 
-    def wake(self):
-        """Re-check every waiting request now (what a b"W" message does)."""
-        self.recheck(False)
+    cdef uint64_t runtime_horizon(self):
+        """Connections accepted up to this instant no longer wait for a runtime poll."""
+        cdef uint64_t verified = self.table.verified_ns
+        cdef uint64_t failed = self.table.failed_ns
+        return verified if verified > failed else failed
+
+    cdef void need_runtime(self, uint64_t accepted_ns):
+        if accepted_ns > self.newest_unverified_ns:
+            self.newest_unverified_ns = accepted_ns
+        if self.demanded_ns <= self.runtime_horizon():   # nothing outstanding
+            self.demand_runtime()
+
+    cdef void demand_runtime(self):
+        if self.send(_channel.need_runtime(self.newest_unverified_ns)):
+            self.demanded_ns = self.newest_unverified_ns
+
+    cdef void park(self, Pending entry):
+        """File a request that keeps waiting by what can answer it (see above)."""
+        if self.waits_for_runtime:
+            self.rechecked.discard(entry)
+            if not entry.parked_runtime:
+                entry.parked_runtime = True
+                self.parked += 1
+                heapq.heappush(self.unverified, (entry.conn.accepted_ns, self.parked, entry))
+                if len(self.unverified) > 2 * len(self.waiters) + 64:
+                    self.compact_unverified()
+        else:
+            entry.parked_runtime = False
+            self.rechecked.add(entry)
+
+    cdef void unpark(self, Pending entry):
+        self.waiters.discard(entry)
+        self.rechecked.discard(entry)
+        entry.parked_runtime = False
+
+    cdef void compact_unverified(self):
+        """Drop the heap entries of requests that stopped waiting (answered, gone)."""
+        self.unverified = [item for item in self.unverified
+                           if (<Pending>item[2]).parked_runtime]
+        heapq.heapify(self.unverified)
+
+    cdef void on_table_change(self):
+        cdef uint64_t horizon = self.runtime_horizon()
+        cdef Pending entry
+        due = list(self.rechecked)
+        while self.unverified and <uint64_t>self.unverified[0][0] <= horizon:
+            entry = <Pending>heapq.heappop(self.unverified)[2]
+            if entry.parked_runtime:
+                entry.parked_runtime = False
+                due.append(entry)
+        for item in due:
+            entry = <Pending>item
+            if entry in self.waiters:
+                self.event(C_WAIT_RECHECKS)
+                entry.conn.retry(entry, False)
+        if self.unverified and self.demanded_ns <= horizon < self.newest_unverified_ns:
+            self.demand_runtime()   # the outstanding demand was answered, others still wait
 
     def _wait_expired(self, Pending entry):
         entry.timer = None
@@ -661,10 +789,10 @@ cdef class Core:
     # -- credential answers -------------------------------------------------------------------
 
     cdef object answer_cred(self, Conn conn, int kind, bytes name, bytes extras, bint head,
-                            bint may_wait, int asked):
+                            bint may_wait, bint asked_slot):
         """The finished response for a credential route, or None to keep waiting.
-        Sets self.last_status, and self.asked to `asked` plus what this call told the
-        control process (each request asks for its address and its slot at most once)."""
+        Sets self.last_status, self.waits_for_runtime, and self.asked_slot to whether this
+        request has asked for its credential slot (at most once)."""
         cdef int part, status, slot
         cdef Py_ssize_t n
         cdef object match = None
@@ -678,7 +806,8 @@ cdef class Core:
             match = name
         else:
             part = PART_INFO
-        self.asked = asked
+        self.asked_slot = asked_slot
+        self.waits_for_runtime = False
         cdef const char *m = NULL
         cdef Py_ssize_t mlen = 0
         if match is not None:
@@ -693,9 +822,9 @@ cdef class Core:
             # Not yet known who (or what) is asking: no runtime poll since this connection
             # was accepted, the agent is not synced, or the owner's policy is still open.
             if may_wait:
-                if status == S_UNVERIFIED and not asked & ASKED_RUNTIME:
-                    self.send(_channel.need_runtime(conn.accepted_ns))
-                    self.asked |= ASKED_RUNTIME
+                if status == S_UNVERIFIED:
+                    self.waits_for_runtime = True
+                    self.need_runtime(conn.accepted_ns)
                 return None
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
@@ -708,9 +837,9 @@ cdef class Core:
             return splice(PyByteArray_AS_STRING(self.buf), n, extras, head)
         if status == S_PENDING:
             if may_wait:
-                if slot >= 0 and not asked & ASKED_SLOT:
+                if slot >= 0 and not asked_slot:
                     self.send(_channel.want_credentials(slot))
-                    self.asked |= ASKED_SLOT
+                    self.asked_slot = True
                 return None
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
@@ -724,7 +853,7 @@ cdef class Core:
             self.last_status = 404
             return finish(R.invalid_role(name if name is not None else b""), extras, head)
         if status == S_EXPIRED:
-            if slot >= 0 and not asked & ASKED_SLOT:
+            if slot >= 0 and not asked_slot:
                 self.send(_channel.want_credentials(slot))
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
@@ -735,18 +864,31 @@ cdef class Core:
         self.last_status = 503
         return finish(R.unavailable(conn.ip), extras, head)
 
+    cdef bytes aux(self, int index):
+        """An aux blob as the table's current generation has it: read (up to aux_size) once
+        per table change, however many requests want it."""
+        generation = self.table.generation   # first: a write after it bumps it again
+        if generation != self.aux_generation:
+            self.aux_generation = generation
+            self.aux_cache = {}
+        blob = self.aux_cache.get(index)
+        if blob is None:
+            blob = self.aux_cache[index] = self.table.read_aux(index)
+        return <bytes>blob
+
     cdef bytes denial(self, Conn conn):
         """kube2iam's 404 text for a role the pod's namespace refuses (role and namespace
-        from the control process's aux blob; the generic text until it is published).  A
-        rare answer: it may allocate."""
+        from the control process's aux blob, parsed once per change of it; the generic text
+        until it is published): a flood of denied requests costs a dict lookup each."""
         table = self.table
-        if table.layout["aux_count"] > _table.AUX_DENIALS:
-            blob = table.read_aux(_table.AUX_DENIALS)
-            if blob != self.denials_blob:
-                try:
-                    self.denials = json.loads(blob) if blob else {}
-                except ValueError:
-                    self.denials = {}
+        if self.has_denials:
+            blob = self.aux(_table.AUX_DENIALS)
+            if blob is not self.denials_blob:
+                if blob != self.denials_blob:
+                    try:
+                        self.denials = json.loads(blob) if blob else {}
+                    except ValueError:
+                        self.denials = {}
                 self.denials_blob = blob
             found = table.lookup_pod(conn.key16)
             entry = self.denials.get(found[0]) if found is not None else None
@@ -755,6 +897,15 @@ cdef class Core:
         return R.denied(conn.ip)
 
     # -- operational routes -----------------------------------------------------------------
+
+    cdef bytes render_metrics(self):
+        table = self.table
+        self.flush_counters()
+        body = self.aux(_table.AUX_METRICS)
+        if body and not body.endswith(b"\n"):
+            body += b"\n"
+        body += _metrics.render(table.counters_sum())
+        return R.render(200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
     cdef bytes answer_ops(self, int kind):
         table = self.table
@@ -765,27 +916,34 @@ cdef class Core:
             self.last_status = 503
             return R.NOT_READY
         if kind == K_HEALTHZ:
-            blob = table.read_aux(_table.AUX_HEALTH)
-            if not blob:
-                blob = table.read_aux(_table.AUX_HEALTH_ERROR)
-            resp = R.health(blob)
-            self.last_status = 200 if blob.startswith(b"{") else 500
-            return resp
+            return self.ops_answer(kind, self.aux(_table.AUX_HEALTH)
+                                   or self.aux(_table.AUX_HEALTH_ERROR))
         if kind == K_METRICS:
-            self.flush_counters()
-            body = table.read_aux(_table.AUX_METRICS)
-            if body and not body.endswith(b"\n"):
-                body += b"\n"
-            body += _metrics.render(table.counters_sum())
+            # Rendering 4,352 counters x rows and copying the control process's text costs
+            # milliseconds: a scrape flood gets the same rendering for METRICS_CACHE_S.
+            now = self.loop.time()
+            if self.metrics_response is None or now - self.metrics_at >= METRICS_CACHE_S:
+                self.metrics_response = self.render_metrics()
+                self.metrics_at = now
             self.last_status = 200
-            return R.render(200, body, content_type=b"text/plain; version=0.0.4; charset=utf-8")
+            return self.metrics_response
         # /debug/store
         if self.debug:
-            self.last_status = 200
-            return R.render(200, table.read_aux(_table.AUX_DEBUG_STORE),
-                            content_type=b"application/json")
+            return self.ops_answer(kind, self.aux(_table.AUX_DEBUG_STORE))
         self.last_status = 404
         return R.NOT_FOUND
+
+    cdef bytes ops_answer(self, int kind, bytes blob):
+        """/healthz or /debug/store from the control process's `blob`, rendered once."""
+        cached = self.ops_cache.get(kind)
+        if cached is None or cached[0] is not blob:
+            if kind == K_HEALTHZ:
+                cached = (blob, R.health(blob), 200 if blob.startswith(b"{") else 500)
+            else:
+                cached = (blob, R.render(200, blob, content_type=b"application/json"), 200)
+            self.ops_cache[kind] = cached
+        self.last_status = cached[2]
+        return cached[1]
 
 
 async def _proxy(Core core, Pending entry, bytes method, bytes target):
@@ -864,10 +1022,6 @@ cdef class Conn:
         self.accepted_ns = monotonic_ns()
         self.transport = transport
         core.event(C_CONNECTIONS)
-        if len(core.conns) >= core.max_connections:
-            core.event(C_CONNECTIONS_REJECTED)
-            transport.abort()
-            return
         peer = transport.get_extra_info("peername")
         try:
             host = peer[0] if isinstance(peer, tuple) else peer
@@ -875,7 +1029,7 @@ cdef class Conn:
         except (TypeError, ValueError, IndexError):
             transport.abort()
             return
-        if not core.admit(self.key16):
+        if not core.admit(self):
             transport.abort()
             return
         self.counted = True
@@ -887,16 +1041,13 @@ cdef class Conn:
 
     def connection_lost(self, exc):
         cdef Pending e
-        self.core.conns.discard(self)
-        if self.counted:
-            self.counted = False
-            self.core.leave(self.key16)
+        self.give_up_places()
         self.transport = None
         self.parser = None
         if self.queue is not None:
             for entry in self.queue:
                 e = <Pending>entry
-                self.core.waiters.discard(e)
+                self.core.unpark(e)
                 if e.timer is not None:
                     e.timer.cancel()
                     e.timer = None
@@ -904,6 +1055,22 @@ cdef class Conn:
                     e.task.cancel()
                     e.task = None
             self.queue = None
+
+    cdef void give_up_places(self):
+        self.core.conns.discard(self)
+        if self.counted:
+            self.counted = False
+            self.core.leave(self)
+
+    cdef void evict(self):
+        """Close to make room for another address; its places are free at once."""
+        self.give_up_places()
+        self.closing = True
+        if self.transport is not None:
+            if self.transport.get_write_buffer_size():
+                self.transport.abort()   # a client not reading its answers
+            else:
+                self.transport.close()
 
     def eof_received(self):
         self.closing = True
@@ -1087,7 +1254,7 @@ cdef class Conn:
         cdef tuple route
         cdef int kind
         cdef long t
-        cdef bint head, keep_alive
+        cdef bint head, keep_alive, not_here
         cdef bytes extras
         cdef int64_t now, exp
         cdef object resp
@@ -1115,7 +1282,11 @@ cdef class Conn:
             return
         route = core.route(url)
         kind = route[0]
-        if self.metrics_only and kind != K_METRICS:
+        if self.metrics_only:
+            not_here = kind != K_METRICS
+        else:   # with its own --metrics-port, kube2iam serves /metrics there only
+            not_here = kind == K_METRICS and core.metrics_elsewhere
+        if not_here:
             self.emit(finish(R.NOT_FOUND, extras, head), K_BAD, 404)
             return
 
@@ -1138,14 +1309,15 @@ cdef class Conn:
                 if self.node:
                     self.emit(finish(R.no_role(self.ip), extras, head), kind, 404)
                     return
-                resp = core.answer_cred(self, kind, <bytes>route[1], extras, head, True, 0)
+                resp = core.answer_cred(self, kind, <bytes>route[1], extras, head, True, False)
                 if resp is not None:
                     self.emit(resp, kind, core.last_status)
                     return
                 entry = self.enqueue(kind, <bytes>route[1], extras, head)
-                entry.asked = core.asked
+                entry.asked_slot = core.asked_slot
                 core.event(C_WAITS)
                 core.waiters.add(entry)
+                core.park(entry)
                 entry.timer = core.loop.call_later(core.wait_budget, core._wait_expired, entry)
                 return
             if kind == K_DENY:
@@ -1158,8 +1330,14 @@ cdef class Conn:
             if core.upstream is None:
                 self.emit(finish(R.UPSTREAM_UNAVAILABLE, extras, head), kind, 503)
                 return
+            if not core.passthrough.acquire(self.key16):
+                core.event(C_PASSTHROUGH_LIMITED)
+                self.emit(finish(R.PASSTHROUGH_LIMITED, extras, head), kind, 429)
+                return
             entry = self.enqueue(kind, None, extras, head)
             entry.task = core.loop.create_task(_proxy(core, entry, method, <bytes>route[2]))
+            # a done callback runs even for a task cancelled before it started
+            entry.task.add_done_callback(self.passthrough_done)
             return
 
         if kind == K_TOKEN:
@@ -1185,6 +1363,9 @@ cdef class Conn:
             return
         resp = core.answer_ops(kind)
         self.emit(finish(resp, extras, head), kind, core.last_status)
+
+    def passthrough_done(self, task):
+        self.core.passthrough.release(self.key16)
 
     cdef Pending enqueue(self, int kind, bytes name, bytes extras, bint head):
         cdef Pending entry = Pending()
@@ -1266,9 +1447,10 @@ cdef class Conn:
     cdef void retry(self, Pending entry, bint final):
         cdef Core core = self.core
         resp = core.answer_cred(self, entry.kind, entry.name, entry.extras, entry.head,
-                                not final, entry.asked)
-        entry.asked = core.asked
+                                not final, entry.asked_slot)
+        entry.asked_slot = core.asked_slot
         if resp is None:
+            core.park(entry)
             return
         if final and core.last_status == 503:
             core.event(C_WAIT_TIMEOUTS)
@@ -1277,7 +1459,7 @@ cdef class Conn:
     cdef void complete(self, Pending entry, bytes data, int status):
         cdef Core core = self.core
         cdef Pending head
-        core.waiters.discard(entry)
+        core.unpark(entry)
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None

@@ -92,7 +92,10 @@ CONNECTIONS_TIMED_OUT = CONNECTIONS_REJECTED + 1  # idle or slow clients closed
 UPSTREAM_ERRORS = CONNECTIONS_TIMED_OUT + 1  # passthrough failures answered 503
 CLIENT_LIMIT = UPSTREAM_ERRORS + 1  # closed at once: the address had too many connections
 POD_NOT_FOUND = CLIENT_LIMIT + 1  # answered 404: no pod owns the caller's address
-USED = POD_NOT_FOUND + 1
+CONNECTIONS_EVICTED = POD_NOT_FOUND + 1  # closed to make room for another address at the cap
+PASSTHROUGH_LIMITED = CONNECTIONS_EVICTED + 1  # passthrough answered 429: address over its bound
+WAIT_RECHECKS = PASSTHROUGH_LIMITED + 1  # waiting requests looked up again after a table change
+USED = WAIT_RECHECKS + 1
 
 _EVENTS = (
     (WAITS, "kiamfast_worker_waits_total", "Requests that waited for a table change."),
@@ -109,6 +112,12 @@ _EVENTS = (
      "Passthrough requests answered 503 because the metadata service failed."),
     (CLIENT_LIMIT, "kiamfast_worker_client_limit_total",
      "Connections closed at once because their address held the per-address maximum."),
+    (CONNECTIONS_EVICTED, "kiamfast_worker_connections_evicted_total",
+     "Idle connections closed at max_connections to let another address in."),
+    (PASSTHROUGH_LIMITED, "kiamfast_worker_passthrough_limited_total",
+     "Passthrough requests answered 429: their address was over its rate or concurrency."),
+    (WAIT_RECHECKS, "kiamfast_worker_wait_rechecks_total",
+     "Waiting requests looked up again after a table change."),
     # kube2iam's name (a counter without _total, as its Go client registers it): there it
     # counts lookups of an address its pod cache lacked, here answers for such addresses.
     (POD_NOT_FOUND, "kube2iam_iam_k8s_pod_not_in_pod_cache",

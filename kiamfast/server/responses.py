@@ -71,6 +71,10 @@ REQUEST_TIMEOUT = error(408, "request timeout")
 TOO_SMALL = error(500, "internal error: response buffer too small")
 INTERNAL_ERROR = error(500, "internal error")
 UPSTREAM_UNAVAILABLE = error(503, "metadata service unavailable")
+# RFC 6585's code for rate limiting, as the EKS Pod Identity Agent answers (sdk-imds.md §8);
+# real IMDS documents no status for its own throttling (it limits queries and connections).
+PASSTHROUGH_LIMITED = error(429, "too many metadata requests from this address, retry later",
+                            headers=((b"Retry-After", b"1"),))
 NOT_READY = error(503, "not ready")
 READY = render(200, b"ok\n")
 

@@ -47,6 +47,11 @@ class WorkerSettings:
     base_role_arn: str = ""  # for error texts
     upstream_timeout: float = 0.3  # whole passthrough exchange, connect included
     upstream_token_ttl: int = 21600  # TTL the worker asks for its own upstream token
+    # Passthrough bound per worker and client address (429 beyond it): one pod cannot make
+    # the node's metadata service throttle the agent and the other pods.
+    passthrough_rate: float = 10.0  # requests per second, refilled continuously
+    passthrough_burst: int = 40  # requests at once after a quiet spell
+    passthrough_concurrency: int = 4  # requests upstream at the same time
     idle_timeout: float = 60.0  # keep-alive connection with no request in progress
     request_timeout: float = 10.0  # one request, first byte to last (slow clients)
     max_url: int = 8192  # request target bytes -> 414
@@ -76,8 +81,11 @@ class WorkerSettings:
             raise SettingsError("token_key must be at least 16 bytes")
         if not 1 <= self.upstream_token_ttl <= 21600:
             raise SettingsError("upstream_token_ttl must be within 1..21600")
+        if not self.passthrough_rate > 0:
+            raise SettingsError("passthrough_rate must be positive")
         for name in ("max_url", "max_header_bytes", "max_headers", "max_pipeline",
-                     "max_connections", "max_connections_per_client"):
+                     "max_connections", "max_connections_per_client", "passthrough_burst",
+                     "passthrough_concurrency"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} must be positive")
         self.upstream  # validates metadata_addr

@@ -11,6 +11,11 @@ go upstream. Three rules make that safe (sdk-imds.md §6, §9.10):
 * a dead upstream costs the pod at most ``timeout`` (default 0.3 s, inside every SDK's
   budget) and then a 503, never a hang.
 
+Each client address gets a bounded share (``PassthroughLimit``): a few requests upstream at
+a time and a token bucket, 429 beyond. The node's metadata service throttles per instance,
+so without it one pod's flood would also starve the agent's own health check and every
+other pod's passthrough.
+
 One TCP connection per request: passthrough is rare next to credential reads, and a fresh
 connection has no stale-socket failure modes. Bodies are capped so a broken upstream cannot
 make a worker buffer without bound.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httptools
 
@@ -33,6 +39,53 @@ _FALLBACK_STATUSES = (403, 404, 405)  # token PUT answers that mean "no IMDSv2 h
 
 class UpstreamError(Exception):
     """The metadata service could not be reached or answered garbage."""
+
+
+class PassthroughLimit:
+    """Per client address: at most ``concurrency`` requests upstream at once and a token
+    bucket of ``burst`` refilled at ``rate`` per second. One instance per worker."""
+
+    _PRUNE_AT = 4096  # addresses tracked before idle, full buckets are forgotten
+
+    def __init__(self, *, rate: float, burst: int, concurrency: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.concurrency = concurrency
+        self._clock = clock
+        self._buckets: dict[bytes, list[float]] = {}  # key -> [tokens, at]
+        self._in_flight: dict[bytes, int] = {}
+
+    def acquire(self, key: bytes) -> bool:
+        """Take a place for one request from `key`; False: answer 429 (nothing taken)."""
+        if self._in_flight.get(key, 0) >= self.concurrency:
+            return False
+        now = self._clock()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self._PRUNE_AT:
+                self._prune(now)
+            bucket = self._buckets[key] = [self.burst, now]
+        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        if tokens < 1.0:
+            bucket[0], bucket[1] = tokens, now
+            return False
+        bucket[0], bucket[1] = tokens - 1.0, now
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        return True
+
+    def release(self, key: bytes) -> None:
+        n = self._in_flight.get(key, 0) - 1
+        if n > 0:
+            self._in_flight[key] = n
+        else:
+            self._in_flight.pop(key, None)
+
+    def _prune(self, now: float) -> None:
+        """Forget addresses whose bucket has refilled: they start full again anyway."""
+        for key, (tokens, at) in list(self._buckets.items()):
+            if key not in self._in_flight and tokens + (now - at) * self.rate >= self.burst:
+                del self._buckets[key]
 
 
 class _Response:

@@ -50,12 +50,13 @@ def make_server(table_path: str, writer: table.Table, imds: FakeImds
                 ) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
-    def make(*, loop_kind: str = "uvloop", with_channel: bool = True, **overrides: Any) -> Server:
+    def make(*, loop_kind: str = "uvloop", with_channel: bool = True,
+             table_cls: type[table.Table] = table.Table, **overrides: Any) -> Server:
         settings = dict(listen_host=None, metadata_addr=imds.addr, token_key=TOKEN_KEY,
                         wait_budget=0.35)
         settings.update(overrides)
         srv = Server(WorkerSettings(**settings), table_path, loop_kind=loop_kind,
-                     with_channel=with_channel)
+                     with_channel=with_channel, table_cls=table_cls)
         started.append(srv)
         return srv
 

@@ -164,20 +164,76 @@ def build(method: str, path: str, headers: dict[str, str] | None = None, *,
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+def open_idle(port: int, source: str, n: int) -> list[socket.socket]:
+    """`n` connections from `source` that never send anything."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+            for _ in range(n)]
+
+
+def closed_by_server(s: socket.socket, timeout: float = 2.0) -> bool:
+    """Did the server close the connection within `timeout` (after any answer, e.g. 408)?"""
+    deadline = time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(left)
+            if s.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        pass
+    return False
+
+
+def until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    """Poll `condition` until it is true (its value) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} never held"
+        time.sleep(0.005)
+    return value
+
+
+class Background:
+    """A request running in a thread (the test acts meanwhile)."""
+
+    def __init__(self, server: "Server", path: str, *, source: str = "127.0.0.1",
+                 method: str = "GET") -> None:
+        self.result: Response | None = None
+        self.elapsed: float | None = None
+
+        def run() -> None:
+            t0 = time.monotonic()
+            self.result = server.get(path, source=source, method=method)
+            self.elapsed = time.monotonic() - t0
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> Response:
+        self.thread.join(10)
+        assert self.result is not None, "no answer"
+        return self.result
+
+
+def wait_for_waiters(server: "Server", n: int = 1) -> None:
+    until(lambda: server.waiting() >= n, what=f"{n} waiting requests")
+
+
 # ---- the running worker ----------------------------------------------------------------------
 
 class Server:
     """A worker on a background event loop, plus the control end of its channel."""
 
     def __init__(self, settings: WorkerSettings, table_path: str, *, loop_kind: str,
-                 with_channel: bool = True) -> None:
+                 with_channel: bool = True, table_cls: type[table.Table] = table.Table) -> None:
         self.settings = settings
         self.loop_kind = loop_kind
         self.ctl: socket.socket | None = None
         worker_end = None
         if with_channel:
             self.ctl, worker_end = channel.socketpair()
-        self.table = table.Table.attach(table_path)
+        self.table = table_cls.attach(table_path)
         if loop_kind == "uvloop":
             import uvloop
             self.loop = uvloop.new_event_loop()

@@ -8,32 +8,9 @@ import time
 
 from kiamfast.server import metrics
 
-from server_support import Client, build
+from server_support import Client, build, closed_by_server, open_idle
 
 LIST = "/latest/meta-data/iam/security-credentials/"
-
-
-def open_idle(port: int, source: str, n: int) -> list[socket.socket]:
-    socks = []
-    for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-        socks.append(s)
-    return socks
-
-
-def closed_by_server(s: socket.socket, timeout: float = 2.0) -> bool:
-    """Did the server close the connection within `timeout` (after any answer, e.g. 408)?"""
-    deadline = time.monotonic() + timeout
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            s.settimeout(left)
-            if s.recv(4096) == b"":
-                return True
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        pass
-    return False
 
 
 def test_one_address_holding_thousands_of_idle_connections_locks_nobody_out(make_server, pods):

@@ -29,7 +29,8 @@ def test_metadata_addr_forms(addr, expected):
 @pytest.mark.parametrize("kw", [
     {"imdsv2": "sometimes"}, {"app_port": 0}, {"app_port": 70000}, {"wait_budget": -1},
     {"token_key": b"short"}, {"metadata_addr": ""}, {"metadata_addr": "host:port"},
-    {"upstream_token_ttl": 0}, {"max_url": 0},
+    {"upstream_token_ttl": 0}, {"max_url": 0}, {"passthrough_rate": 0},
+    {"passthrough_burst": 0}, {"passthrough_concurrency": 0},
 ])
 def test_invalid_settings_are_refused(kw):
     with pytest.raises(SettingsError):

@@ -9,43 +9,14 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 from kiamfast import channel, table
 from kiamfast.server import metrics
 
-from server_support import Client, build
+from server_support import Background, Client, build, wait_for_waiters
 
 LIST = "/latest/meta-data/iam/security-credentials/"
-
-
-class Background:
-    """A request running in a thread (the test acts meanwhile)."""
-
-    def __init__(self, server, path, *, source="127.0.0.1", method="GET"):
-        self.result = None
-        self.elapsed = None
-
-        def run():
-            t0 = time.monotonic()
-            self.result = server.get(path, source=source, method=method)
-            self.elapsed = time.monotonic() - t0
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self):
-        self.thread.join(10)
-        assert self.result is not None, "no answer"
-        return self.result
-
-
-def wait_for_waiters(server, n=1):
-    deadline = time.monotonic() + 5
-    while server.waiting() < n and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert server.waiting() >= n, "the request never started waiting"
 
 
 def test_l7_unknown_ip_before_sync_waits_and_ends_in_503(make_server, pods):
