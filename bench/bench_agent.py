@@ -36,6 +36,14 @@ NODE = "node-bench"
 HOST_IP = "127.0.0.2"
 
 
+# The load benchmarks measure the passthrough's speed from a few addresses, not the per-pod
+# bound (--passthrough-qps/-burst/-concurrency) that keeps one pod from flooding it.
+UNBOUNDED = 1 << 30
+UNBOUNDED_PASSTHROUGH_ARGS = (f"--passthrough-qps={UNBOUNDED}",
+                              f"--passthrough-burst={UNBOUNDED}",
+                              f"--passthrough-concurrency={UNBOUNDED}")
+
+
 def full_agent_available() -> bool:
     """Whether ``python -m kiamfast`` can run end to end (the pod watcher exists)."""
     return importlib.util.find_spec("kiamfast.control.pods") is not None
@@ -174,7 +182,8 @@ def agent_argv(c: Cluster, *, port: int, table_path: str, workers: int = 1,
             "--listen-host", "127.0.0.1", f"--app-port={port}", f"--metrics-port={port}",
             "--metadata-addr", f"127.0.0.1:{c.imds_port}", "--iptables=false",
             "--node-startup-taint=", "--cri-endpoint=none",
-            "--log-level", "warn", f"--workers={workers}"]
+            "--log-level", "warn", f"--workers={workers}",
+            *UNBOUNDED_PASSTHROUGH_ARGS]
     if sts_qps is not None:
         argv.append(f"--sts-qps={sts_qps}")
     if sts_burst is not None:
@@ -239,7 +248,9 @@ def worker_only(ips: list[str], *, roles: int, imds_port: int,
     t.close()
     settings = WorkerSettings(app_port=port, listen_host="127.0.0.1",
                               metadata_addr=f"127.0.0.1:{imds_port}",
-                              token_key=secrets.token_bytes(32))
+                              token_key=secrets.token_bytes(32),
+                              passthrough_rate=UNBOUNDED, passthrough_burst=UNBOUNDED,
+                              passthrough_concurrency=UNBOUNDED)
     log_path = table_path + ".log"
     log = open(log_path, "wb")
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None

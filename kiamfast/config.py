@@ -316,6 +316,14 @@ FLAGS: tuple[Flag, ...] = (
     _f("wait-budget", "duration", 0.35, "How long a credential request may wait for an "
        "unknown pod or for pending credentials before the agent answers 503 (keep it under "
        "the SDKs' 1s metadata timeout)."),
+    _f("passthrough-qps", "float", 10.0, "Per pod address and worker: sustained rate of "
+       "requests passed through to the node's metadata service; beyond it (and the burst) "
+       "the pod gets 429, so one pod cannot make the node's metadata service throttle the "
+       "agent and the other pods."),
+    _f("passthrough-burst", "int", 40, "Per pod address and worker: passthrough requests "
+       "allowed at once after a quiet spell."),
+    _f("passthrough-concurrency", "int", 4, "Per pod address and worker: passthrough "
+       "requests upstream at the same time."),
     _f("imdsv2", "choice", "optional", "optional: token-less (IMDSv1) credential requests "
        "are answered; required: they get 401, like an instance with HttpTokens=required.",
        choices=("optional", "required")),
@@ -440,6 +448,9 @@ class Config:
     # kiamfast flags
     workers: int = _default("workers")
     wait_budget: float = _default("wait-budget")
+    passthrough_qps: float = _default("passthrough-qps")
+    passthrough_burst: int = _default("passthrough-burst")
+    passthrough_concurrency: int = _default("passthrough-concurrency")
     imdsv2: str = _default("imdsv2")
     token_key_file: str = _default("token-key-file")
     cri_endpoint: str = _default("cri-endpoint")
@@ -550,6 +561,11 @@ def _normalise_and_validate(c: Config) -> None:
             raise ConfigError(name, "must be a port number 1-65535", value=port)
     if not 1 <= c.workers <= 64:
         raise ConfigError("workers", "must be between 1 and 64", value=c.workers)
+    if not c.passthrough_qps > 0:
+        raise ConfigError("passthrough-qps", "must be greater than 0", value=c.passthrough_qps)
+    for name in ("passthrough-burst", "passthrough-concurrency"):
+        if getattr(c, name.replace("-", "_")) < 1:
+            raise ConfigError(name, "must be at least 1", value=getattr(c, name.replace("-", "_")))
     if not c.sts_qps > 0:
         raise ConfigError("sts-qps", "must be greater than 0", value=c.sts_qps)
     if c.sts_burst < 1:

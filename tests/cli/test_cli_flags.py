@@ -312,6 +312,9 @@ def test_cri_endpoint_values_and_the_kubelet_flags_kept_for_compatibility():
     (["--session-name-policy=random"], "--session-name-policy"),
     (["--sts-qps=0"], "--sts-qps"),
     (["--sts-burst=0"], "--sts-burst"),
+    (["--passthrough-qps=0"], "--passthrough-qps"),
+    (["--passthrough-burst=0"], "--passthrough-burst"),
+    (["--passthrough-concurrency=0"], "--passthrough-concurrency"),
     (["--wait-budget=-1s"], "--wait-budget"),
     (["--node-startup-taint=not a key"], "--node-startup-taint"),
     (["--host-ipv6=10.0.0.1"], "--host-ipv6"),
@@ -432,3 +435,14 @@ def test_without_supervisor_the_error_is_clear():
     assert proc.stderr.startswith("kiamfast: cannot start: kiamfast.supervisor is not "
                                   "available")
     assert len(proc.stderr.splitlines()) == 1
+
+
+def test_passthrough_bounds_reach_the_workers():
+    from kiamfast.supervisor import worker_settings
+    settings = worker_settings(parse_args(["--passthrough-qps=2.5", "--passthrough-burst=7",
+                                           "--passthrough-concurrency=3"]), token_key_fd=3)
+    assert (settings.passthrough_rate, settings.passthrough_burst,
+            settings.passthrough_concurrency) == (2.5, 7, 3)
+    defaults = worker_settings(parse_args([]), token_key_fd=3)
+    assert (defaults.passthrough_rate, defaults.passthrough_burst,
+            defaults.passthrough_concurrency) == (10.0, 40, 4)
