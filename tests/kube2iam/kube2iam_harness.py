@@ -50,7 +50,9 @@ class Cluster:
     """The shared fakes; ``sts`` is the recording proxy in front of moto."""
 
     def __init__(self) -> None:
-        self.api = ApiServer(token=None).start()   # client-go sends no bearer token over http
+        # No token: client-go's clientcmd reads a kubeconfig's credentials only for a TLS
+        # server, and the emulator speaks plain http.
+        self.api = ApiServer(token=None).start()
         self.sandbox = StsSandbox().start()
         self.imds = FakeImds().start()
         self.ec2 = NoRegionsEc2().start()
