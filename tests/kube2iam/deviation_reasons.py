@@ -77,6 +77,6 @@ FORMAT_REASONS: dict[str, str] = {
     "content-type: `text/plain; version=0.0.4; charset=utf-8; escaping=underscores` → "
     "`text/plain; version=0.0.4; charset=utf-8`":
         "kube2iam's newer Prometheus client names its escaping; the same text format",
-    "x-aws-ec2-metadata-token-ttl-seconds: (none) → `21600`":
+    "x-aws-ec2-metadata-token-ttl-seconds: (none) → `the token's remaining seconds`":
         "kiamfast checks tokens itself and, as real IMDS, tells the token's TTL",
 }

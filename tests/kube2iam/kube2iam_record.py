@@ -85,6 +85,7 @@ CONFIGS = {
 
 CREDS = "/latest/meta-data/iam/security-credentials/"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_TTL = 21600
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ CASES = {
         get("non-canonical path: dot segment", "app", "/latest/meta-data/./iam/security-credentials/"),
         get("non-canonical path: encoded slash", "app",
             "/latest/meta-data/iam/security-credentials%2Fapp-role"),
-        Case("token PUT", "app", "PUT", "/latest/api/token", ((TTL_HEADER, "21600"),)),
+        Case("token PUT", "app", "PUT", "/latest/api/token", ((TTL_HEADER, str(TOKEN_TTL)),)),
         Case("token PUT without TTL", "app", "PUT", "/latest/api/token"),
         get("listing with a token", "app", CREDS, (("X-aws-ec2-metadata-token", "<token>"),)),
         get("own role with a token", "app", CREDS + "app-role",
@@ -275,19 +276,28 @@ def observe(agent, case: Case, cluster: Cluster, token: str | None) -> dict:
     headers = {k: (token if v == "<token>" else v) for k, v in case.headers}
     status, fields, body = request(agent.port, case.method, case.path, source=case.address,
                                    headers=headers)
-    answer = {"status": status,
-              "headers": {k: fields[k] for k in READ_HEADERS if k in fields},
+    read = {k: fields[k] for k in READ_HEADERS if k in fields}
+    if TTL_HEADER.lower() in read and case.method != "PUT":
+        read[TTL_HEADER.lower()] = remaining_ttl(read[TTL_HEADER.lower()])
+    answer = {"status": status, "headers": read,
               "body": reduce_body(case, status, body, cluster)}
     if isinstance(answer["body"], dict) and "Code" in answer["body"]:
         answer["newline after body"] = body.endswith(b"\n")
     return answer
 
 
+def remaining_ttl(value: str) -> str:
+    """A token's remaining seconds, told on answers to token-bearing requests: it ticks
+    down between the PUT and the request, so only its plausibility is recorded."""
+    fresh = value.isdigit() and TOKEN_TTL - 60 <= int(value) <= TOKEN_TTL
+    return "the token's remaining seconds" if fresh else value
+
+
 def fresh_token(agent, case: Case) -> str | None:
     if not any(v == "<token>" for _, v in case.headers):
         return None
     status, _, body = request(agent.port, "PUT", "/latest/api/token", source=case.address,
-                              headers={TTL_HEADER: "21600"})
+                              headers={TTL_HEADER: str(TOKEN_TTL)})
     return body.decode() if status == 200 else "no-token"
 
 
