@@ -22,7 +22,16 @@ _PATHS = ("paths are canonicalised before routing, so every spelling of a path r
           "its canonical form and none reaches the node's metadata service under iam/ "
           "(kube2iam redirects: not every SDK follows)")
 
+_OTHER_ROLE = ("a role name that is not the pod's gets 404 (kube2iam: 403), same text: real "
+               "IMDS answers 404 for a name that is not the instance's role, and SDKs act on "
+               "it: Java's provider looks the name up again after a 404, a 403 ends its "
+               "fetch; credentials spec 2.1 clients (AWS_EC2_INSTANCE_PROFILE_NAME) ask for a "
+               "name directly")
+
 REASONS: dict[str, str] = {
+    "base: another role": _OTHER_ROLE,
+    "default-role: no annotation: another role": _OTHER_ROLE,
+    "keys: custom keys: the default key's role": _OTHER_ROLE,
     "base: own role, trailing slash": ("a trailing slash names the same document (paths are "
                                        "canonicalised before routing); kube2iam takes "
                                        "`app-role/` for another role"),
@@ -58,12 +67,7 @@ REASONS: dict[str, str] = {
                       "the startup taint's removal (`taint`)"),
 }
 
-NOT_DELIBERATE: dict[str, str] = {
-    "base: another role": ("kube2iam answers a role that is not the pod's with 403 (its "
-                           "end-to-end test asserts it); kiamfast with 404, same text"),
-    "default-role: no annotation: another role": "as `base: another role`",
-    "keys: custom keys: the default key's role": "as `base: another role`",
-}
+NOT_DELIBERATE: dict[str, str] = {}
 
 FORMAT_REASONS: dict[str, str] = {
     "content-type: `text/plain; charset=utf-8` → `text/plain`":
