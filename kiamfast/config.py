@@ -344,8 +344,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("sts-burst", "int", 20, "Burst size of the STS rate limit."),
     _f("sts-account-qps", "float", 0.0, "The fleet's share of the account's STS budget "
        "(calls/s; AWS allows 600 per account and Region, shared by every STS caller). "
-       "Each node then limits itself to --sts-account-qps / --sts-fleet-nodes (never more "
-       "than --sts-qps), and throttling lowers that further. 0 = no fleet budget."),
+       "Each node may always send --sts-account-qps / --sts-fleet-nodes calls/s; above "
+       "that it goes up to --sts-qps while STS accepts, and throttling halves its rate, "
+       "never below that share. 0 = no fleet budget (throttling may halve down to "
+       "--sts-qps / 16)."),
     _f("sts-fleet-nodes", "int", 0, "Number of nodes (agents) sharing --sts-account-qps; "
        "size it for the largest the cluster scales to."),
     _f("session-duration", "duration", 3600.0, "DurationSeconds of AssumeRole (15m-12h; "

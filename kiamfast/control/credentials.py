@@ -29,11 +29,12 @@ Optional session tags (``session_tags``: ``kiamfast-namespace``, ``kiamfast-pod`
 become part of the key, so tagging per pod means one session per pod.
 
 Scheduling. One STS call per key at a time (single flight); every call takes a token from a
-global bucket (``qps``/``burst``; with a fleet budget ``qps`` is this node's share of the
-account's, see :func:`node_share`); a throttled call pauses the bucket (jittered
+global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered
 exponential, it is account-wide) and halves its rate (AIMD, ``ratelimit.py``), successes
-give rate back; the throttled key itself retries when the pause ends, with no backoff of its
-own (the node's rate is what throttling is about). Other failures back off per key. Calls
+give rate back; with a fleet budget the rate never drops below this node's share of it
+(:func:`node_share`), which every node may always use. The throttled key itself retries
+when the pause ends, with no backoff of its own (the node's rate is what throttling is
+about). Other failures back off per key. Calls
 are taken from a priority queue: a key a pod is *waiting* for (a worker said so) beats
 prefetching new keys, which beats refresh-ahead, and keeps that priority through its
 retries until it is servable.
@@ -97,10 +98,11 @@ _STS_BUCKETS = tuple(0.001 * 2 ** i for i in range(14))  # kube2iam: 1 ms x2, 14
 
 
 def node_share(account_qps: float, fleet_nodes: int, node_qps: float) -> float:
-    """This node's STS rate: its even share of the fleet's budget (``account_qps`` over
-    ``fleet_nodes`` agents), never more than ``node_qps``; ``node_qps`` alone without a
-    budget (``account_qps`` 0).  Every agent at its share keeps the fleet within the budget
-    whatever the arrival pattern; throttling cuts a node below its share (AIMD)."""
+    """The STS rate this node may always use: its even share of the fleet's budget
+    (``account_qps`` over ``fleet_nodes`` agents), never more than ``node_qps``.  Every
+    agent at its share keeps the fleet within the budget whatever the arrival pattern, so
+    throttling never cuts a node's adaptive rate below it; above it a node probes up to
+    ``node_qps`` while STS accepts (a fleet whose nodes are mostly idle uses the budget)."""
     if account_qps <= 0:
         return node_qps
     if fleet_nodes < 1:
@@ -246,8 +248,9 @@ class CredentialManager:
         self.clock = clock
         self.sleep = sleep
         self.rng = rng or random.Random()
-        self.bucket = TokenBucket(node_share(account_qps, fleet_nodes, qps), burst,
-                                  clock=clock, sleep=sleep)
+        self.bucket = TokenBucket(
+            qps, burst, clock=clock, sleep=sleep,
+            min_rate=node_share(account_qps, fleet_nodes, qps) if account_qps > 0 else None)
 
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}

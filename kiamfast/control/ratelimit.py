@@ -40,15 +40,17 @@ def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None 
 class TokenBucket:
     """A token bucket with a global pause, driven by an injectable clock."""
 
-    MIN_RATE_DIVISOR = 16     # the adaptive rate never drops below rate / 16 ...
+    MIN_RATE_DIVISOR = 16     # the adaptive rate never drops below rate / 16 (or min_rate)
     INCREASE_DIVISOR = 8      # ... and each success gives back rate / 8
 
-    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep):
+    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep,
+                 min_rate: float | None = None):
         if rate <= 0 or burst < 1:
             raise ValueError("rate must be > 0 and burst >= 1")
         self.max_rate = float(rate)
         self.rate = float(rate)             # the adaptive rate, at most max_rate
-        self.min_rate = self.max_rate / self.MIN_RATE_DIVISOR
+        self.min_rate = min(self.max_rate, min_rate if min_rate is not None
+                            else self.max_rate / self.MIN_RATE_DIVISOR)
         self.increase = self.max_rate / self.INCREASE_DIVISOR
         self.burst = float(burst)
         self._clock = clock

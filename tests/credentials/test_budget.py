@@ -137,17 +137,20 @@ def test_the_node_share_of_the_account_budget():
         node_share(600, 0, 5.0)
 
 
-def test_from_config_limits_the_node_to_its_share(h):
+def test_from_config_never_throttles_the_node_below_its_share(h):
     config = Config(node="n1", host_ip="10.0.0.1", sts_account_qps=600.0,
                     sts_fleet_nodes=2000)
     mgr = CredentialManager.from_config(config, table=h.table, sts=h.sts, notify=h.notify)
+    assert (mgr.bucket.rate, mgr.bucket.min_rate) == (5.0, pytest.approx(0.3))
+    for ticket in range(1, 20):
+        mgr.bucket.slow_down(ticket)
     assert mgr.bucket.rate == pytest.approx(0.3)
     from_api = CredentialManager.from_config(config, table=h.table, sts=h.sts,
                                              notify=h.notify, fleet_nodes=300)
-    assert from_api.bucket.rate == pytest.approx(2.0)
+    assert from_api.bucket.min_rate == pytest.approx(2.0)
     alone = CredentialManager.from_config(Config(node="n1", host_ip="10.0.0.1"),
                                           table=h.table, sts=h.sts, notify=h.notify)
-    assert alone.bucket.rate == 5.0
+    assert (alone.bucket.rate, alone.bucket.min_rate) == (5.0, 5.0 / 16)
 
 
 # ---- keys a pod is waiting for ------------------------------------------------------------------
