@@ -48,11 +48,10 @@ import math
 import os
 import random
 import resource
-import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import orjson
 
@@ -317,8 +316,8 @@ class Fleet:
             row[o != "ok"] += 1
         served = [p for p in self.pods if p.served_at is not None]
         first_calls = [p for p in self.pods if p.attempts]
-        to_table = sorted(self.tables[self.node_index[p.node]].ready_at.get(p.slot, math.inf)
-                          - self.t0 - p.bound_at for p in self.pods if p.slot >= 0)
+        to_table = sorted(max(0.0, self.tables[self.node_index[p.node]].ready_at.get(
+            p.slot, math.inf) - self.t0 - p.bound_at) for p in self.pods if p.slot >= 0)
         to_table = [x for x in to_table if math.isfinite(x)]
         peak = max((ok + th for ok, th in per_second.values()), default=0)
         budget_bound = sc.budget * sc.duration + (sc.budget_burst or sc.budget)
@@ -467,6 +466,41 @@ def brownout(nodes: int = 2000, budget: float = 600.0, **kw) -> Scenario:
     return Scenario(nodes=nodes, budget=budget, account_qps=budget, window=600.0,
                     duration=2 * 3600, brownout=(1800.0, 600.0, 0.1),
                     late_nodes=nodes // 10, **kw)
+
+
+def runs(quick: bool) -> list[tuple[str, Scenario]]:
+    """The issue's scenarios at a scale this machine runs in minutes: nodes and the budget
+    scaled together (2,000 nodes at 600/s is 500 at 150/s: the same share per node, the
+    same arrival per unit of budget); ``quick``: a tenth of that, arrival and brownout."""
+    k = 10 if quick else 1
+    arr = arrival(nodes=500 // k, budget=150.0 / k)
+    out = brownout(nodes=500 // k, budget=150.0 / k)
+    if quick:
+        return [("arrival", arr), ("brownout 10 % for 10 min", out)]
+    return [("arrival", arr), ("arrival, today's defaults", todays_defaults(arr)),
+            ("arrival, Go SDK", replace(arr, client="go")),
+            ("brownout 10 % for 10 min", out),
+            ("steady state", steady(nodes=500, budget=30.0, hours=2.0))]
+
+
+def markdown(results: list[tuple[str, dict]]) -> str:
+    head = ("| scenario | nodes × pods | budget /s | STS ok / throttled | peak /s | "
+            "first calls ok (budget allows) | served | wrong identity | lost creds | "
+            "bound → table p50 / p99 / max s | steady calls/s (÷ budget) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for name, r in results:
+        sc = r["scenario"]
+        t = r["bound_to_table_s"]
+        rows.append(
+            f"| {name} | {sc['nodes']} × {sc['pods_per_node']} ({sc['roles_per_node']} of "
+            f"{sc['role_pool']} roles) | {sc['budget']:g} | {r['sts_ok']} / "
+            f"{r['sts_throttled']} | {r['peak_calls_per_s']} | {r['first_call_ok']} / "
+            f"{r['pods']} ({r['first_call_budget_allows']}) | {r['pods_served']} | "
+            f"{r['wrong_identity']} | {r['pods_lost_credentials']} | {t['p50']} / {t['p99']} "
+            f"/ {t['max']} | {r['second_half_calls_per_s']:.2f} "
+            f"({r['second_half_calls_per_s'] / sc['budget']:.1%}) |")
+    return head + "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
