@@ -385,6 +385,7 @@ class CredentialManager:
             return
         entry.users.pop(pod_uid, None)
         if not entry.users:
+            self._set_waiting(entry, False)     # nobody waits for a key nobody uses
             entry.idle_since = self.clock()
             self._set_timer(entry, entry.idle_since + self.release_grace, "free")
 

@@ -198,3 +198,19 @@ def test_waiting_keys_are_counted_until_servable(h):
     a, waiting, after = h.run(main())
     assert waiting == (1.0, 1)
     assert after == 0.0 and h.state(a)[0] == tbl.CRED_READY
+
+
+def test_a_key_whose_pods_are_gone_is_not_waited_for(h):
+    registry = CollectorRegistry()
+    h.proxy.add_fault("5xx")
+
+    async def main():
+        async with h.manager(registry=registry) as mgr:
+            a = mgr.acquire("uid-a", h.req("a"))
+            await settle(mgr)
+            mgr.wanted(a)
+            waiting = registry.get_sample_value("kiamfast_sts_waiting_keys")
+            mgr.release("uid-a")
+            return waiting, registry.get_sample_value("kiamfast_sts_waiting_keys")
+
+    assert h.run(main()) == (1.0, 0.0)
