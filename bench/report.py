@@ -12,7 +12,8 @@ Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
 (bench/scale_sim.py), ``runtime`` (bench/runtime_churn.py, runtime_first_call.py,
 runtime_polling.py: the container runtime's path, on a real containerd when root has one),
 ``kubelet`` (bench/kubelet_timing.py: a real kubelet's podIP delay and new pods' first SDK
-call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries).
+call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries),
+``fleet`` (bench/fleet_sim.py: many nodes' credential managers against one STS budget).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet")
+SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet")
 
 
 @dataclass
@@ -486,8 +487,27 @@ def section_kubelet(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_fleet(quick: bool, out: Path, log) -> Section:
+    import fleet_sim as fs
+    sec = Section("The fleet against STS's account budget (simulated time)")
+    results = []
+    for name, sc in fs.runs(quick):
+        results.append((name, fs.simulate(sc)))
+        log(f"  fleet: {name} done")
+    sec.body = fs.markdown(results)
+    for name, r in results:
+        sec.headline.append((f"fleet, {name}: wrong identity, pods served, lost credentials",
+                             f"{r['wrong_identity']}, {r['pods_served']}/{r['pods']}, "
+                             f"{r['pods_lost_credentials']}", "0, all, 0",
+                             _ok(r["wrong_identity"] == 0 and r["pods_served"] == r["pods"]
+                                 and r["pods_lost_credentials"] == 0)))
+    sec.raw = {name: r for name, r in results}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
-           "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet}
+           "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
+           "fleet": section_fleet}
 
 
 # ---- the report ------------------------------------------------------------------------------

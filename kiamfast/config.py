@@ -350,6 +350,14 @@ FLAGS: tuple[Flag, ...] = (
        "$AWS_REGION, $AWS_DEFAULT_REGION, config file)."),
     _f("sts-qps", "float", 5.0, "Sustained rate limit of STS calls per second."),
     _f("sts-burst", "int", 20, "Burst size of the STS rate limit."),
+    _f("sts-account-qps", "float", 0.0, "The fleet's share of the account's STS budget "
+       "(calls/s; AWS allows 600 per account and Region, shared by every STS caller). "
+       "Each node may always send --sts-account-qps / --sts-fleet-nodes calls/s; above "
+       "that it goes up to --sts-qps while STS accepts, and throttling halves its rate, "
+       "never below that share. 0 = no fleet budget (throttling may halve down to "
+       "--sts-qps / 16)."),
+    _f("sts-fleet-nodes", "int", 0, "Number of nodes (agents) sharing --sts-account-qps; "
+       "size it for the largest the cluster scales to."),
     _f("session-duration", "duration", 3600.0, "DurationSeconds of AssumeRole (15m-12h; "
        "sessions chained from an instance role are capped at 1h by AWS).",
        shown_default="1h0m0s, or 2x --iam-role-session-ttl when that is given"),
@@ -460,6 +468,8 @@ class Config:
     sts_region: str = _default("sts-region")
     sts_qps: float = _default("sts-qps")
     sts_burst: int = _default("sts-burst")
+    sts_account_qps: float = _default("sts-account-qps")
+    sts_fleet_nodes: int = _default("sts-fleet-nodes")
     session_duration: float | None = None  # None = 1h, or 2x an explicit session TTL
     min_credential_lifetime: float = _default("min-credential-lifetime")
     session_name_policy: str = _default("session-name-policy")
@@ -570,6 +580,14 @@ def _normalise_and_validate(c: Config) -> None:
         raise ConfigError("sts-qps", "must be greater than 0", value=c.sts_qps)
     if c.sts_burst < 1:
         raise ConfigError("sts-burst", "must be at least 1", value=c.sts_burst)
+    if c.sts_account_qps < 0:
+        raise ConfigError("sts-account-qps", "must be 0 (off) or greater",
+                          value=c.sts_account_qps)
+    if c.sts_fleet_nodes < 0:
+        raise ConfigError("sts-fleet-nodes", "must be 0 or greater", value=c.sts_fleet_nodes)
+    if c.sts_account_qps > 0 and c.sts_fleet_nodes < 1:
+        raise ConfigError("sts-fleet-nodes", "must be at least 1 with --sts-account-qps",
+                          value=c.sts_fleet_nodes)
 
     # Durations are never negative.
     for flag in FLAGS:

@@ -29,9 +29,15 @@ Optional session tags (``session_tags``: ``kiamfast-namespace``, ``kiamfast-pod`
 become part of the key, so tagging per pod means one session per pod.
 
 Scheduling. One STS call per key at a time (single flight); every call takes a token from a
-global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered exponential,
-it is account-wide); other failures back off per key. Calls are taken from a priority queue:
-a slot a worker says is *wanted* beats prefetching new keys, which beats refresh-ahead.
+global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered
+exponential, it is account-wide) and halves its rate (AIMD, ``ratelimit.py``), successes
+give rate back; with a fleet budget the rate never drops below this node's share of it
+(:func:`node_share`), which every node may always use. The throttled key itself retries
+when the pause ends, with no backoff of its own (the node's rate is what throttling is
+about). Other failures back off per key. Calls
+are taken from a priority queue: a key a pod is *waiting* for (a worker said so) beats
+prefetching new keys, which beats refresh-ahead, and keeps that priority through its
+retries until it is servable.
 Permanent refusals (AccessDenied...) become the real-IMDS error document, cached for
 ``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least ``error_ttl_floor`` so a
 misconfigured role cannot hammer STS), retried with growing intervals while pods use them.
@@ -89,6 +95,19 @@ PRIO_REFRESH = 2    # refresh-ahead of credentials still being served
 # by the next attempt anyway.
 _ERROR_DOC_LIFETIME = 365 * 86400.0
 _STS_BUCKETS = tuple(0.001 * 2 ** i for i in range(14))  # kube2iam: 1 ms x2, 14 buckets
+
+
+def node_share(account_qps: float, fleet_nodes: int, node_qps: float) -> float:
+    """The STS rate this node may always use: its even share of the fleet's budget
+    (``account_qps`` over ``fleet_nodes`` agents), never more than ``node_qps``.  Every
+    agent at its share keeps the fleet within the budget whatever the arrival pattern, so
+    throttling never cuts a node's adaptive rate below it; above it a node probes up to
+    ``node_qps`` while STS accepts (a fleet whose nodes are mostly idle uses the budget)."""
+    if account_qps <= 0:
+        return node_qps
+    if fleet_nodes < 1:
+        raise ValueError("a fleet budget needs the number of nodes sharing it")
+    return min(node_qps, account_qps / fleet_nodes)
 
 
 class CredentialSlotsExhausted(Exception):
@@ -164,6 +183,7 @@ class _Entry:
     timer: int = 0                 # version of the one live timer; older timers are ignored
     timer_prio: int = PRIO_NEW     # queue priority when a "fetch" timer fires
     idle_since: float | None = None
+    waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
     freed: bool = False
     issued: int = 0                # credentials issued for this key so far
 
@@ -181,6 +201,7 @@ class CredentialManager:
                  duration: float = 3600.0, min_lifetime: float = 900.0,
                  refresh_fraction: float = 0.5, refresh_jitter: float = 0.1,
                  qps: float = 5.0, burst: int = 20, max_inflight: int = 8,
+                 account_qps: float = 0.0, fleet_nodes: int = 0,
                  error_ttl: float = 0.0, error_ttl_floor: float = 5.0,
                  error_ttl_max: float = 60.0,
                  backoff_base: float = 1.0, backoff_max: float = 30.0,
@@ -227,7 +248,9 @@ class CredentialManager:
         self.clock = clock
         self.sleep = sleep
         self.rng = rng or random.Random()
-        self.bucket = TokenBucket(qps, burst, clock=clock, sleep=sleep)
+        self.bucket = TokenBucket(
+            qps, burst, clock=clock, sleep=sleep,
+            min_rate=node_share(account_qps, fleet_nodes, qps) if account_qps > 0 else None)
 
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}
@@ -239,6 +262,7 @@ class CredentialManager:
         self._seq = itertools.count()
         self._inflight = 0
         self._queued = 0                    # entries with a live item in the ready queue
+        self._waiting: set[_Entry] = set()  # entries with waiting=True
         self._token_wait = False
         self._throttle_streak = 0
         self._work = asyncio.Event()        # the ready queue got an item
@@ -252,13 +276,16 @@ class CredentialManager:
                         "sts_denied": 0, "refreshes": 0, "cache_hits": 0, "issued": 0,
                         "expired": 0, "evicted": 0}
         self._metrics = _Metrics(registry)
+        self._metrics.rate.set(self.bucket.rate)
 
     # ---- configuration helpers --------------------------------------------------------------
 
     @classmethod
     def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
-                    notify: Callable[[], Any], **overrides: Any) -> "CredentialManager":
-        """Build from a ``kiamfast.config.Config`` and a ``kiamfast.table.Table``."""
+                    notify: Callable[[], Any], fleet_nodes: int | None = None,
+                    **overrides: Any) -> "CredentialManager":
+        """Build from a ``kiamfast.config.Config`` and a ``kiamfast.table.Table``.
+        ``fleet_nodes`` (e.g. the node count from the API) overrides ``--sts-fleet-nodes``."""
         kwargs: dict[str, Any] = dict(
             table=table, sts=sts, notify=notify,
             capacity=table.layout["cred_capacity"],
@@ -268,6 +295,8 @@ class CredentialManager:
             duration=config.session_duration,
             min_lifetime=config.min_credential_lifetime,
             qps=config.sts_qps, burst=config.sts_burst,
+            account_qps=config.sts_account_qps,
+            fleet_nodes=config.sts_fleet_nodes if fleet_nodes is None else fleet_nodes,
             error_ttl=config.iam_role_error_ttl)
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -356,21 +385,24 @@ class CredentialManager:
             return
         entry.users.pop(pod_uid, None)
         if not entry.users:
+            self._set_waiting(entry, False)     # nobody waits for a key nobody uses
             entry.idle_since = self.clock()
             self._set_timer(entry, entry.idle_since + self.release_grace, "free")
 
     def wanted(self, slot: int) -> None:
-        """A worker has a request for this slot and could not serve it: try now, unless a
-        call is in flight or the key is backing off."""
+        """A worker has a request for this slot and could not serve it: the key is waited
+        for (first in the queue, through its retries), and tried now unless a call is in
+        flight or the key is backing off."""
         entry = self._by_slot.get(slot)
-        if entry is None or entry.freed or entry.inflight or entry.idle_since is not None:
+        if entry is None or entry.freed or entry.idle_since is not None:
             return
         now = self.clock()
-        if now < entry.not_before:
-            return
         if entry.state in (_READY, _DENIED) and (entry.state == _DENIED
                                                  or now < entry.serve_until):
             return  # servable from our point of view; the worker's read was stale
+        self._set_waiting(entry, True)
+        if entry.inflight or now < entry.not_before:
+            return
         self._enqueue(entry, PRIO_WANTED)
 
     def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
@@ -468,11 +500,17 @@ class CredentialManager:
         throttling pause counts as settled, as do timers.
         """
         async def _wait() -> None:
-            while self._inflight or (self._live_ready() and not self._token_wait):
+            while not self.settled:
                 await asyncio.sleep(0.002)
         await asyncio.wait_for(_wait(), timeout)
 
     # ---- introspection ----------------------------------------------------------------------
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight and nothing that could start before time moves on (queued work
+        waiting for a token or the end of a throttling pause counts as settled)."""
+        return not (self._inflight or (self._live_ready() and not self._token_wait))
 
     def stats(self) -> dict[str, Any]:
         states = {s: 0 for s in (_PENDING, _READY, _ERROR, _DENIED)}
@@ -491,6 +529,8 @@ class CredentialManager:
             "slots_free": len(self._free),
             "slots_held": len(self._held),
             "queued": self._live_ready(),
+            "waiting_keys": len(self._waiting),
+            "rate_limit": self.bucket.rate,
             "throttle_paused_for": max(0.0, self.bucket.paused_until - self.clock()),
             **{f"keys_{s}": n for s, n in states.items()},
         }
@@ -534,6 +574,7 @@ class CredentialManager:
             return
         entry.freed = True
         entry.timer += 1
+        self._set_waiting(entry, False)
         if entry.queued is not None:
             entry.queued = None
             self._queued -= 1
@@ -563,9 +604,16 @@ class CredentialManager:
 
     # ---- queue and timers -------------------------------------------------------------------
 
+    def _set_waiting(self, entry: _Entry, waiting: bool) -> None:
+        entry.waiting = waiting
+        (self._waiting.add if waiting else self._waiting.discard)(entry)
+        self._metrics.waiting.set(len(self._waiting))
+
     def _enqueue(self, entry: _Entry, prio: int) -> None:
         if entry.freed or entry.inflight:
             return
+        if entry.waiting:
+            prio = PRIO_WANTED
         if entry.queued is not None and entry.queued <= prio:
             return
         if entry.queued is None:
@@ -650,13 +698,13 @@ class CredentialManager:
             entry.inflight = True
             self._inflight += 1
             self._metrics.inflight.set(self._inflight)
-            task = asyncio.create_task(self._fetch(entry, prio))
+            task = asyncio.create_task(self._fetch(entry, prio, self.bucket.tickets))
             self._fetches.add(task)
             task.add_done_callback(self._fetches.discard)
 
     # ---- one STS call -----------------------------------------------------------------------
 
-    async def _fetch(self, entry: _Entry, prio: int) -> None:
+    async def _fetch(self, entry: _Entry, prio: int, ticket: int) -> None:
         key = entry.key
         name = self.session_name(key, entry.users.items())
         started = time.monotonic()
@@ -679,6 +727,8 @@ class CredentialManager:
             self._metrics.sts_call(key.role_arn, "Success", "success", elapsed)
             self._counts["sts_success"] += 1
             self._throttle_streak = 0
+            self.bucket.speed_up()
+            self._metrics.rate.set(self.bucket.rate)
             if not entry.freed:
                 try:
                     self._on_success(entry, result, name)
@@ -695,6 +745,8 @@ class CredentialManager:
                 self._throttle_streak += 1
                 self.bucket.pause(backoff(self._throttle_streak, base=self.throttle_base,
                                           cap=self.throttle_max, rng=self.rng))
+                self.bucket.slow_down(ticket)
+                self._metrics.rate.set(self.bucket.rate)
             if not entry.freed:
                 self._on_failure(entry, result)
 
@@ -726,6 +778,7 @@ class CredentialManager:
         entry.failures = entry.denials = 0
         entry.last_error = None
         entry.not_before = 0.0
+        self._set_waiting(entry, False)
         entry.issued += 1
         self._counts["issued"] += 1
         if refreshed:
@@ -763,9 +816,7 @@ class CredentialManager:
         entry.last_error = err
         denied = isinstance(err, StsDenied)
         if isinstance(err, StsThrottled):
-            delay = max(self.bucket.paused_until - now,
-                        backoff(entry.failures, base=self.throttle_base,
-                                cap=self.throttle_max, rng=self.rng))
+            delay = max(0.0, self.bucket.paused_until - now)  # the node's pause, no more
         elif denied:
             entry.denials += 1
             delay = min(self.error_ttl_max, self.error_ttl * 2 ** (entry.denials - 1))
@@ -792,6 +843,7 @@ class CredentialManager:
             parts = self._error_parts(entry, err.code, now)
             self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
                                   state=CRED_READY)
+            self._set_waiting(entry, False)    # the pod gets its answer: the error document
             entry.state = _DENIED
             entry.creds = None
             entry.serve_until = now + _ERROR_DOC_LIFETIME
@@ -882,6 +934,12 @@ class _Metrics:
         self.refreshes = Counter("kiamfast_credential_refreshes",
                                  "Credentials replaced ahead of expiry", registry=r)
         self.inflight = Gauge("kiamfast_sts_inflight", "STS calls in flight", registry=r)
+        self.waiting = Gauge("kiamfast_sts_waiting_keys",
+                             "Credential keys a pod asked for that are not servable yet",
+                             registry=r)
+        self.rate = Gauge("kiamfast_sts_rate_limit",
+                          "This node's STS rate limit now (calls/s; throttling lowers it)",
+                          registry=r)
         self.hits = Counter("kube2iam_iam_cache_hits", "Total number of IAM cache hits.",
                             ["role_arn"], registry=r)
         self.dropped = Counter("kiamfast_metrics_series_dropped",

@@ -6,7 +6,11 @@ AssumeRole calls, and a throttled agent must slow down *all* its calls, not just
 one that failed. This module holds the two mechanisms the credential manager uses:
 
   * :class:`TokenBucket`: ``rate`` tokens per second, at most ``burst`` saved up, plus a
-    global pause that throttling responses extend (exponential, jittered);
+    global pause that throttling responses extend (exponential, jittered), and an adaptive
+    rate (AIMD): each throttling answer halves the rate (once per window of calls, down to
+    ``min_rate``), each success adds ``increase`` back, up to the configured rate. A pause
+    alone would resume at the full rate and throttle again: the rate is what keeps a fleet
+    of agents, each unaware of the others, under the account's budget;
   * :func:`backoff`: the jittered exponential delay for one key's consecutive failures.
 
 Both take an injected clock and async sleep so tests can drive time by hand. Neither ever
@@ -36,10 +40,18 @@ def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None 
 class TokenBucket:
     """A token bucket with a global pause, driven by an injectable clock."""
 
-    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep):
+    MIN_RATE_DIVISOR = 16     # the adaptive rate never drops below rate / 16 (or min_rate)
+    INCREASE_DIVISOR = 8      # ... and each success gives back rate / 8
+
+    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep,
+                 min_rate: float | None = None):
         if rate <= 0 or burst < 1:
             raise ValueError("rate must be > 0 and burst >= 1")
-        self.rate = float(rate)
+        self.max_rate = float(rate)
+        self.rate = float(rate)             # the adaptive rate, at most max_rate
+        self.min_rate = min(self.max_rate, min_rate if min_rate is not None
+                            else self.max_rate / self.MIN_RATE_DIVISOR)
+        self.increase = self.max_rate / self.INCREASE_DIVISOR
         self.burst = float(burst)
         self._clock = clock
         self._sleep = sleep
@@ -47,6 +59,8 @@ class TokenBucket:
         self._last = clock()
         self.paused_until = 0.0
         self.taken = 0
+        self.tickets = 0        # tokens handed out so far: the ticket of the last one
+        self._cut_ticket = 0    # tickets up to this one were out when the rate was last cut
 
     def _refill(self, now: float) -> None:
         if now > self._last:
@@ -67,6 +81,7 @@ class TokenBucket:
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             self.taken += 1
+            self.tickets += 1
             return 0.0
         return (1.0 - self._tokens) / self.rate
 
@@ -91,3 +106,18 @@ class TokenBucket:
         self.paused_until = max(self.paused_until, now + seconds)
         self._tokens = min(self._tokens, 1.0)   # one probe may go out when the pause ends
         self._last = max(self._last, self.paused_until)  # nothing accrues while paused
+
+    def slow_down(self, ticket: int) -> None:
+        """A call (the token with this ticket) was throttled: halve the rate.  Once per window
+        of calls: answers to calls that were already out when the rate was cut tell of the
+        same congestion, so eight throttled calls in flight cut it once, not eight times."""
+        if ticket <= self._cut_ticket:
+            return
+        self._refill(self._clock())       # tokens saved so far accrued at the old rate
+        self.rate = max(self.min_rate, self.rate / 2)
+        self._cut_ticket = self.tickets
+
+    def speed_up(self) -> None:
+        """A call succeeded: give some rate back (additive increase)."""
+        self._refill(self._clock())
+        self.rate = min(self.max_rate, self.rate + self.increase)

@@ -22,9 +22,10 @@ the credential manager treats them differently:
   * :class:`StsDenied`: STS refused this request for good (AccessDenied, ValidationError,
     MalformedPolicyDocument, ...); render the IMDS error document and cache it.
 
-botocore's own retries are kept small (``standard`` mode, ``max_attempts`` = 2 attempts in
-all, i.e. one retry, by default): the manager does the real backing off, with knowledge of
-every other key waiting behind this one.
+botocore does not retry (``standard`` mode, ``max_attempts`` = 1 by default): the manager
+does all the backing off, with knowledge of every other key waiting behind this one and of
+the node's rate; a retry inside botocore would send a throttled call again at once, past the
+node's limiter, to an account that just said slow down.
 
 This module must never log secrets (the client returns them; only the access key ID may be
 logged) and never be imported by a worker process.
@@ -142,7 +143,7 @@ class StsClient:
     """One botocore STS client plus the thread pool that runs its calls."""
 
     def __init__(self, *, region: str | None = None, endpoint_url: str | None = None,
-                 max_attempts: int = 2, connect_timeout: float = 2.0,
+                 max_attempts: int = 1, connect_timeout: float = 2.0,
                  read_timeout: float = 5.0, max_pool_connections: int = 8,
                  session: botocore.session.Session | None = None):
         self.region = resolve_region(region)

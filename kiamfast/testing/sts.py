@@ -13,6 +13,11 @@ on demand, and misbehaving STS is what the manager exists for, so every test tal
   * record every call with its parameters (RoleArn, RoleSessionName, ExternalId, Tags...),
     its arrival time and its outcome (:attr:`FaultProxy.calls`), so a test counts AssumeRole
     calls instead of trusting the code under test to count them,
+  * enforce one token bucket shared by every caller, as STS's per-account, per-Region
+    request quota (600/s by default on AWS, shared by AssumeRole, GetCallerIdentity and the
+    other STS calls): over budget, a call gets STS's own throttling answer (HTTP 400, an
+    ``ErrorResponse`` with Code ``Throttling`` and Message ``Rate exceeded``, a code in
+    botocore's throttling list) without reaching moto (:meth:`FaultProxy.set_budget`),
   * rewrite the ``Expiration`` of a successful AssumeRole to ``clock() + DurationSeconds``
     when given a clock, so a test with a :class:`ManualClock` can live through hours of
     rotation in milliseconds while moto keeps using the real time.
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
 
+from kiamfast.control.ratelimit import TokenBucket
 from kiamfast.testing.background import BackgroundServer
 
 FAULTS = ("throttle", "5xx", "deny", "down")
@@ -179,6 +185,7 @@ class FaultProxy(BackgroundServer):
         self.url = ""
         self._inflight = 0
         self.max_inflight = 0
+        self._budget: TokenBucket | None = None
 
     # -- control ----------------------------------------------------------------------------
     def add_fault(self, kind: str, *, roles: Iterable[str] | None = None,
@@ -192,6 +199,18 @@ class FaultProxy(BackgroundServer):
                                        count, self._fault_ids))
             return self._fault_ids
 
+    def set_budget(self, rate: float | None, burst: float | None = None) -> None:
+        """Answer STS calls beyond ``rate`` per second (``burst`` saved up, default one
+        second's worth) with STS's throttling error, on the proxy's clock; ``None``: no
+        budget.  Setting a new rate starts a new bucket (a brownout's start or end)."""
+        with self._lock:
+            if rate is None:
+                self._budget = None
+                return
+            self._budget = TokenBucket(rate, max(1, round(burst if burst is not None
+                                                          else rate)),
+                                       clock=self.clock or time.time)
+
     def clear_faults(self, fault_id: int | None = None) -> None:
         with self._lock:
             self._faults = [f for f in self._faults if fault_id is not None and f.id != fault_id]
@@ -200,6 +219,7 @@ class FaultProxy(BackgroundServer):
         with self._lock:
             self.calls.clear()
             self._faults.clear()
+            self._budget = None
             self.max_inflight = 0
         self.latency = 0.0
 
@@ -240,9 +260,11 @@ class FaultProxy(BackgroundServer):
 
     # -- per request (handler threads) ------------------------------------------------------
     def _pick_fault(self, call: StsCall) -> str | None:
-        if call.action != "AssumeRole":
-            return None
         with self._lock:
+            if self._budget is not None and self._budget.try_take() > 0:
+                return "throttle"     # the account's budget: every STS action counts
+            if call.action != "AssumeRole":
+                return None
             for f in self._faults:
                 if f.roles is not None and call.role_arn not in f.roles:
                     continue

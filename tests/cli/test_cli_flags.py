@@ -62,7 +62,7 @@ KUBE2IAM_DEFAULTS = {
 OUR_DEFAULTS = {
     "workers": 1, "wait_budget": 0.35, "imdsv2": "optional", "kubelet_url": "",
     "kubelet_insecure": False, "cri_endpoint": "auto", "sts_endpoint": "", "sts_region": "", "sts_qps": 5.0,
-    "sts_burst": 20, "session_duration": 3600.0, "min_credential_lifetime": 900.0,
+    "sts_burst": 20, "sts_account_qps": 0.0, "sts_fleet_nodes": 0, "session_duration": 3600.0, "min_credential_lifetime": 900.0,
     "session_name_policy": "node-role", "session_tags": False,
     "node_startup_taint": "kiamfast.io/agent-not-ready", "iptables_remove_on_exit": False,
     "iptables_backend": "auto", "namespace_permitted_key": "",
@@ -315,6 +315,9 @@ def test_cri_endpoint_values_and_the_kubelet_flags_kept_for_compatibility():
     (["--passthrough-qps=0"], "--passthrough-qps"),
     (["--passthrough-burst=0"], "--passthrough-burst"),
     (["--passthrough-concurrency=0"], "--passthrough-concurrency"),
+    (["--sts-account-qps=-1"], "--sts-account-qps"),
+    (["--sts-fleet-nodes=-1"], "--sts-fleet-nodes"),
+    (["--sts-account-qps=600"], "--sts-fleet-nodes"),      # a budget needs the node count
     (["--wait-budget=-1s"], "--wait-budget"),
     (["--node-startup-taint=not a key"], "--node-startup-taint"),
     (["--host-ipv6=10.0.0.1"], "--host-ipv6"),
@@ -446,3 +449,8 @@ def test_passthrough_bounds_reach_the_workers():
     defaults = worker_settings(parse_args([]), token_key_fd=3)
     assert (defaults.passthrough_rate, defaults.passthrough_burst,
             defaults.passthrough_concurrency) == (10.0, 40, 4)
+
+
+def test_the_fleet_budget_flags():
+    cfg = parse_args(["--sts-account-qps=600", "--sts-fleet-nodes=2000"], environ={})
+    assert (cfg.sts_account_qps, cfg.sts_fleet_nodes) == (600.0, 2000)

@@ -366,9 +366,10 @@ def test_throttling_backs_off_globally_and_recovers(h):
     assert [c.outcome for c in a_calls] == ["throttle"] * 3 + ["ok"]
     assert b_call.outcome == "ok"
     assert stats["sts_throttled"] == 3 and stats["throttle_paused_for"] == 0
-    # a backs off exponentially: [1,2], [2,4], [4,8] s (base 2, equal jitter) ...
+    # every retry of a waits for the node's pause (at least [1,2] s: base 2, equal jitter;
+    # it doubles with consecutive throttles, a success in between starts it over) ...
     t = [c.clock_at for c in a_calls]
-    assert t[1] - t[0] >= 1.0 and t[2] - t[1] >= 2.0 and t[3] - t[2] >= 4.0
+    assert all(later - earlier >= 1.0 for earlier, later in zip(t, t[1:]))
     # ... and b, wanted during the first (global) pause, waited for it to end
     assert b_call.clock_at - t[0] >= 1.0
 

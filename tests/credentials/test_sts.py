@@ -70,7 +70,7 @@ def test_failures_are_classified(sts, proxy, fault, exc, code):
     assert "secret" not in str(info.value).lower()
 
 
-def test_botocore_retries_once_by_default(proxy):
+def test_botocore_retries_when_asked_to(proxy):
     client = StsClient(endpoint_url=proxy.url, max_attempts=2)
     try:
         proxy.add_fault("5xx", count=1)
