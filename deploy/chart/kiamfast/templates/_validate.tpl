@@ -22,7 +22,8 @@ backoff-max-interval backoff-max-elapsed-time log-format log-level workers wait-
 imdsv2 token-key-file cri-endpoint kubelet-url sts-endpoint sts-region sts-qps sts-burst
 session-duration min-credential-lifetime session-name-policy node-startup-taint
 iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
-listen-host
+listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
+sts-fleet-nodes
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
