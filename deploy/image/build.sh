@@ -96,7 +96,8 @@ buildah config --env "KIAMFAST_GIT_COMMIT=$commit" \
     --env "KIAMFAST_BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$ctr"
 buildah commit --quiet --rm "$ctr" "$name" >/dev/null
 
+# Renamed into place: a test session still importing the previous archive keeps reading it.
 archive="$work/kiamfast-$arch.oci.tar"
-rm -f "$archive"
-buildah push --quiet "$name" "oci-archive:$archive:$name"
+buildah push --quiet "$name" "oci-archive:$archive.$$.tmp:$name"
+mv "$archive.$$.tmp" "$archive"
 echo "$archive"
