@@ -32,19 +32,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(port: int, request: str, *, source: str = "127.0.0.1",
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One request ("GET /path" or "PUT /path") on a fresh connection; (status, body)."""
-    method, path = request.split(" ", 1)
+def exchange(port: int, method: str, path: str, *, source: str = "127.0.0.1",
+             headers: dict[str, str] | None = None, timeout: float = 5.0) -> bytes:
+    """One request on a fresh connection from ``source``; the raw response."""
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    with socket.create_connection(("127.0.0.1", port), timeout=5,
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
                                   source_address=(source, 0)) as s:
         s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 169.254.169.254\r\n{extra}"
                   "Connection: close\r\n\r\n".encode())
         raw = b""
         while chunk := s.recv(65536):
             raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
+    return raw
+
+
+def http(port: int, request: str, *, source: str = "127.0.0.1",
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One request ("GET /path" or "PUT /path") on a fresh connection; (status, body)."""
+    method, path = request.split(" ", 1)
+    head, _, body = exchange(port, method, path, source=source,
+                             headers=headers).partition(b"\r\n\r\n")
     return int(head.split()[1]), body
 
 

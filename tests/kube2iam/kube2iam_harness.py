@@ -25,7 +25,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from agent_process import Agent, free_port
+from agent_process import Agent, exchange, free_port
 from kiamfast.testing.apiserver import ApiServer
 from kiamfast.testing.background import BackgroundServer
 from kiamfast.testing.fake_imds import FakeImds
@@ -190,14 +190,7 @@ def closed_port() -> int:
 def request(port: int, method: str, path: str, *, source: str,
             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     """One HTTP/1.1 request on a fresh connection from ``source``: status, headers, body."""
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    with socket.create_connection(("127.0.0.1", port), timeout=15,
-                                  source_address=(source, 0)) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 169.254.169.254\r\n{extra}"
-                  "Connection: close\r\n\r\n".encode())
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
+    raw = exchange(port, method, path, source=source, headers=headers, timeout=15)
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     fields = {}
