@@ -80,17 +80,19 @@ def spread(values: list[float | None]) -> dict:
 
 
 class RaceRecord:
-    """agent -> case -> numbers, for one test module."""
+    """agent -> case -> numbers, for one test module; printed as ``<label> {...}`` lines and
+    merged into the file ``env`` names, if it names one."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "RACE", env: str = RECORD_ENV) -> None:
+        self.label, self.env = label, env
         self.cases: dict[str, dict[str, dict]] = {}
 
     def add(self, agent: str, case: str, numbers: dict) -> None:
         self.cases.setdefault(agent, {})[case] = numbers
-        print("RACE " + json.dumps({"agent": agent, "case": case, **numbers}))
+        print(f"{self.label} " + json.dumps({"agent": agent, "case": case, **numbers}))
 
     def write_if_asked(self) -> None:
-        path = os.environ.get(RECORD_ENV)
+        path = os.environ.get(self.env)
         if not path or not self.cases:
             return
         target = Path(path)
