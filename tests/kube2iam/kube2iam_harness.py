@@ -132,15 +132,7 @@ class Kube2iam(Agent):
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """kube2iam listens once its informers have synced and its first health check ran."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "kube2iam exited:\n" + self.log()
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("kube2iam never listened:\n" + self.log())
+        wait_listening(self.proc, self.port, self.log, timeout)
 
 
 class Kiamfast(Agent):
@@ -190,6 +182,20 @@ def kube2iam_env(workdir: Path, *, sts_url: str, ec2_url: str, imds_url: str,
     if direct:
         env["NO_PROXY"] = ",".join(direct)
     return env
+
+
+def wait_listening(proc: subprocess.Popen, port: int, log, timeout: float) -> None:
+    """Until kube2iam (``proc``) accepts connections on 127.0.0.1:<port>; ``log()`` for
+    the failure message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "kube2iam exited:\n" + log()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("kube2iam never listened:\n" + log())
 
 
 def closed_port() -> int:
@@ -267,15 +273,8 @@ class BenchKube2iam:
 
     def wait_ready(self, timeout: float = 60.0) -> float:
         """Seconds from start until it listens (after its informers synced)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "kube2iam exited:\n" + self.log_tail()
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return time.monotonic() - self.started
-            except OSError:
-                time.sleep(0.02)
-        raise AssertionError("kube2iam never listened:\n" + self.log_tail())
+        wait_listening(self.proc, self.port, self.log_tail, timeout)
+        return time.monotonic() - self.started
 
     def log_tail(self, n: int = 3000) -> str:
         try:

@@ -112,3 +112,11 @@ def unavailable_reason(*, runtime: bool) -> str | None:
         from e2e_cluster import sweep_stale_runs
         sweep_stale_runs()
     return reason
+
+
+def skip_unless_available(*, runtime: bool) -> None:
+    """Skip the calling test or fixture, naming what is missing (see unavailable_reason)."""
+    import pytest
+    reason = unavailable_reason(runtime=runtime)
+    if reason:
+        pytest.skip(reason)

@@ -17,6 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
+
 from e2e_cluster import NODE_ACCESS_KEY_PREFIX, Pod
 from imds_probe import Sample
 
@@ -100,3 +102,15 @@ class RaceRecord:
         for agent, cases in self.cases.items():
             old.setdefault(agent, {}).update(cases)
         target.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+
+
+def module_record(label: str = "RACE", env: str = RECORD_ENV):
+    """A test module's RaceRecord, and the autouse module fixture (assign it to a module
+    name) that writes it when the module's tests are done."""
+    record = RaceRecord(label, env)
+
+    @pytest.fixture(scope="module", autouse=True)
+    def write_record():
+        yield record
+        record.write_if_asked()
+    return record, write_record

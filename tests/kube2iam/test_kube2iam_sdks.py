@@ -29,13 +29,13 @@ import http.client
 
 import pytest
 
-from kube2iam_node import AGENTS, start_agent, unavailable_reason  # first: sets sys.path
+from kube2iam_node import AGENTS, skip_unless_available, start_agent  # first: sys.path
 
 from e2e_cluster import NODE_ACCESS_KEY_PREFIX, Node  # noqa: I001 (needs the path above)
 from netns import METADATA_IP, call_in_netns
 from runtime_node import wait_until
 from needs import missing_js_sdk
-from race_record import RaceRecord
+from race_record import module_record
 from sdk_clients import CLIENTS, missing_reason, run_client
 
 pytestmark = pytest.mark.root
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.root
 SDKS = ["botocore", "awscli", "js", *CLIENTS]
 STS_LATENCY = 0.3   # the first-call case: each AssumeRole of an agent takes this long
 FIRST_CALL_SDKS = ["botocore", "js", "go-default"]
-RECORD = RaceRecord("SDK", "KUBE2IAM_SDKS_RECORD")
+RECORD, _write_record = module_record("SDK", "KUBE2IAM_SDKS_RECORD")
 
 
 def pod_ip(sdk: str, *, cold: bool = False) -> str:
@@ -54,18 +54,10 @@ def role_for(sdk: str) -> str:
     return f"role-sdk-{sdk}"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield RECORD
-    RECORD.write_if_asked()
-
-
 @pytest.fixture(scope="module", params=AGENTS)
 def node(request, tmp_path_factory):
     """(node, agent name): a node with a pod per SDK, each served once by the agent."""
-    reason = unavailable_reason(runtime=False)
-    if reason:
-        pytest.skip(reason)
+    skip_unless_available(runtime=False)
     node = Node(tmp_path_factory.mktemp(f"sdks-{request.param}"))
     try:
         for sdk in SDKS:
@@ -85,6 +77,14 @@ def missing(sdk: str) -> str | None:
     if sdk in CLIENTS:
         return missing_reason(CLIENTS[sdk][0])
     return None
+
+
+def need_sdk(node_and_agent: tuple, sdk: str) -> tuple:
+    """(node, agent name) of the fixture, once the SDK's client is known to be built."""
+    reason = missing(sdk)
+    if reason:
+        pytest.skip(reason)
+    return node_and_agent
 
 
 def run_sdk(pod, sdk: str) -> dict:
@@ -117,10 +117,7 @@ def verdict(node, pod, doc: dict) -> str:
 
 @pytest.mark.parametrize("sdk", SDKS)
 def test_sdk_gets_its_pods_own_role(node, sdk):
-    node, agent = node
-    reason = missing(sdk)
-    if reason:
-        pytest.skip(reason)
+    node, agent = need_sdk(node, sdk)
     pod = node.pods[sdk]
     doc = run_sdk(pod, sdk)
     outcome = verdict(node, pod, doc)
@@ -149,10 +146,7 @@ def listed_role(pod) -> str | None:
 
 @pytest.mark.parametrize("sdk", FIRST_CALL_SDKS)
 def test_sdk_first_call_for_a_role_nobody_asked_for_yet(node, sdk):
-    node, agent = node
-    reason = missing(sdk)
-    if reason:
-        pytest.skip(reason)
+    node, agent = need_sdk(node, sdk)
     node.sts.proxy.latency = STS_LATENCY
     try:
         pod = node.add_pod(f"cold-{sdk}", pod_ip(sdk, cold=True), role=f"role-cold-{sdk}")
