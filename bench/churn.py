@@ -23,9 +23,10 @@ So a wrong answer means the agent named A's (or any other) role to B's client af
 API server had published A's end and B's claim; a request "not served" is any answer but a
 200, or one later than the SDK budget. The agent's only help here is the watch (it runs
 API-only, ``--cri-endpoint=none``; bench/runtime_churn.py is the same churn with the
-container runtime).
+container runtime). ``--agent kube2iam`` runs the same churn against kube2iam 0.15 itself
+(tests/tools/build_kube2iam.sh builds it), which is always API-only.
 
-    python bench/churn.py [--quick] [--requests N] [--rate R] [--gap S]
+    python bench/churn.py [--quick] [--requests N] [--rate R] [--gap S] [--agent kube2iam]
 """
 
 from __future__ import annotations
@@ -411,7 +412,8 @@ class ChurnResult:
 
 def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.01,
         requests: int = 1_000_000, max_seconds: float = 240.0, processes: int | None = None,
-        idle_samples: int = 20, min_replacements: int = 0, log=print) -> ChurnResult:
+        idle_samples: int = 20, min_replacements: int = 0, agent: str = "kiamfast",
+        log=print) -> ChurnResult:
     import bench_agent as ba
 
     if not ba.full_agent_available():
@@ -430,7 +432,7 @@ def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.0
             sh.role[i], sh.prev[i], sh.gen[i], sh.want[i], sh.ack[i] = r, -1, 1, 1, 0
         # every role in use from the start, so a new pod never waits on STS (and a wait is
         # the agent's, not the fault proxy's)
-        with ba.agent(c, sts_qps=100, sts_burst=100) as a:
+        with _agent_under_test(c, agent) as a:
             a.wait_ready(120)
             idle = _idle_lag(c, a.port, addrs, names, sh, role_names, rng, n=idle_samples)
             ctx = mp.get_context("fork")
@@ -542,7 +544,7 @@ def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.0
                       "p99": float(np.percentile(v, 99)) if v.size else float("nan"),
                       "max": float(v.max()) if v.size else float("nan")}
                   for k, v in delivery.items()},
-        mode="full agent", ips=ips, roles=roles, rate=rate, gap=gap, seconds=seconds,
+        mode="full agent" if agent == "kiamfast" else agent, ips=ips, roles=roles, rate=rate, gap=gap, seconds=seconds,
         replacements=replaced, requests=tot["requests"], ok=tot["ok"],
         wrong_prev=tot["wrong_prev"], wrong_other=tot["wrong_other"],
         wrong_document=wrong_doc, late=tot["late"], hung=tot["hung"], statuses=statuses,
@@ -550,6 +552,17 @@ def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.0
         latencies_us=lat, wrong_lags=[x for r in results for x in r["wrong_lags"]],
         samples=[s for r in results for s in r["samples"]][:8] +
         doc_samples[:4], agent_restarts="exited with" in sup and sup[-600:] or "")
+
+
+def _agent_under_test(c, agent: str):
+    """kiamfast (API-only) or kube2iam for ``c``'s node, as a context manager."""
+    import bench_agent as ba
+    if agent == "kube2iam":
+        tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+        sys.path[:0] = [os.path.join(tests, "kube2iam"), tests]
+        from kube2iam_harness import BenchKube2iam
+        return BenchKube2iam(c, host_ip=ba.HOST_IP, base_role_arn=ba.BASE_ARN)
+    return ba.agent(c, sts_qps=100, sts_burst=100)
 
 
 def markdown(r: ChurnResult) -> str:
@@ -604,9 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int)
     ap.add_argument("--rate", type=float, default=50.0)
     ap.add_argument("--gap", type=float, default=0.01)
+    ap.add_argument("--agent", choices=["kiamfast", "kube2iam"], default="kiamfast")
     args = ap.parse_args(argv)
     n = args.requests or (50_000 if args.quick else 1_000_000)
-    r = run(requests=n, rate=args.rate, gap=args.gap)
+    r = run(requests=n, rate=args.rate, gap=args.gap, agent=args.agent)
     print(markdown(r))
     return 1 if r.wrong else 0
 

@@ -124,28 +124,15 @@ class Kube2iam(Agent):
         argv = [str(binary), f"--kubeconfig={kubeconfig}", f"--node={NODE}",
                 "--iptables=false", "--host-ip=127.0.0.1", f"--app-port={self.port}",
                 f"--metrics-port={self.port}", f"--metadata-addr={cluster.imds.addr}", *flags]
-        dead_end = f"http://127.0.0.1:{closed_port()}"
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(workdir), "TZ": "UTC",
-               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_REGION": REGION, "AWS_ENDPOINT_URL": cluster.sts.url,
-               "AWS_ENDPOINT_URL_EC2": cluster.ec2.url,
-               "AWS_EC2_METADATA_SERVICE_ENDPOINT": cluster.imds.url,
-               "HTTPS_PROXY": dead_end, "HTTP_PROXY": dead_end}
+        env = kube2iam_env(workdir, sts_url=cluster.sts.url, ec2_url=cluster.ec2.url,
+                           imds_url=cluster.imds.url)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
                                          start_new_session=True)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """kube2iam listens once its informers have synced and its first health check ran."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "kube2iam exited:\n" + self.log()
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("kube2iam never listened:\n" + self.log())
+        wait_listening(self.proc, self.port, self.log, timeout)
 
 
 class Kiamfast(Agent):
@@ -178,6 +165,37 @@ class _AgentFakes:
         self.api = cluster.api
         self.sts = cluster.sts
         self.imds = cluster.imds
+
+
+def kube2iam_env(workdir: Path, *, sts_url: str, ec2_url: str, imds_url: str,
+                 direct: tuple[str, ...] = ()) -> dict[str, str]:
+    """kube2iam's environment (see the module docstring): STS, EC2 and the metadata service
+    at the given URLs, every other host a dead end; ``direct``: non-loopback hosts it may
+    reach without the dead-end proxy (e.g. 169.254.169.254 on a test's node)."""
+    dead_end = f"http://127.0.0.1:{closed_port()}"
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(workdir), "TZ": "UTC",
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_REGION": REGION, "AWS_ENDPOINT_URL": sts_url,
+           "AWS_ENDPOINT_URL_EC2": ec2_url,
+           "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds_url,
+           "HTTPS_PROXY": dead_end, "HTTP_PROXY": dead_end}
+    if direct:
+        env["NO_PROXY"] = ",".join(direct)
+    return env
+
+
+def wait_listening(proc: subprocess.Popen, port: int, log, timeout: float) -> None:
+    """Until kube2iam (``proc``) accepts connections on 127.0.0.1:<port>; ``log()`` for
+    the failure message."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "kube2iam exited:\n" + log()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("kube2iam never listened:\n" + log())
 
 
 def closed_port() -> int:
@@ -213,3 +231,53 @@ def _dechunk(data: bytes) -> bytes:
             break
         out, data = out + data[:size], data[size + 2:]
     return out
+
+
+class BenchKube2iam:
+    """kube2iam against a bench/bench_agent.Cluster (its API server wants a token: given
+    with ``--api-server``/``--api-token``), on loopback, the way bench/churn.py runs
+    kiamfast: the same port for the app and metrics, no iptables, API-only as it always is.
+    Use as a context manager; ``port``, ``wait_ready`` and ``log_tail`` as bench_agent.Agent."""
+
+    def __init__(self, c, *, host_ip: str, base_role_arn: str) -> None:
+        binary = kube2iam_binary()
+        assert binary is not None, "kube2iam is not built: run tests/tools/build_kube2iam.sh"
+        self.ec2 = NoRegionsEc2().start()
+        self.port = free_port()
+        self.log_path = Path(c.tmp) / f"kube2iam-{self.port}.log"
+        argv = [str(binary), f"--api-server={c.api.url}", f"--api-token={c.api.token}",
+                f"--node={c.node}", "--iptables=false", f"--host-ip={host_ip}",
+                f"--app-port={self.port}", f"--metrics-port={self.port}",
+                f"--metadata-addr=127.0.0.1:{c.imds_port}", f"--base-role-arn={base_role_arn}"]
+        env = kube2iam_env(Path(c.tmp), sts_url=c.proxy.url, ec2_url=self.ec2.url,
+                           imds_url=f"http://127.0.0.1:{c.imds_port}")
+        self.started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+                                         start_new_session=True)
+
+    def __enter__(self) -> "BenchKube2iam":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, 9)
+                    self.proc.wait(10)
+        finally:
+            self.ec2.stop()
+
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        """Seconds from start until it listens (after its informers synced)."""
+        wait_listening(self.proc, self.port, self.log_tail, timeout)
+        return time.monotonic() - self.started
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
