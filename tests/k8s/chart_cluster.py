@@ -3,7 +3,8 @@
 * :class:`ChartControlPlane`: a second kube-apiserver of the session's cluster (same etcd,
   same keys) with the ServiceAccount admission plugin on, so the pods created through it get
   their ServiceAccount's projected token volume as on any cluster; the real
-  kube-controller-manager (the DaemonSet controller, the node lifecycle controller that lifts
+  kube-controller-manager (the DaemonSet controller, the garbage collector that deletes a
+  deleted DaemonSet's pods, the node lifecycle controller that lifts
   the kubelet's ``node.kubernetes.io/not-ready`` taint, and the publisher of the
   ``kube-root-ca.crt`` ConfigMap that the token volume projects) and the real kube-scheduler,
   both against that server. The session's own server keeps the admission plugin off (its
@@ -30,8 +31,8 @@ from needs import missing_tool
 HELM_VERSION = "v3.19.5"   # tests/tools/build_helm.sh
 IMAGE_BUILD = kube.REPO / "deploy" / "image" / "build.sh"
 AGENT_CONTAINER = "kiamfast"   # the chart's container name
-CONTROLLERS = ("daemonset-controller", "node-lifecycle-controller",
-               "root-ca-certificate-publisher-controller")
+CONTROLLERS = ("daemonset-controller", "garbage-collector-controller",
+               "node-lifecycle-controller", "root-ca-certificate-publisher-controller")
 
 
 def helm_binary() -> Path:
