@@ -113,8 +113,7 @@ class RuntimeNode(Node):
         self.runtime: Containerd | None = None
         super().__init__(workdir, taint=taint, host_ip=host_ip)
         try:
-            self.runtime = Containerd(netns=self.net.name, subnet=subnet,
-                                      subnet6=subnet6).start()
+            self.runtime = self._new_runtime(subnet=subnet, subnet6=subnet6).start()
             # A bridge whose MAC was never set takes the lowest MAC of its ports, so it
             # changes when a sandbox's veth leaves; pods that cached the old one lose the
             # node for up to half a minute (netns.py pins kfbr0's for the same reason).
@@ -123,6 +122,10 @@ class RuntimeNode(Node):
         except BaseException:
             self.close()
             raise
+
+    def _new_runtime(self, *, subnet: str, subnet6: str | None) -> Containerd:
+        """The node's containerd, not started yet (a subclass may run it elsewhere)."""
+        return Containerd(netns=self.net.name, subnet=subnet, subnet6=subnet6)
 
     @property
     def containerd(self) -> Containerd:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the real kube-apiserver, kubelet and etcd that tests/k8s start, from the Go module proxy
-# only (the modules in tests/k8s/kubernetes and tests/k8s/etcd; nothing vendored), into
+# Builds the real kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and etcd
+# that tests/k8s start, from the Go module proxy only (the modules in tests/k8s/kubernetes
+# and tests/k8s/etcd; nothing vendored), into
 # ${KIAMFAST_TOOLS:-$HOME/.cache/kiamfast/tools}/<name>-<version>/. A binary already there
 # is kept, so a second run costs nothing. Prints one line per binary: wall and CPU time.
 set -euo pipefail
@@ -47,3 +48,7 @@ stamp+=" -X k8s.io/client-go/pkg/version.gitVersion=$KUBE_VERSION"
 build etcd "$ETCD_VERSION" etcd kiamfast.test/k8s/etcd
 build kube-apiserver "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$stamp"
 build kubelet "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubelet "$stamp"
+# The chart tier (test_chart_install.py): the DaemonSet controller and the scheduler.
+build kube-controller-manager "$KUBE_VERSION" kubernetes \
+    k8s.io/kubernetes/cmd/kube-controller-manager "$stamp"
+build kube-scheduler "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kube-scheduler "$stamp"

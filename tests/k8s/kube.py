@@ -62,7 +62,8 @@ def binary(name: str, version: str) -> Path:
 
 def missing_binaries(names: tuple[str, ...] = ("etcd", "kube-apiserver")) -> str | None:
     """The skip reason naming the binaries of ``names`` not built yet, or None."""
-    versions = {"etcd": ETCD_VERSION, "kube-apiserver": KUBE_VERSION, "kubelet": KUBE_VERSION}
+    versions = {"etcd": ETCD_VERSION, **{n: KUBE_VERSION for n in (
+        "kube-apiserver", "kubelet", "kube-controller-manager", "kube-scheduler")}}
     missing = [str(p) for p in (binary(n, versions[n]) for n in names) if not p.is_file()]
     if missing:
         return f"needs {' and '.join(names)} ({', '.join(missing)}): run {SETUP}"
@@ -219,7 +220,10 @@ class ApiServer:
     """kube-apiserver on loopback: RBAC, service-account tokens, an admin token."""
 
     def __init__(self, *, directory: Path, etcd: Etcd, pki: dict[str, Path], admin_token: str,
-                 name: str = "kube-apiserver", watch_cache: bool = True) -> None:
+                 name: str = "kube-apiserver", watch_cache: bool = True,
+                 service_account_admission: bool = False) -> None:
+        """``service_account_admission``: pods created through this server get their
+        ServiceAccount's token volume (the controllers that admission needs must run)."""
         directory.mkdir(parents=True, exist_ok=True)
         tokens = directory / "tokens.csv"
         tokens.write_text(f'{admin_token},test-admin,test-admin-uid,"system:masters"\n')
@@ -240,7 +244,7 @@ class ApiServer:
             "--service-cluster-ip-range=10.96.0.0/24",   # allocations only, never dialled
             "--endpoint-reconciler-type=none",
             # No controller-manager creates the "default" ServiceAccount of new namespaces.
-            "--disable-admission-plugins=ServiceAccount",
+            *([] if service_account_admission else ["--disable-admission-plugins=ServiceAccount"]),
             "--etcd-compaction-interval=0",   # the tests compact, when they mean to
             "--enable-priority-and-fairness=false", "--profiling=false",
             f"--watch-cache={'true' if watch_cache else 'false'}",

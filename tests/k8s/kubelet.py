@@ -12,12 +12,20 @@ kept off the host's own state:
   every v1 hierarchy, or in the v2 tree, which this VM does not have and where this is
   untried; the containerd's cleanup removes the whole tree), ``oomScoreAdj: 0``
   (lowering it needs CAP_SYS_RESOURCE);
-* the kubelet runs in a mount namespace of its own (``unshare --mount --propagation
-  slave``), where the six kernel settings it would otherwise rewrite on the host
+* the kubelet and the node's containerd share one mount namespace of their own
+  (:class:`MountNamespace`: a slave of the host's, so host mounts reach it and its own never
+  leave; shared inside, so the mounts the kubelet makes for a pod's volumes reach the
+  containers runc starts, and a ``HostToContainer`` volume sees the runtime's later mounts).
+  There the six kernel settings the kubelet would otherwise rewrite on the host
   (vm.overcommit_memory, kernel.panic, ...) are files of this test with the values it wants,
-  and /var/log/containers (its log symlinks) is a directory of this test. Host mounts still
-  reach it; its own never leave. Pods therefore use no volume the kubelet has to mount
-  (``automountServiceAccountToken: false``);
+  /var/log/containers (its log symlinks) is a directory of this test, and /run/xtables.lock
+  is a file of this test (the node's iptables lock: the node is a network namespace of its
+  own, its rules are no business of the host's). Projected service-account tokens, secrets,
+  config maps (tmpfs mounts under the kubelet's root dir) and hostPath volumes therefore
+  work; a hostPath outside the test's directories is the host's own path;
+* the kubelet runs in the node's network namespace with the node's address (``--node-ip``),
+  as on a real node: a hostNetwork pod's probes reach it there, and it reaches the API
+  server through the node's proxy;
 * root dir, pod logs, certificates, kubeconfig, config: all under one directory of the test;
   the kubelet's server and healthz listen on free loopback ports; authentication is off on
   them (nobody can call them: no anonymous, no webhook, no client CA) and the kubelet's own API identity is the
@@ -34,6 +42,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +52,7 @@ import kube
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cri"))
 
-from containerd import Containerd, oci_layout, tools_dir  # noqa: E402
+from containerd import NETNS_DIR, Containerd, oci_layout, tools_dir  # noqa: E402
 
 # The kernel settings the kubelet's container manager enforces (setupKernelTunables), with
 # the values it writes: they are what its private copies hold.
@@ -54,6 +63,7 @@ KERNEL_TUNABLES = {
 }
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 HOST_CONTAINER_LOGS = Path("/var/log/containers")   # fixed in the kubelet's source
+XTABLES_LOCK = Path("/run/xtables.lock")   # iptables' lock; the chart mounts it (hostPath)
 APP_CONTAINER = "app"
 
 
@@ -62,7 +72,7 @@ def missing_reason() -> str | None:
     reason = kube.missing_binaries(("kubelet",))
     if reason:
         return reason
-    for tool in ("unshare", "mount"):
+    for tool in ("unshare", "nsenter", "mount", "sleep"):
         if shutil.which(tool) is None:
             return f"the kubelet tests need `{tool}` (util-linux)"
     return None
@@ -73,6 +83,91 @@ def cgroup_hierarchies() -> list[Path]:
     if (CGROUP_ROOT / "cgroup.controllers").exists():
         return [CGROUP_ROOT]
     return [h for h in CGROUP_ROOT.iterdir() if (h / "cgroup.procs").exists()]
+
+
+# ---- the node's mount namespace ---------------------------------------------------------
+
+class MountNamespace:
+    """A mount namespace of the node's own, held open by a sleeping process: a slave of the
+    host's (host mounts reach it, its own never leave) and shared inside (a mount the kubelet
+    makes under its root dir reaches runc's containers; their HostToContainer copies see
+    the runtime's later mounts and unmounts). The kubelet and containerd enter it
+    (:meth:`argv`); ``binds`` are (file of the test, path it hides) pairs mounted first."""
+
+    def __init__(self, directory: Path, binds: list[tuple[Path, Path]]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.process = kube.Process(
+            name="mount-namespace", log_path=directory / "mount-namespace.log",
+            argv=["unshare", "--mount", "--propagation", "slave", "sleep", "infinity"])
+        try:
+            self._wait_unshared()
+            self.run(["mount", "--make-rshared", "/"])
+            for source, target in binds:
+                self.run(["mount", "--bind", str(source), str(target)])
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.process.proc.pid}/ns/mnt"
+
+    def _wait_unshared(self, timeout: float = 10.0) -> None:
+        own = os.readlink("/proc/self/ns/mnt")
+        deadline = time.monotonic() + timeout
+        while True:
+            self.process.check_alive()
+            try:
+                if os.readlink(self.path) != own:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no private mount namespace in {timeout}s")
+            time.sleep(0.01)
+
+    def argv(self, netns: str | None = None) -> list[str]:
+        """The prefix that runs a command in this mount namespace (and network ``netns``)."""
+        return ["nsenter", f"--mount={self.path}",
+                *([f"--net={netns}"] if netns else []), "--"]
+
+    def run(self, argv: list[str]) -> None:
+        subprocess.run([*self.argv(), *argv], check=True, capture_output=True, timeout=30)
+
+    def close(self) -> None:
+        self.process.stop()
+
+
+class NodeContainerd(Containerd):
+    """The tests' containerd, run in the node's :class:`MountNamespace` as well as its
+    network namespace: the containers it starts see the mounts the kubelet made for them.
+    (``mount_ns`` is set before :meth:`start`; a restart enters the same namespace.)"""
+
+    mount_ns: MountNamespace | None = None
+
+    def _netns_argv(self) -> list[str]:
+        assert self.mount_ns is not None and self.netns is not None
+        return self.mount_ns.argv(str(NETNS_DIR / self.netns))
+
+
+def node_mount_binds(directory: Path) -> list[tuple[Path, Path]]:
+    """The host paths a node's kubelet and containers must not touch, each hidden by a
+    file or directory of the test under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    binds = []
+    for path, value in KERNEL_TUNABLES.items():
+        copy = directory / path.replace("/", ".")
+        copy.write_text(value + "\n")
+        binds.append((copy, Path("/proc/sys") / path))
+    HOST_CONTAINER_LOGS.mkdir(parents=True, exist_ok=True)
+    logs = directory / "container-logs"
+    logs.mkdir(exist_ok=True)
+    binds.append((logs, HOST_CONTAINER_LOGS))
+    if XTABLES_LOCK.exists():   # (iptables makes it on first use; otherwise FileOrCreate does)
+        lock = directory / "xtables.lock"
+        lock.touch()
+        binds.append((lock, XTABLES_LOCK))
+    return binds
 
 
 # ---- the app image ---------------------------------------------------------------------
@@ -97,15 +192,22 @@ def app_image(client: Path) -> tuple[str, Path]:
 
 class Kubelet:
     """``Kubelet(...).start()`` registers node ``node_name`` and runs its pods on
-    ``containerd``; :meth:`stop` ends the process (pods are the containerd's to clean up)."""
+    ``containerd``, inside the node's ``mount_ns`` and network namespace ``netns`` (a path),
+    with address ``node_ip``, reaching the API server at ``api_url``; :meth:`stop` ends the
+    process (pods are the containerd's to clean up)."""
 
     def __init__(self, *, directory: Path, node_name: str, apiserver: kube.ApiServer,
-                 containerd: Containerd, taints: list[dict[str, str]] | None = None,
+                 containerd: Containerd, mount_ns: MountNamespace, netns: str, node_ip: str,
+                 api_url: str, taints: list[dict[str, str]] | None = None,
                  extra_args: list[str] | None = None) -> None:
         self.dir = directory
         self.node_name = node_name
         self.apiserver = apiserver
         self.containerd = containerd
+        self.mount_ns = mount_ns
+        self.netns = netns
+        self.node_ip = node_ip
+        self.api_url = api_url
         self.taints = taints or []
         self.extra_args = extra_args or []
         self.root_dir = directory / "root"
@@ -135,30 +237,21 @@ class Kubelet:
         }
 
     def _prepare(self) -> list[str]:
-        """Files and directories the kubelet's mount namespace is made of; its argv."""
-        for sub in ("root", "pod-logs", "certs", "container-logs", "sysctl"):
+        """The kubelet's directories and files; its argv."""
+        for sub in ("root", "pod-logs", "certs"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         for hierarchy in cgroup_hierarchies():   # the kubelet wants its cgroup root to exist
             (hierarchy / self.containerd.cgroup_parent.lstrip("/")).mkdir(exist_ok=True)
         config = self.dir / "kubelet.yaml"
         config.write_text(json.dumps(self._config(), indent=1))
         kubeconfig = kube.write_kubeconfig(self.dir / "kubelet.kubeconfig",
-                                           server=self.apiserver.url, ca=self.apiserver.ca,
+                                           server=self.api_url, ca=self.apiserver.ca,
                                            token=self.apiserver.admin.token)
-        binds = []
-        for path, value in KERNEL_TUNABLES.items():
-            copy = self.dir / "sysctl" / path.replace("/", ".")
-            copy.write_text(value + "\n")
-            binds.append(f"mount --bind {copy} /proc/sys/{path}")
-        HOST_CONTAINER_LOGS.mkdir(parents=True, exist_ok=True)
-        binds.append(f"mount --bind {self.dir / 'container-logs'} {HOST_CONTAINER_LOGS}")
-        kubelet = [str(kube.binary("kubelet", kube.KUBE_VERSION)), f"--config={config}",
-                   f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
-                   f"--cert-dir={self.dir / 'certs'}", f"--hostname-override={self.node_name}",
-                   "--v=2", *self.extra_args]
-        script = " && ".join([*binds, 'exec "$@"'])
-        return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", script,
-                "kubelet", *kubelet]
+        return [*self.mount_ns.argv(self.netns),
+                str(kube.binary("kubelet", kube.KUBE_VERSION)), f"--config={config}",
+                f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
+                f"--cert-dir={self.dir / 'certs'}", f"--hostname-override={self.node_name}",
+                f"--node-ip={self.node_ip}", "--v=2", *self.extra_args]
 
     # -- life cycle ----------------------------------------------------------------------
 

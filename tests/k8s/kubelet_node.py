@@ -31,7 +31,8 @@ from typing import Any
 
 import kube
 from cri_api.v1 import api_pb2 as cri
-from kubelet import APP_CONTAINER, Kubelet, app_image
+from kubelet import (APP_CONTAINER, Kubelet, MountNamespace, NodeContainerd, app_image,
+                     node_mount_binds)
 from kubelet import missing_reason as kubelet_missing
 from tcp_proxy import TcpProxy
 
@@ -118,6 +119,9 @@ class KubeletNode(RuntimeNode):
         self.admin: kube.Client = cluster.admin
         self.api_proxy: TcpProxy | None = None
         self.kubelet: Kubelet | None = None
+        # The kubelet's and containerd's mounts (created before the containerd runs in it).
+        self.mount_ns: MountNamespace | None = MountNamespace(
+            workdir / "kubelet", node_mount_binds(workdir / "kubelet" / "hidden"))
         super().__init__(workdir, taint=taint, subnet=subnet, subnet6=None)
         try:
             self.admin.create_namespace(self.name)
@@ -127,13 +131,21 @@ class KubeletNode(RuntimeNode):
             # itself refuses a pod that is bound to the node before the agent serves.
             taints = ([{"key": STARTUP_TAINT, "value": "true", "effect": "NoExecute"}]
                       if taint else [])
+            assert self.api_proxy is not None
             self.kubelet = Kubelet(directory=self.workdir / "kubelet", node_name=self.name,
                                    apiserver=cluster.apiserver, containerd=self.containerd,
+                                   mount_ns=self.mount_ns, netns=self.net.ns.path,
+                                   node_ip=self.host_ip, api_url=self.api_proxy.url,
                                    taints=taints, extra_args=kubelet_args).start()
             self.kubelet.wait_registered()
         except BaseException:
             self.close()
             raise
+
+    def _new_runtime(self, *, subnet: str, subnet6: str | None) -> NodeContainerd:
+        runtime = NodeContainerd(netns=self.net.name, subnet=subnet, subnet6=subnet6)
+        runtime.mount_ns = self.mount_ns
+        return runtime
 
     def _start_api(self, *, taint: bool) -> None:
         listener = call_in_netns(self.net.ns, lambda: socket.create_server(("127.0.0.1", 0)))
@@ -222,7 +234,8 @@ class KubeletNode(RuntimeNode):
         """The kubelet before its containerd; the proxy and the node's API namespace last."""
         first = [self.kubelet.stop] if self.kubelet is not None else []
         last = [self.api_proxy.close] if self.api_proxy is not None else []
-        return [*first, *super()._stoppers(), *last, self._delete_namespace]
+        mounts = [self.mount_ns.close] if self.mount_ns is not None else []
+        return [*first, *super()._stoppers(), *last, *mounts, self._delete_namespace]
 
     def _delete_namespace(self) -> None:
         try:
