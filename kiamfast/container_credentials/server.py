@@ -20,6 +20,7 @@ import http
 import logging
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -47,6 +48,7 @@ MAX_CONNECTIONS_PER_ADDRESS = 16
 REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
 REVIEW_BURST = 10
 MAX_PENDING_REVIEWS = 64
+BUCKETS = 4096                  # addresses whose review budget is remembered
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
 
 
@@ -143,7 +145,9 @@ class AddressLimits:
         self.clock = clock
         self.connections: dict[str, int] = {}
         self.total = 0
-        self._buckets: dict[str, tuple[float, float]] = {}
+        # Kept across connections (a new connection must not bring a full bucket), the
+        # addresses seen longest ago forgotten first.
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def open(self, address: str) -> bool:
         held = self.connections.get(address, 0)
@@ -158,18 +162,17 @@ class AddressLimits:
         held = self.connections.pop(address) - 1
         if held:
             self.connections[address] = held
-        else:
-            self._buckets.pop(address, None)
 
     def allow_review(self, address: str) -> bool:
         now = self.clock()
         tokens, last = self._buckets.get(address, (float(REVIEW_BURST), now))
         tokens = min(float(REVIEW_BURST), tokens + (now - last) * REVIEW_RATE)
-        if tokens < 1.0:
-            self._buckets[address] = (tokens, now)
-            return False
-        self._buckets[address] = (tokens - 1.0, now)
-        return True
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > BUCKETS:
+            self._buckets.popitem(last=False)
+        return allowed
 
 
 class BadRequest(Exception):

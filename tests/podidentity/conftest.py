@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))     # sdk_clients
 
 import kube  # noqa: E402
 

@@ -12,9 +12,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from agent_process import Agent, free_port
+from needs import JS_DIR, need_js_sdk
+from sdk_clients import go_client, java_client, need_client
 from podid import (
     BASE_ARN,
     claims_of,
@@ -90,30 +93,55 @@ def node(cluster, peers, tmp_path_factory):
     n.agent.stop()
 
 
-def botocore_identity(node: Node, token_file, *, timeout: float = 30) -> str:
+HERE = Path(__file__).resolve().parent
+# The JS SDK prints the credentials it got; STS says whose they are.
+JS_THEN_STS = ("import json, subprocess, sys, botocore.session as s; "
+               "c = json.loads(subprocess.run(['node', sys.argv[1]], check=True, "
+               "capture_output=True, text=True).stdout); "
+               "sts = s.get_session().create_client('sts', aws_access_key_id=c['AccessKeyId'], "
+               "aws_secret_access_key=c['SecretAccessKey'], aws_session_token=c['Token']); "
+               "print('{\"Arn\": \"%s\"}' % sts.get_caller_identity()['Arn'])")
+BOTOCORE = ("import botocore.session as s; c = s.get_session().create_client('sts'); "
+            "print('{\"Arn\": \"%s\"}' % c.get_caller_identity()['Arn'])")
+SDKS = {   # an SDK's default chain in a fresh process, printing {"Arn": ...} on one line
+    "botocore": lambda home: [sys.executable, "-c", BOTOCORE],
+    "go-default": lambda home: [str(go_client()), "--provider", "default"],
+    "java-default": lambda home: ["java", f"-Duser.home={home}", "-jar", str(java_client()),
+                                  "--provider", "default"],
+    "js": lambda home: [sys.executable, "-c", JS_THEN_STS,
+                        str(HERE / "container-credentials.js")],
+}
+
+
+def sdk_identity(node: Node, sdk: str, token_file, home, *, timeout: float = 60) -> str:
     """GetCallerIdentity's ARN for a fresh process whose only credential source is the
-    container provider (botocore's default chain, as in a pod)."""
+    container provider (the SDK's default chain, as in a pod)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_CONTAINER_CREDENTIALS_FULL_URI=f"http://127.0.0.1:{node.port}/v1/credentials",
                AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE=str(token_file),
                AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL_STS=node.sts_url,
-               AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull,
-               AWS_SHARED_CREDENTIALS_FILE=os.devnull)
-    code = ("import botocore.session as s; c = s.get_session().create_client('sts'); "
-            "print(c.get_caller_identity()['Arn'])")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=timeout)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.strip()
+               AWS_REGION="us-east-1", AWS_DEFAULT_REGION="us-east-1",
+               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+               HOME=str(home), NODE_PATH=str(JS_DIR / "node_modules"))
+    out = subprocess.run(SDKS[sdk](home), env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert out.returncode == 0 and lines, (out.stdout[-2000:], out.stderr[-2000:])
+    return json.loads(lines[-1])["Arn"]
 
 
-def test_botocore_gets_its_own_pods_role(node, tmp_path):
-    uid_a = node.pod("a", role="role-a")
-    uid_b = node.pod("b", role="role-b")
-    for name, uid, role in (("a", uid_a, "role-a"), ("b", uid_b, "role-b")):
+@pytest.mark.parametrize("sdk", list(SDKS))
+def test_an_sdk_gets_its_own_pods_role(node, tmp_path, sdk):
+    if sdk == "js":
+        need_js_sdk()
+    elif sdk != "botocore":
+        need_client(sdk)
+    uid_a = node.pod(f"{sdk}-a", role="role-a")
+    uid_b = node.pod(f"{sdk}-b", role="role-b")
+    for name, uid, role in ((f"{sdk}-a", uid_a, "role-a"), (f"{sdk}-b", uid_b, "role-b")):
         token_file = tmp_path / f"{name}.token"
         token_file.write_text(node.token(name, uid))
-        arn = botocore_identity(node, token_file)
+        arn = sdk_identity(node, sdk, token_file, tmp_path)
         assert arn.startswith(f"arn:aws:sts::123456789012:assumed-role/{role}/"), arn
 
 
