@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -238,3 +239,20 @@ def test_unknown_paths_and_methods(node):
     assert (status, body["Code"]) == (404, "NotFound")
     status, body = node.ask(token, method="POST")
     assert (status, body["Code"]) == (405, "MethodNotAllowed")
+
+
+def test_the_listener_outlives_a_control_process_restart(node):
+    """The supervisor holds the socket: a request sent while the control process is dead
+    waits in its backlog and is answered by the next one (last here: it restarts the
+    module's control process)."""
+    uid = node.pod("steady", role="role-a")
+    token = node.token("steady", uid)
+    status, before = node.answered(token)
+    assert status == 200, before
+    [control] = node.agent.children("kiamfast.control")
+    os.kill(control, signal.SIGKILL)
+    status, body = node.ask(token)       # connects at once; answered once control is back
+    assert status in (200, 503), body
+    status, after = node.answered(token)
+    assert status == 200 and after["AccessKeyId"] == before["AccessKeyId"], after
+    assert node.agent.children("kiamfast.control") != [control]
