@@ -16,6 +16,9 @@ What it hands the children, and why it holds it itself:
 * the IMDSv2 token key, in an in-memory file (memfd) each worker inherits.  With
   ``--token-key-file`` it is loaded from (or created in) that file so tokens survive
   restarts; with ``--token-key-file ""`` it exists only in memory, new at every start;
+* with ``--container-credentials-addr``, that listening socket, inherited by the control
+  process only (it answers that protocol), so requests wait in its backlog while the
+  control process restarts;
 * the table lock (``<table>.lock``, flock), inherited by the control process: while any
   process of an agent that can write the table lives, no other supervisor touches it.
 

@@ -4,7 +4,8 @@ measure_latency.py`, with KIAMFAST_TOOLS set as for the tests).
 Against the real kube-apiserver and the whole agent on loopback, one new connection per
 request, as an SDK's refresh makes:
 
-* first call of a token (paced under the per-address review budget): the TokenReview plus the answer (the pod's credentials already
+* first call of a token (paced under the per-address review budget): the TokenReview
+  plus the answer (the pod's credentials already
   prefetched, as they are once the watch has delivered the pod);
 * cached call: the same token again (no review);
 * both again while other clients flood the listener with tokens that are refused without a
@@ -107,8 +108,8 @@ def main() -> None:
                 for t in threads:
                     t.join()
                 wall = time.monotonic() - began
-                print(f"{label}: control process CPU {100 * (cpu_seconds(control) - cpu) / wall:.0f} %"
-                      f" over {wall:.1f} s")
+                share = 100 * (cpu_seconds(control) - cpu) / wall
+                print(f"{label}: control process CPU {share:.0f} % over {wall:.1f} s")
                 print(summary(f"{label} first call (TokenReview)", first))
                 print(summary(f"{label} cached call", cached))
                 if threads:

@@ -99,8 +99,8 @@ HERE = Path(__file__).resolve().parent
 JS_THEN_STS = ("import json, subprocess, sys, botocore.session as s; "
                "c = json.loads(subprocess.run(['node', sys.argv[1]], check=True, "
                "capture_output=True, text=True).stdout); "
-               "sts = s.get_session().create_client('sts', aws_access_key_id=c['AccessKeyId'], "
-               "aws_secret_access_key=c['SecretAccessKey'], aws_session_token=c['Token']); "
+               "sts = s.get_session().create_client('sts', aws_access_key_id=c['accessKeyId'], "
+               "aws_secret_access_key=c['secretAccessKey'], aws_session_token=c['sessionToken']); "
                "print('{\"Arn\": \"%s\"}' % sts.get_caller_identity()['Arn'])")
 BOTOCORE = ("import botocore.session as s; c = s.get_session().create_client('sts'); "
             "print('{\"Arn\": \"%s\"}' % c.get_caller_identity()['Arn'])")

@@ -24,8 +24,11 @@ def token(name: str = "p", uid: str = "uid-p", *, exp: float | None = None) -> s
     claims = {"aud": [AUDIENCE], "exp": int(exp or time.time() + 600),
               "kubernetes.io": {"namespace": "ns", "pod": {"name": name, "uid": uid},
                                 "serviceaccount": {"name": "app", "uid": "sa-uid"}}}
-    enc = lambda d: base64.urlsafe_b64encode(json.dumps(d).encode()).rstrip(b"=").decode()  # noqa: E731
-    return f"{enc({'alg': 'ES256'})}.{enc(claims)}.c2ln"
+    return f"{_b64json({'alg': 'ES256'})}.{_b64json(claims)}.c2ln"
+
+
+def _b64json(doc: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
 
 
 class FakeApi:
