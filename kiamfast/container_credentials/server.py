@@ -109,6 +109,8 @@ class OwnershipView:
         if entry.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")
+        if entry.host_network:     # the model decides no role for them (no own address)
+            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network")
         if not entry.live:
             raise forbidden(f"pod {pod.namespace}/{pod.name} is not running")
         ident = entry.identity

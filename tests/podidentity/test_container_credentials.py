@@ -55,9 +55,10 @@ class Node:
         self.sts_url = peers.sts.url
         self._ips = iter(f"10.250.{i // 250}.{i % 250 + 1}" for i in range(10000))
 
-    def pod(self, name: str, *, role: str | None = None, node: str | None = None) -> str:
+    def pod(self, name: str, *, role: str | None = None, node: str | None = None,
+            host_network: bool = False) -> str:
         return create_pod(self.admin, self.ns, name, node=node or self.name, sa="app",
-                          ip=next(self._ips), role=role)
+                          ip=next(self._ips), role=role, host_network=host_network)
 
     def token(self, name: str, uid: str, **kw) -> str:
         return pod_token(self.admin, self.ns, "app", name, uid, **kw)
@@ -154,6 +155,10 @@ def test_default_role_and_namespace_policy_apply(node):
     status, body = node.answered(node.token("denied", denied))
     assert status == 403 and body["Code"] == "AccessDenied", body
     assert "role-c" in body["Message"]
+    # No role for a pod without an address of its own, as on the metadata path.
+    host = node.pod("host", role="role-a", host_network=True)
+    status, body = node.answered(node.token("host", host))
+    assert (status, body["Code"]) == (403, "AccessDenied") and "host network" in body["Message"]
 
 
 def test_a_token_is_the_identity_wherever_it_is_sent_from(node):
