@@ -105,8 +105,10 @@ JS_THEN_STS = ("import json, subprocess, sys, botocore.session as s; "
                "print('{\"Arn\": \"%s\"}' % sts.get_caller_identity()['Arn'])")
 BOTOCORE = ("import botocore.session as s; c = s.get_session().create_client('sts'); "
             "print('{\"Arn\": \"%s\"}' % c.get_caller_identity()['Arn'])")
-SDKS = {   # an SDK's default chain in a fresh process, printing {"Arn": ...} on one line
+SDKS = {   # an SDK's default chain in a fresh process; its last line {"Arn": ...} or the ARN
     "botocore": lambda home: [sys.executable, "-c", BOTOCORE],
+    "awscli": lambda home: ["aws", "sts", "get-caller-identity", "--query", "Arn",
+                            "--output", "text"],
     "go-default": lambda home: [str(go_client()), "--provider", "default"],
     "java-default": lambda home: ["java", f"-Duser.home={home}", "-jar", str(java_client()),
                                   "--provider", "default"],
@@ -127,16 +129,16 @@ def sdk_identity(node: Node, sdk: str, token_file, home, *, timeout: float = 60)
                HOME=str(home), NODE_PATH=str(JS_DIR / "node_modules"))
     out = subprocess.run(SDKS[sdk](home), env=env, capture_output=True, text=True,
                          timeout=timeout)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert out.returncode == 0 and lines, (out.stdout[-2000:], out.stderr[-2000:])
-    return json.loads(lines[-1])["Arn"]
+    assert out.returncode == 0 and out.stdout.strip(), (out.stdout[-2000:], out.stderr[-2000:])
+    last = out.stdout.strip().splitlines()[-1]
+    return json.loads(last)["Arn"] if last.startswith("{") else last
 
 
 @pytest.mark.parametrize("sdk", list(SDKS))
 def test_an_sdk_gets_its_own_pods_role(node, tmp_path, sdk):
     if sdk == "js":
         need_js_sdk()
-    elif sdk != "botocore":
+    elif sdk not in ("botocore", "awscli"):
         need_client(sdk)
     uid_a = node.pod(f"{sdk}-a", role="role-a")
     uid_b = node.pod(f"{sdk}-b", role="role-b")
