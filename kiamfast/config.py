@@ -397,6 +397,14 @@ FLAGS: tuple[Flag, ...] = (
        "(downward API status.hostIPs).", env=("HOST_IPV6",)),
     _f("listen-host", "str", "", "Address to listen on (\"\" = all interfaces, IPv4 and "
        "IPv6)."),
+    _f("container-credentials-addr", "str", "", "Preview: also serve the container-"
+       "credentials protocol (AWS_CONTAINER_CREDENTIALS_FULL_URI, a projected service-"
+       "account token as Authorization) at this ip:port, e.g. 169.254.170.23:80 (the "
+       "address must be on a node interface); \"\" = off. Needs RBAC to create "
+       "tokenreviews."),
+    _f("container-credentials-audience", "str", "kiamfast.io/container-credentials",
+       "Audience a container-credentials token must be issued for (the projected token "
+       "volume's audience)."),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -483,6 +491,8 @@ class Config:
     metadata_ipv6: bool = _default("metadata-ipv6")
     host_ipv6: str = _default("host-ipv6")
     listen_host: str = _default("listen-host")
+    container_credentials_addr: str = _default("container-credentials-addr")
+    container_credentials_audience: str = _default("container-credentials-audience")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
     #: Fields whose value was derived from others (so replace() derives them again).
@@ -560,6 +570,17 @@ def _ip(value: str, flag: str, *, version: int | None = None) -> ipaddress._Base
 def _url(value: str, flag: str) -> None:
     if not re.match(r"^https?://[^/\s]+", value):
         raise ConfigError(flag, "must be an http:// or https:// URL", value=value)
+
+
+def _container_credentials_addr(addr: str) -> None:
+    """ip:port (IPv6 in brackets): the listener is bound before anything resolves names."""
+    try:
+        host, port = split_host_port(addr)
+    except ValueError as e:
+        raise ConfigError("container-credentials-addr", str(e), value=addr) from None
+    if port is None:
+        raise ConfigError("container-credentials-addr", "needs a port", value=addr)
+    _ip(host, "container-credentials-addr")
 
 
 def _normalise_and_validate(c: Config) -> None:
@@ -647,6 +668,11 @@ def _normalise_and_validate(c: Config) -> None:
                               "characters, optionally !-negated)", value=c.host_interface)
         if c.iptables:
             _ip(host, "metadata-addr", version=4)
+
+    if c.container_credentials_addr:
+        _container_credentials_addr(c.container_credentials_addr)
+        if not c.container_credentials_audience:
+            raise ConfigError("container-credentials-audience", "must not be empty", value="")
 
     # URLs.
     if c.cri_endpoint not in ("", "none", "auto") and not (

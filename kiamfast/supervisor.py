@@ -16,6 +16,9 @@ What it hands the children, and why it holds it itself:
 * the IMDSv2 token key, in an in-memory file (memfd) each worker inherits.  With
   ``--token-key-file`` it is loaded from (or created in) that file so tokens survive
   restarts; with ``--token-key-file ""`` it exists only in memory, new at every start;
+* with ``--container-credentials-addr``, that listening socket, inherited by the control
+  process only (it answers that protocol), so requests wait in its backlog while the
+  control process restarts;
 * the table lock (``<table>.lock``, flock), inherited by the control process: while any
   process of an agent that can write the table lives, no other supervisor touches it.
 
@@ -43,7 +46,7 @@ import time
 import orjson
 
 from kiamfast import channel, logs
-from kiamfast.config import Config
+from kiamfast.config import Config, split_host_port
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import WorkerError, listen_socket
 from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError
@@ -280,6 +283,15 @@ def listeners(config: Config) -> list[socket.socket]:
     return socks
 
 
+def container_credentials_listener(config: Config) -> socket.socket | None:
+    """The container-credentials socket (--container-credentials-addr), bound here like the
+    app port so requests wait in its backlog while the control process restarts."""
+    if not config.container_credentials_addr:
+        return None
+    host, port = split_host_port(config.container_credentials_addr)
+    return listen_socket(host, port)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the supervisor dies, however it dies (a
     SIGKILLed supervisor must not leave workers holding the port, or a control process
@@ -312,6 +324,7 @@ class Supervisor:
         self.stopping = False
         self.children: list[Child] = []
         self.listeners: list[socket.socket] = []
+        self.container_listener: socket.socket | None = None
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
         self.lock_fd = self.token_key_fd = -1
         self.table: Table | None = None
@@ -323,6 +336,7 @@ class Supervisor:
         previous agent's control process gets LOCK_WAIT to exit), then the table and key."""
         cfg = self.config
         self.listeners = listeners(cfg)
+        self.container_listener = container_credentials_listener(cfg)   # control's only
         self.lock_fd = lock_table(cfg.table_path)
         self.table = open_table(cfg)
         self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
@@ -340,12 +354,17 @@ class Supervisor:
                       *listen_args, "--settings-json", settings],
                 fds=(worker_end.fileno(), self.token_key_fd, *listen_fds)))
         control_fds = tuple(c.fileno() for c, _ in self.pairs)
+        container_fds: tuple[int, ...] = ()
+        container_args: list[str] = []
+        if self.container_listener is not None:
+            container_fds = (self.container_listener.fileno(),)
+            container_args = ["--container-credentials-fd", str(container_fds[0])]
         self.control = Child(
             name="control",
             argv=[*CHILD_PYTHON, "-m", "kiamfast.control", "--table", cfg.table_path,
                   "--channel-fds", ",".join(map(str, control_fds)),
-                  "--config-json", config_to_json(cfg)],
-            fds=(*control_fds, self.lock_fd))
+                  *container_args, "--config-json", config_to_json(cfg)],
+            fds=(*control_fds, *container_fds, self.lock_fd))
 
     def wait_listening(self, timeout: float = 10.0) -> bool:
         """Whether a worker answers HTTP on the app port.  The socket is bound here, so a
@@ -434,6 +453,9 @@ class Supervisor:
         mapping, the key's memfd (how tests end a supervisor that started no children)."""
         for sock in [*self.listeners, *(end for pair in self.pairs for end in pair)]:
             sock.close()
+        if self.container_listener is not None:
+            self.container_listener.close()
+            self.container_listener = None
         for fd in (self.lock_fd, self.token_key_fd):
             if fd >= 0:
                 os.close(fd)

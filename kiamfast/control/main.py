@@ -56,8 +56,11 @@ class ControlTaskFailed(Exception):
 
 
 class ControlProcess:
-    def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket]):
+    def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
+                 container_sock: socket.socket | None = None):
         self.config = config
+        self.container_sock = container_sock      # --container-credentials-addr, bound
+        self.container: Any = None
         self.table = table
         self.channels = channels
         prometheus_client.disable_created_metrics()   # no *_created series: kube2iam has none
@@ -94,6 +97,8 @@ class ControlProcess:
         message = channel.wake(self.table.generation)
         for sock in self.channels:
             channel.send(sock, message)
+        if self.container is not None:
+            self.container.changed()
 
     def _on_channel(self, sock: socket.socket) -> None:
         for raw in channel.drain(sock):
@@ -145,6 +150,13 @@ class ControlProcess:
             asyncio.create_task(self._health(), name="health"),
             asyncio.create_task(self._publish(), name="publish"),
         ]
+        if self.container_sock is not None:
+            from kiamfast.container_credentials import server as container
+            self.container = container.from_config(self.config, self.container_sock,
+                                                   model=self.model, manager=self.manager,
+                                                   table=self.table)
+            tasks.append(asyncio.create_task(self.container.run(),
+                                             name="container-credentials"))
         if self.poller is not None:
             tasks.append(asyncio.create_task(self.poller.run(), name="runtime"))
             tasks.append(asyncio.create_task(self._watch_runtime_link(), name="runtime-link"))
@@ -336,9 +348,11 @@ class ControlProcess:
         the startup taint's removal."""
         self.healthy = bool(self.instance_id) and not self.link.broken
         if self.healthy:
-            body = orjson.dumps({"hostIP": self.config.host_ip, "instanceId": self.instance_id,
-                                 "runtime": self.runtime_state,
-                                 "taint": self.taint_removal.state})
+            health = {"hostIP": self.config.host_ip, "instanceId": self.instance_id,
+                      "runtime": self.runtime_state, "taint": self.taint_removal.state}
+            if self.container is not None:
+                health["containerCredentials"] = self.container.health()
+            body = orjson.dumps(health)
             self.table.write_aux(tbl.AUX_HEALTH, body + b"\n")
             self.table.write_aux(tbl.AUX_HEALTH_ERROR, b"")
         else:
@@ -421,6 +435,8 @@ class ControlProcess:
             lines += [f'kiamfast_runtime_total{{kind="{k}"}} {v}'
                       for k, v in sorted(kinds.items())
                       if isinstance(v, int) and not isinstance(v, bool)]
+        if self.container is not None:
+            lines += self.container.metrics()
         if self.watcher is not None:
             stats = self.watcher.stats()
             lines += ["# HELP kiamfast_pods Pods of this node the agent knows.",
@@ -449,6 +465,8 @@ class ControlProcess:
         if self.manager is not None:
             self.manager.close()
             self.sts.close()
+        if self.container is not None:
+            self.container.close()
         if self.config.iptables and self.config.iptables_remove_on_exit:
             try:
                 iptables.remove_rules(self.config)
@@ -476,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", required=True)
     parser.add_argument("--channel-fds", default="")
     parser.add_argument("--config-json", required=True)
+    parser.add_argument("--container-credentials-fd", type=int, default=-1)
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
@@ -492,8 +511,12 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
+    container_sock = None
+    if args.container_credentials_fd >= 0:
+        container_sock = socket.socket(fileno=args.container_credentials_fd)
+        container_sock.setblocking(False)
     try:
-        asyncio.run(ControlProcess(config, table, channels).run())
+        asyncio.run(ControlProcess(config, table, channels, container_sock).run())
     except iptables.IptablesError as e:
         log.error("cannot install the DNAT rule: %s", e)
         return 1

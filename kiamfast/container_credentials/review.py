@@ -1,0 +1,219 @@
+"""Which pod a projected service-account token names: the API server's TokenReview, cached.
+
+A token is first read without verifying it (`unverified_claims`), only to turn away what
+the API server would refuse anyway (not a JWT, another audience, expired, not bound to a
+pod) without asking it.  Those claims only ever reject: a pod is named only by a review that
+the API server answered ``authenticated`` for our audience, whose user is the token's
+ServiceAccount and whose extras name the bound pod.  The verdict is cached by the token's
+hash until the token expires (the kubelet rotates a projected token at 80 % of its life, so
+a pod brings a new token, and one review, every few minutes); whether the pod still exists
+on this node is asked of the pod view on every request, never cached here.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+
+log = logging.getLogger("kiamfast.container_credentials")
+
+MAX_TOKEN_BYTES = 16384
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+SA_PREFIX = "system:serviceaccount:"
+REVIEW_TIMEOUT = 1.0           # the SDKs allow 1 s (JS) to 2 s (botocore) per attempt
+REJECTED_TTL = 60.0            # a refused token is refused again without asking
+CACHE_SIZE = 4096
+
+
+class TokenRejected(Exception):
+    """The answer a request gets instead of credentials: HTTP status, Code, Message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> TokenRejected:
+    return TokenRejected(400, "InvalidToken", message)
+
+
+def unavailable(message: str) -> TokenRejected:
+    return TokenRejected(503, "ServiceUnavailable", message)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundPod:
+    """The pod a reviewed token is bound to, and until when the token is valid."""
+    namespace: str
+    service_account: str
+    name: str
+    uid: str
+    expires: float
+
+
+def _b64url(segment: str) -> bytes:
+    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+
+
+def unverified_claims(token: str) -> dict[str, Any]:
+    """The JWT's payload, unverified; `TokenRejected` (400) if it is not a JWT."""
+    if not token or len(token) > MAX_TOKEN_BYTES:
+        raise invalid("missing or oversized Authorization token")
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise invalid("the Authorization token is not a JWT")
+    try:
+        claims = orjson.loads(_b64url(parts[1]))
+    except (binascii.Error, ValueError):
+        raise invalid("the Authorization token is not a JWT") from None
+    if not isinstance(claims, dict):
+        raise invalid("the Authorization token is not a JWT")
+    return claims
+
+
+def bound_pod(claims: dict[str, Any]) -> BoundPod:
+    """The pod the token's claims name; 400 if they name none (a legacy or unbound token)."""
+    k8s = claims.get("kubernetes.io")
+    pod = k8s.get("pod") if isinstance(k8s, dict) else None
+    sa = k8s.get("serviceaccount") if isinstance(k8s, dict) else None
+    exp = claims.get("exp")
+    if not (isinstance(pod, dict) and isinstance(sa, dict) and isinstance(exp, (int, float))):
+        raise invalid("the token is not a service-account token bound to a pod")
+    return BoundPod(namespace=str(k8s.get("namespace") or ""), service_account=str(
+        sa.get("name") or ""), name=str(pod.get("name") or ""), uid=str(pod.get("uid") or ""),
+        expires=float(exp))
+
+
+def precheck(token: str, audience: str, now: float) -> BoundPod:
+    """What can be refused without the API server (never what is accepted)."""
+    claims = unverified_claims(token)
+    aud = claims.get("aud")
+    audiences = aud if isinstance(aud, list) else [aud]
+    if audience not in audiences:
+        raise invalid(f"the token is not for audience {audience!r}")
+    pod = bound_pod(claims)
+    if pod.expires <= now:
+        raise invalid("the token has expired")
+    return pod
+
+
+def verdict(status: dict[str, Any], claimed: BoundPod, audience: str) -> BoundPod:
+    """The bound pod if the review's status authenticates `claimed` for `audience`."""
+    if not status.get("authenticated"):
+        raise invalid("the API server did not authenticate the token: "
+                      + str(status.get("error") or "no reason given")[:200])
+    if audience not in (status.get("audiences") or []):
+        raise invalid(f"the token is not for audience {audience!r}")
+    user = status.get("user") or {}
+    extra = user.get("extra") or {}
+    want = f"{SA_PREFIX}{claimed.namespace}:{claimed.service_account}"
+    if (user.get("username") != want or extra.get(POD_NAME_EXTRA) != [claimed.name]
+            or extra.get(POD_UID_EXTRA) != [claimed.uid]):
+        raise invalid("the token is not bound to the pod it names")
+    return claimed
+
+
+def token_review_call(api_client: Any) -> Callable[[str, str], dict[str, Any]]:
+    """A blocking TokenReview through the kubernetes client: (token, audience) -> status."""
+    from kubernetes import client as kclient
+    api = kclient.AuthenticationV1Api(api_client)
+
+    def call(token: str, audience: str) -> dict[str, Any]:
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [audience]}}
+        resp = api.create_token_review(body, _preload_content=False,
+                                       _request_timeout=REVIEW_TIMEOUT)
+        try:
+            return orjson.loads(resp.data).get("status") or {}
+        finally:
+            resp.release_conn()
+    return call
+
+
+class TokenReviewer:
+    """Reviews tokens with at most `concurrency` API calls at once, verdicts cached."""
+
+    def __init__(self, call: Callable[[str, str], dict[str, Any]], *, audience: str,
+                 concurrency: int = 4, clock: Callable[[], float] = time.time) -> None:
+        self.call = call
+        self.audience = audience
+        self.clock = clock
+        self.pool = ThreadPoolExecutor(max_workers=concurrency,
+                                       thread_name_prefix="tokenreview")
+        self._accepted: OrderedDict[bytes, BoundPod] = OrderedDict()
+        self._rejected: OrderedDict[bytes, tuple[float, TokenRejected]] = OrderedDict()
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0}
+        self.last_error = ""          # the last review that failed, until one succeeds
+
+    def cached(self, token: str) -> BoundPod | None:
+        """The cached verdict for `token` (raises a cached rejection), or None: ask review()."""
+        key = hashlib.sha256(token.encode()).digest()
+        now = self.clock()
+        pod = self._accepted.get(key)
+        if pod is not None:
+            if pod.expires > now:
+                self.stats["cached"] += 1
+                return pod
+            del self._accepted[key]
+        refused = self._rejected.get(key)
+        if refused is not None:
+            if refused[0] > now:
+                self.stats["cached"] += 1
+                raise refused[1]
+            del self._rejected[key]
+        return None
+
+    async def review(self, token: str, claimed: BoundPod) -> BoundPod:
+        """The API server's verdict (one call per distinct token in flight)."""
+        key = hashlib.sha256(token.encode()).digest()
+        pending = self._inflight.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._review(key, token, claimed))
+            self._inflight[key] = pending
+            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _review(self, key: bytes, token: str, claimed: BoundPod) -> BoundPod:
+        loop = asyncio.get_running_loop()
+        self.stats["reviews"] += 1
+        try:
+            status = await loop.run_in_executor(self.pool, self.call, token, self.audience)
+        except Exception as e:        # the API server is down or refuses us: not the pod's fault
+            self.stats["review_errors"] += 1
+            self.last_error = f"{type(e).__name__}: {e}"[:300]
+            log.warning("TokenReview failed: %s", self.last_error)
+            raise unavailable("the agent cannot review tokens right now") from None
+        self.last_error = ""
+        try:
+            pod = verdict(status, claimed, self.audience)
+        except TokenRejected as e:
+            self._remember(self._rejected, key, (self.clock() + REJECTED_TTL, e))
+            raise
+        self._remember(self._accepted, key, pod)
+        return pod
+
+    def health(self) -> str:
+        return f"TokenReview failing: {self.last_error}" if self.last_error else "ok"
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: bytes, value: Any) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > CACHE_SIZE:
+            cache.popitem(last=False)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

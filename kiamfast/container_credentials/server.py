@@ -1,0 +1,414 @@
+"""`GET /v1/credentials` with `Authorization: <projected service-account token>`.
+
+Runs as a coroutine of the control process (docs/architecture.md, "Container credentials"):
+the pod view, the role decisions and the credential slots it answers from live there.  What
+keeps a hostile pod from slowing the table's writer: a bounded request head, a bound on
+connections per address and in all, TokenReview calls on their own few threads, and a
+per-address budget of reviews (a cached verdict costs none).
+
+Order of checks, each refusing with the protocol's JSON ``{"Code", "Message"}``:
+the token's own claims (400: not a JWT, wrong audience, expired, not bound to a pod) → the
+pod they name is on this node (403; 503 while the agent has not synced) → the API server's
+TokenReview (400 refused, 503 unreachable, 429 over the address's budget) → the role policy
+the metadata path applies (403 no role or denied) → the pod's credential slot (200, or 503
+while it is being fetched).  Waits are bounded by --wait-budget.
+"""
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import orjson
+
+from kiamfast import table as tbl
+from kiamfast.container_credentials.review import (
+    REVIEW_TIMEOUT,
+    BoundPod,
+    TokenRejected,
+    TokenReviewer,
+    precheck,
+    unavailable,
+)
+from kiamfast.control.render import account_id, parse_response
+from kiamfast.control.roles import IdentityKind
+
+log = logging.getLogger("kiamfast.container_credentials")
+
+PATH = "/v1/credentials"        # what the EKS Pod Identity webhook puts in FULL_URI
+MAX_HEAD = 20480                # request line + headers (a token is at most 16 KiB)
+HEAD_TIMEOUT = 10.0             # a whole request head, once a connection is open or idle
+MAX_CONNECTIONS = 512
+MAX_CONNECTIONS_PER_ADDRESS = 16
+REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
+REVIEW_BURST = 10
+MAX_PENDING_REVIEWS = 64
+BUCKETS = 4096                  # addresses whose review budget is remembered
+LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
+
+
+def forbidden(message: str) -> TokenRejected:
+    return TokenRejected(403, "AccessDenied", message)
+
+
+class PodView(Protocol):
+    """What the answer needs of the control process: `resolve` a reviewed pod."""
+
+    def known(self, uid: str) -> bool: ...
+
+    def resolve(self, pod: BoundPod, now: float) -> "bytes | Wait": ...
+
+    def want(self, slot: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Not answerable yet: `why` is the answer if it stays so; `slot` to ask the manager for."""
+    why: TokenRejected
+    slot: int = -1
+
+
+def container_document(imds_document: bytes, role_arn: str) -> bytes:
+    """The container provider's JSON from the slot's IMDS document (same keys, same expiry)."""
+    doc = orjson.loads(imds_document)
+    if doc.get("Code") != "Success":     # STS refused the role for good
+        raise forbidden(str(doc.get("Message") or "the role cannot be assumed"))
+    return orjson.dumps({"AccessKeyId": doc["AccessKeyId"],
+                         "SecretAccessKey": doc["SecretAccessKey"], "Token": doc["Token"],
+                         "AccountId": account_id(role_arn) or "",
+                         "Expiration": doc["Expiration"]})
+
+
+class OwnershipView:
+    """The control process's pods of this node (`Ownership`), their decisions and slots."""
+
+    def __init__(self, *, model: Any, manager: Any, table: Any, node: str) -> None:
+        self.model = model
+        self.manager = manager
+        self.table = table
+        self.node = node or "(all nodes)"
+
+    def known(self, uid: str) -> bool:
+        return uid in self.model.pods or not self.model.synced
+
+    def want(self, slot: int) -> None:
+        self.manager.wanted(slot)
+
+    def resolve(self, pod: BoundPod, now: float) -> bytes | Wait:
+        entry = self.model.pods.get(pod.uid)
+        if entry is None or (entry.namespace, entry.name) != (pod.namespace, pod.name):
+            if not self.model.synced:
+                return Wait(unavailable("the agent has not synced this node's pods yet"))
+            return Wait(forbidden(f"pod {pod.namespace}/{pod.name} is not on node "
+                                  f"{self.node}"))
+        if entry.service_account != pod.service_account:
+            raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
+                            f"account {pod.service_account}")
+        if entry.host_network:     # the model decides no role for them (no own address)
+            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network")
+        if not entry.live:
+            raise forbidden(f"pod {pod.namespace}/{pod.name} is not running")
+        ident = entry.identity
+        if ident is None:
+            return Wait(unavailable(f"the role of pod {pod.namespace}/{pod.name} is not "
+                                    "decided yet"))
+        if ident.kind == IdentityKind.NO_ROLE:
+            raise forbidden(f"pod {pod.namespace}/{pod.name} has no role")
+        if ident.kind == IdentityKind.DENIED:
+            raise forbidden(ident.reason or f"pod {pod.namespace}/{pod.name} is denied")
+        return self._credentials(entry.cred_slot, ident, now)
+
+    def _credentials(self, slot: int, ident: Any, now: float) -> bytes | Wait:
+        pending = Wait(unavailable(f"credentials for {ident.role_arn} are not fetched yet"),
+                       slot)
+        # The slot must hold this very key (the metadata path's rule for an adopted slot).
+        if slot < 0 or self.manager.role_of_slot(slot) != (ident.role_arn,
+                                                           ident.external_id or None):
+            return Wait(pending.why)
+        try:
+            state, serve_until, parts = self.table.read_cred(slot)
+        except tbl.TableError:
+            return pending
+        if state != tbl.CRED_READY or serve_until <= now or len(parts) <= tbl.PART_DOCUMENT:
+            return pending
+        _, _, body = parse_response(parts[tbl.PART_DOCUMENT])
+        return container_document(body, ident.role_arn)
+
+
+class AddressLimits:
+    """Connections held, and a token bucket of TokenReviews, per client address."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.connections: dict[str, int] = {}
+        self.total = 0
+        # Kept across connections (a new connection must not bring a full bucket), the
+        # addresses seen longest ago forgotten first.
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def open(self, address: str) -> bool:
+        held = self.connections.get(address, 0)
+        if held >= MAX_CONNECTIONS_PER_ADDRESS or self.total >= MAX_CONNECTIONS:
+            return False
+        self.connections[address] = held + 1
+        self.total += 1
+        return True
+
+    def close(self, address: str) -> None:
+        self.total -= 1
+        held = self.connections.pop(address) - 1
+        if held:
+            self.connections[address] = held
+
+    def allow_review(self, address: str) -> bool:
+        now = self.clock()
+        tokens, last = self._buckets.get(address, (float(REVIEW_BURST), now))
+        tokens = min(float(REVIEW_BURST), tokens + (now - last) * REVIEW_RATE)
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > BUCKETS:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    keep_alive: bool
+
+
+def parse_head(head: bytes) -> Request:
+    """Request line and headers (names lower-cased); `BadRequest` for anything odd."""
+    try:
+        lines = head[:-4].decode("latin-1").split("\r\n")
+        method, target, version = lines[0].split(" ")
+    except ValueError:
+        raise BadRequest("malformed request line") from None
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise BadRequest("unsupported HTTP version")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        name = name.lower()
+        if not sep or not name or name != name.strip() or name in headers:
+            raise BadRequest(f"malformed or repeated header {name!r}")
+        headers[name] = value.strip()
+    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+        raise BadRequest("a request body is not accepted")
+    connection = headers.get("connection", "").lower()
+    keep_alive = connection != "close" and (version == "HTTP/1.1" or connection == "keep-alive")
+    return Request(method, target.partition("?")[0], headers, keep_alive)
+
+
+def response(status: int, body: bytes, *, keep_alive: bool,
+             extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+    head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
+            "Content-Type: application/json", f"Content-Length: {len(body)}",
+            *(f"{k}: {v}" for k, v in extra)]
+    if not keep_alive:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def error_body(code: str, message: str) -> bytes:
+    return orjson.dumps({"Code": code, "Message": message})
+
+
+class ContainerCredentialsServer:
+    """The listener: one coroutine per connection, answers in request order."""
+
+    def __init__(self, sock: socket.socket, *, reviewer: TokenReviewer, view: PodView,
+                 wait_budget: float, clock: Callable[[], float] = time.time) -> None:
+        self.sock = sock
+        self.reviewer = reviewer
+        self.view = view
+        self.wait_budget = wait_budget
+        self.clock = clock
+        self.limits = AddressLimits()
+        self.pending_reviews = 0
+        self.answers: dict[int, int] = {}        # HTTP status -> count
+        self._changed = asyncio.Event()
+        self._logged: dict[tuple[int, str], float] = {}
+
+    # ---- the control process tells us when the table or the pod view changed --------------
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, ready: Callable[[], Any], budget: float) -> Any:
+        """`ready()` once it is truthy, or its last value after `budget` seconds."""
+        deadline = time.monotonic() + budget
+        while True:
+            result = ready()
+            remaining = deadline - time.monotonic()
+            if result or remaining <= 0:
+                return result
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- connections -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        server = await asyncio.start_server(self._connection, sock=self.sock, limit=MAX_HEAD)
+        async with server:
+            await server.serve_forever()
+
+    async def _connection(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        address = str((writer.get_extra_info("peername") or ("?",))[0])
+        if not self.limits.open(address):
+            writer.close()
+            return
+        try:
+            await self._requests(address, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            pass
+        finally:
+            self.limits.close(address)
+            writer.close()
+
+    async def _requests(self, address: str, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+            except asyncio.LimitOverrunError:
+                writer.write(self._error(address, 431, "HeadersTooLarge",
+                                         "request head too large", keep_alive=False))
+                return
+            try:
+                request = parse_head(head)
+            except BadRequest as e:
+                writer.write(self._error(address, 400, "BadRequest", str(e), keep_alive=False))
+                return
+            writer.write(await self.answer(request, address))
+            await writer.drain()
+            if not request.keep_alive:
+                return
+
+    # ---- one request -------------------------------------------------------------------------
+
+    async def answer(self, request: Request, address: str) -> bytes:
+        keep = request.keep_alive
+        if request.path != PATH:
+            return self._error(address, 404, "NotFound", f"no such path; use {PATH}",
+                               keep_alive=keep)
+        if request.method != "GET":
+            return self._error(address, 405, "MethodNotAllowed", "only GET is served",
+                               keep_alive=keep, extra=(("Allow", "GET"),))
+        try:
+            body = await self.credentials(request.headers.get("authorization", ""), address)
+        except TokenRejected as e:
+            extra = (("Retry-After", "1"),) if e.status == 429 else ()
+            return self._error(address, e.status, e.code, e.message, keep_alive=keep,
+                               extra=extra)
+        self.answers[200] = self.answers.get(200, 0) + 1
+        return response(200, body, keep_alive=keep)
+
+    async def credentials(self, token: str, address: str) -> bytes:
+        claimed = precheck(token, self.reviewer.audience, self.clock())
+        pod = self.reviewer.cached(token)
+        if pod is None:
+            pod = await self._review(token, claimed, address)
+        return await self._resolve(pod)
+
+    async def _review(self, token: str, claimed: BoundPod, address: str) -> BoundPod:
+        # The unverified claims can only refuse: a token naming a pod this node does not
+        # run costs no review (another node's token, or a deleted pod's).
+        if not await self._until(lambda: self.view.known(claimed.uid), self.wait_budget):
+            raise forbidden(f"pod {claimed.namespace}/{claimed.name} is not on this node")
+        if self.pending_reviews >= MAX_PENDING_REVIEWS or not self.limits.allow_review(address):
+            raise TokenRejected(429, "TooManyRequests", "too many new tokens from this address")
+        self.pending_reviews += 1
+        try:
+            return await asyncio.wait_for(self.reviewer.review(token, claimed),
+                                          REVIEW_TIMEOUT + 0.5)
+        except asyncio.TimeoutError:
+            raise unavailable("the API server did not answer the TokenReview in time") from None
+        finally:
+            self.pending_reviews -= 1
+
+    async def _resolve(self, pod: BoundPod) -> bytes:
+        asked: set[int] = set()
+
+        def attempt() -> bytes | None:
+            if pod.expires <= self.clock():
+                raise TokenRejected(400, "InvalidToken", "the token has expired")
+            result = self.view.resolve(pod, self.clock())
+            if isinstance(result, bytes):
+                return result
+            if result.slot >= 0 and result.slot not in asked:
+                asked.add(result.slot)
+                self.view.want(result.slot)   # fetch now, first in the credential queue
+            last[0] = result.why
+            return None
+
+        last: list[TokenRejected] = [unavailable("not answered")]
+        body = await self._until(attempt, self.wait_budget)
+        if body is None:
+            raise last[0]
+        return body
+
+    def _error(self, address: str, status: int, code: str, message: str, *, keep_alive: bool,
+               extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+        self.answers[status] = self.answers.get(status, 0) + 1
+        now = time.monotonic()
+        if now - self._logged.get((status, code), -LOG_EVERY) >= LOG_EVERY:
+            self._logged[(status, code)] = now
+            log.info("container credentials refused to %s: %d %s: %s", address, status, code,
+                     message)
+        else:
+            log.debug("container credentials refused to %s: %d %s: %s", address, status, code,
+                      message)
+        return response(status, error_body(code, message), keep_alive=keep_alive, extra=extra)
+
+    # ---- what the control process publishes --------------------------------------------------
+
+    def health(self) -> str:
+        """For /healthz: whether reviews work (the one failure that is not a pod's own)."""
+        return self.reviewer.health()
+
+    def metrics(self) -> list[str]:
+        lines = ["# HELP kiamfast_container_credentials_total Container-credentials answers "
+                 "by HTTP status.",
+                 "# TYPE kiamfast_container_credentials_total counter"]
+        lines += [f'kiamfast_container_credentials_total{{code="{code}"}} {n}'
+                  for code, n in sorted(self.answers.items())]
+        lines += ["# HELP kiamfast_token_reviews_total TokenReview activity by kind.",
+                  "# TYPE kiamfast_token_reviews_total counter"]
+        lines += [f'kiamfast_token_reviews_total{{kind="{k}"}} {v}'
+                  for k, v in sorted(self.reviewer.stats.items())]
+        return lines
+
+    def close(self) -> None:
+        self.reviewer.close()
+
+
+def from_config(config: Any, sock: socket.socket, *, model: Any, manager: Any,
+                table: Any) -> ContainerCredentialsServer:
+    """The listener of --container-credentials-addr, with its own API client (its reviews
+    never queue behind the pod watch's connections)."""
+    from kiamfast.container_credentials.review import token_review_call
+    from kiamfast.control.pods import make_api_client
+    api_client = make_api_client(kubeconfig=config.kubeconfig, api_server=config.api_server,
+                                 api_token=config.api_token, insecure=config.insecure)
+    reviewer = TokenReviewer(token_review_call(api_client),
+                             audience=config.container_credentials_audience)
+    view = OwnershipView(model=model, manager=manager, table=table, node=config.node)
+    return ContainerCredentialsServer(sock, reviewer=reviewer, view=view,
+                                      wait_budget=config.wait_budget)

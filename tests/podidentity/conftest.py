@@ -1,0 +1,93 @@
+"""A real kube-apiserver (tests/k8s/kube.py), the whole agent serving the container-
+credentials protocol on loopback, moto's STS and the fake IMDS.
+
+The agent runs as ServiceAccount kube-system/kiamfast-podid, bound to the project's
+ClusterRole plus the API server's own ``system:auth-delegator`` (create tokenreviews), which
+is what a chart enabling --container-credentials-addr must grant.  Pods are API objects
+bound to the agent's node by ``nodeName`` (no kubelet: the test writes their status);
+their tokens come from the TokenRequest API, bound to the pod, with the agent's audience.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))     # sdk_clients
+
+import kube  # noqa: E402
+
+from kiamfast.testing.fake_imds import FakeImds  # noqa: E402
+from kiamfast.testing.sts import MotoSts  # noqa: E402
+
+AGENT_SA = "kiamfast-podid"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    reason = kube.missing_binaries()
+    if reason:
+        pytest.skip(reason)
+    with kube.running_cluster(tmp_path_factory.mktemp("kube")) as c:
+        yield c
+
+
+def agent_kubeconfig(cluster) -> Path:
+    """The agent's identity: the shipped ClusterRole plus system:auth-delegator."""
+    admin = cluster.admin
+    token = kube.service_account_token(admin, namespace="kube-system", name=AGENT_SA)
+    for role in ("kiamfast", "system:auth-delegator"):
+        admin.call("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"{AGENT_SA}-{role.replace(':', '-')}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": AGENT_SA,
+                          "namespace": "kube-system"}]})
+    wait_allowed(cluster.as_user(token), group="authentication.k8s.io", resource="tokenreviews",
+                 verb="create")
+    kube.wait_allowed(cluster.as_user(token), verb="watch", resource="pods")
+    return cluster.kubeconfig_for(token, name=AGENT_SA)
+
+
+def wait_allowed(client, *, group: str, resource: str, verb: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        out = client.call("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"group": group, "verb": verb,
+                                            "resource": resource}}})
+        if out["status"].get("allowed"):
+            return
+        assert time.monotonic() < deadline, f"{verb} {resource} not allowed: {out}"
+        time.sleep(0.05)
+
+
+class RealCluster:
+    """What tests/agent_process.Agent reads of its `fakes`, with the real API server."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.sts = MotoSts()
+        self.sts.start()
+        self.imds = FakeImds().start()
+        self.api = self
+
+    def write_kubeconfig(self, path: str) -> str:
+        Path(path).write_text(self.kubeconfig.read_text())
+        return path
+
+    def stop(self) -> None:
+        self.imds.stop()
+        self.sts.stop()
+
+
+@pytest.fixture(scope="session")
+def peers(cluster):
+    p = RealCluster(agent_kubeconfig(cluster))
+    yield p
+    p.stop()

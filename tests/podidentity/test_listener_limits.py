@@ -1,0 +1,176 @@
+"""The listener's defences and its review cache, with a stand-in for the API server's
+TokenReview and for the pod view (the real ones are in test_container_credentials.py).
+
+What a hostile or broken client meets: a bounded head, no bodies, a connection cap per
+address, a per-address budget of new tokens (429), refusals cached, the API server's outage
+reported as 503 and in /healthz's text, and claims that can refuse but never accept.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+
+from kiamfast.container_credentials import server as srv
+from kiamfast.container_credentials.review import POD_NAME_EXTRA, POD_UID_EXTRA, TokenReviewer
+
+AUDIENCE = "kiamfast.io/container-credentials"
+CREDS = b'{"AccessKeyId":"ASIATEST"}'
+
+
+def token(name: str = "p", uid: str = "uid-p", *, exp: float | None = None) -> str:
+    claims = {"aud": [AUDIENCE], "exp": int(exp or time.time() + 600),
+              "kubernetes.io": {"namespace": "ns", "pod": {"name": name, "uid": uid},
+                                "serviceaccount": {"name": "app", "uid": "sa-uid"}}}
+    return f"{_b64json({'alg': 'ES256'})}.{_b64json(claims)}.c2ln"
+
+
+def _b64json(doc: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(doc).encode()).rstrip(b"=").decode()
+
+
+class FakeApi:
+    """TokenReview as the API server answers it for tokens of `token()`."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.down = False
+        self.authentic = True
+
+    def __call__(self, tok: str, audience: str) -> dict:
+        self.calls += 1
+        if self.down:
+            raise ConnectionRefusedError("connection refused")
+        claims = json.loads(base64.urlsafe_b64decode(tok.split(".")[1] + "=="))
+        pod = claims["kubernetes.io"]["pod"]
+        return {"authenticated": self.authentic, "audiences": [audience],
+                "user": {"username": "system:serviceaccount:ns:app",
+                         "extra": {POD_NAME_EXTRA: [pod["name"]], POD_UID_EXTRA: [pod["uid"]]}}}
+
+
+class FakeView:
+    def __init__(self) -> None:
+        self.resolved = 0
+
+    def known(self, uid: str) -> bool:
+        return uid.startswith("uid-")
+
+    def resolve(self, pod, now):
+        self.resolved += 1
+        return CREDS
+
+    def want(self, slot: int) -> None:
+        pass
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.api = FakeApi()
+        self.view = FakeView()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self.server = srv.ContainerCredentialsServer(
+            self.sock, reviewer=TokenReviewer(self.api, audience=AUDIENCE), view=self.view,
+            wait_budget=0.05)
+
+    async def raw(self, data: bytes, source: str = "127.0.0.1") -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port,
+                                                       local_addr=(source, 0))
+        writer.write(data)
+        await writer.drain()
+        out = await reader.read()
+        writer.close()
+        return out
+
+    async def ask(self, tok: str | None, source: str = "127.0.0.1") -> tuple[int, dict, bytes]:
+        auth = f"Authorization: {tok}\r\n" if tok is not None else ""
+        out = await self.raw(f"GET /v1/credentials HTTP/1.1\r\nHost: x\r\n{auth}"
+                             "Connection: close\r\n\r\n".encode(), source)
+        head, _, body = out.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body), head
+
+
+def serving(body):
+    async def main():
+        listener = Listener()
+        task = asyncio.create_task(listener.server.run())
+        try:
+            await body(listener)
+        finally:
+            task.cancel()
+            listener.server.close()
+    asyncio.run(main())
+
+
+def test_a_head_too_large_a_body_and_a_bad_request_line_are_refused():
+    async def body(ls):
+        out = await ls.raw(b"GET /v1/credentials HTTP/1.1\r\nX: " + b"a" * 30000 + b"\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 431 ")
+        out = await ls.raw(b"GET /v1/credentials HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+        assert out.startswith(b"HTTP/1.1 400 ") and b'"BadRequest"' in out
+        out = await ls.raw(b"GET  /v1/credentials HTTP/1.1\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400 ")
+        assert ls.api.calls == 0
+    serving(body)
+
+
+def test_one_address_holds_at_most_its_share_of_connections():
+    async def body(ls):
+        held = [await asyncio.open_connection("127.0.0.1", ls.port, local_addr=("127.0.0.9", 0))
+                for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
+                                                       local_addr=("127.0.0.9", 0))
+        writer.write(b"GET /v1/credentials HTTP/1.1\r\n\r\n")
+        try:                                                     # closed unanswered
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except ConnectionResetError:
+            pass
+        status, _, _ = await ls.ask(token(), source="127.0.0.10")  # another address is served
+        assert status == 200
+        for _, w in held:
+            w.close()
+    serving(body)
+
+
+def test_new_tokens_beyond_an_addresss_budget_get_429_cached_ones_do_not():
+    async def body(ls):
+        first = token(uid="uid-0")
+        assert (await ls.ask(first))[0] == 200
+        answers = [await ls.ask(token(uid=f"uid-{i}")) for i in range(1, srv.REVIEW_BURST + 1)]
+        status, doc, head = answers[-1]
+        assert (status, doc["Code"]) == (429, "TooManyRequests")
+        assert b"\r\nRetry-After: 1" in head
+        assert all(a[0] == 200 for a in answers[:-1])
+        assert (await ls.ask(first))[0] == 200                 # cached: no review needed
+        assert (await ls.ask(token(uid="uid-x"), source="127.0.0.11"))[0] == 200
+        assert ls.api.calls == srv.REVIEW_BURST + 1
+    serving(body)
+
+
+def test_claims_refuse_but_never_accept():
+    async def body(ls):
+        ls.api.authentic = False
+        status, doc, _ = await ls.ask(token())
+        assert (status, doc["Code"]) == (400, "InvalidToken") and ls.view.resolved == 0
+        assert (await ls.ask(token()))[0] == 400 and ls.api.calls == 1    # refusal cached
+        for bad in (None, "a.b", token(exp=time.time() - 5), token(uid="other-node")):
+            assert (await ls.ask(bad))[0] in (400, 403), bad
+        assert ls.api.calls == 1                                # none of those was reviewed
+    serving(body)
+
+
+def test_an_api_server_outage_is_503_and_shows_in_health():
+    async def body(ls):
+        ls.api.down = True
+        status, doc, _ = await ls.ask(token())
+        assert (status, doc["Code"]) == (503, "ServiceUnavailable")
+        assert ls.server.health().startswith("TokenReview failing: ConnectionRefusedError")
+        ls.api.down = False
+        assert (await ls.ask(token()))[0] == 200           # an outage is not cached
+        assert ls.server.health() == "ok"
+    serving(body)
