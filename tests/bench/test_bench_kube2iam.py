@@ -1,0 +1,88 @@
+"""bench/kube2iam_speed.py counts what it says it counts: every load answered, by the right
+role, for both agents; every pod of a node start served its own role. Never a timing."""
+
+from __future__ import annotations
+
+import pytest
+
+import kube2iam_speed as ks
+
+TINY = ks.Options(rounds=1, duration=1.0, pod_counts=(12,), start_reps=1, workers=(2,))
+
+
+@pytest.fixture(scope="module")
+def result():
+    if ks.kube2iam_binary() is None:
+        pytest.fail("needs kube2iam: run tests/tools/build_kube2iam.sh")
+    return ks.run(TINY, log=lambda msg: None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_both_agents_served_the_pod_its_own_role_under_load_and_none_failed(result):
+    paths = ["host"] + ([] if "through the DNAT" in result.skipped else ["dnat"])
+    assert sorted(result.paths) == sorted(paths)
+    for path in paths:
+        assert result.identity[path] == {"kube2iam": "bench-role-0", "kiamfast": "bench-role-0"}
+        for agent in ks.AGENTS:
+            (run,) = result.paths[path][agent]
+            assert run.requests > 0 and run.failed == 0, (path, agent, run)
+            assert run.cpu_s_per_1k > 0, (path, agent, run)
+
+
+@pytest.mark.slow
+def test_the_dnat_path_runs_as_root_and_says_why_not_otherwise(result):
+    import os
+    if os.geteuid() == 0:
+        assert "dnat" in result.paths and not result.skipped
+    else:
+        assert result.skipped["through the DNAT"].startswith("not root")
+
+
+@pytest.mark.slow
+def test_a_node_start_counts_every_pod_served_its_own_role(result):
+    assert sorted((s.agent, s.pods) for s in result.starts) == [("kiamfast", 12),
+                                                                ("kube2iam", 12)]
+    for start in result.starts:
+        assert start.served == 12 and start.wrong == 0, start
+        assert start.listening <= start.seconds, start
+        assert start.rss_mib > 0, start
+
+
+@pytest.mark.slow
+def test_scaling_measured_kiamfast_workers_and_kube2iam_unpinned(result):
+    assert sorted(result.scaling) == ["kiamfast --workers 2", "kube2iam"]
+    for label, runs in result.scaling.items():
+        assert [r.failed for r in runs] == [0], label
+    assert set(result.rss_mib) == set(ks.AGENTS)
+
+
+@pytest.mark.slow
+def test_the_report_names_every_measure_and_both_agents(result):
+    text = ks.markdown(result)
+    for agent in ks.AGENTS:
+        assert f"| (a) host address and port | {agent} |" in text
+        assert f"| 12 | {agent} |" in text
+    heads = {what: value for what, value, _, _ in ks.headline(result)}
+    assert heads["vs kube2iam runs: wrong roles, failed requests (both agents)"] == "0, 0"
+
+
+def _load(rps: float, cpu: float, p99: float) -> ks.Load:
+    return ks.Load(rps=rps, p50_ms=p99 / 2, p99_ms=p99, requests=int(rps), failed=0,
+                   cpu_s_per_1k=cpu, wrk_util=1.0)
+
+
+def test_ratios_are_per_round_medians_of_kiamfast_over_kube2iam():
+    runs = {"kiamfast": [_load(60_000, 0.02, 2.0), _load(50_000, 0.025, 4.0),
+                         _load(10_000, 0.02, 1.0)],
+            "kube2iam": [_load(10_000, 0.12, 40.0), _load(10_000, 0.10, 20.0),
+                         _load(10_000, 0.10, 10.0)]}
+    r = ks.ratios(runs)
+    assert r["rps"] == pytest.approx(5.0)     # rounds: 6, 5, 1
+    assert r["cpu"] == pytest.approx(5.0)     # rounds: 6, 4, 5
+    assert r["p99"] == pytest.approx(0.1)     # rounds: 1/20, 1/5, 1/10
+
+
+def test_the_dnat_path_is_skipped_with_the_reason_when_not_root(monkeypatch):
+    monkeypatch.setattr(ks.os, "geteuid", lambda: 1000)
+    assert ks.dnat_unavailable().startswith("not root")
