@@ -387,7 +387,7 @@ def run_wrk(port: int, script: str, *, connections: int, duration: float, cpus: 
     cpu1 = sum(cpu_seconds(p) for p in pids)
     out_client = (_children_cpu() - child0) / max(1, round(duration))
     out = {"rps": 0.0, "p50_ms": float("nan"), "p99_ms": float("nan"), "non2xx": 0,
-           "errors": 0}
+           "errors": 0, "timeouts": 0}
     total = 0
     for line in proc.stdout.splitlines():
         parts = line.split()
@@ -403,6 +403,7 @@ def run_wrk(port: int, script: str, *, connections: int, duration: float, cpus: 
             out["non2xx"] = int(parts[-1])
         elif line.strip().startswith("Socket errors"):
             out["errors"] = sum(int(x.strip(",")) for x in parts[3::2])
+            out["timeouts"] = int(parts[-1])   # "... write 0, timeout N"
     out["cpu_us_per_req"] = (cpu1 - cpu0) / total * 1e6 if total else float("nan")
     out["requests"] = total
     out["client_util"] = out_client

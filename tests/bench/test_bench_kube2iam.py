@@ -28,6 +28,8 @@ def test_both_agents_served_the_pod_its_own_role_under_load_and_none_failed(resu
             (run,) = result.paths[path][agent]
             assert run.requests > 0 and run.failed == 0, (path, agent, run)
             assert run.cpu_s_per_1k > 0, (path, agent, run)
+        (run,) = result.paths[path]["kiamfast"]
+        assert run.timeouts == 0, run   # kube2iam's can time out on a crowded machine
 
 
 @pytest.mark.slow
@@ -64,12 +66,22 @@ def test_the_report_names_every_measure_and_both_agents(result):
         assert f"| (a) host address and port | {agent} |" in text
         assert f"| 12 | {agent} |" in text
     heads = {what: value for what, value, _, _ in ks.headline(result)}
-    assert heads["vs kube2iam runs: wrong roles, failed requests (both agents)"] == "0, 0"
+    kiamfast_counts = heads["vs kube2iam runs: wrong roles, failed or timed-out requests: "
+                            "kiamfast (kube2iam)"].split(" (")[0]
+    assert kiamfast_counts == "0, 0"
 
 
-def _load(rps: float, cpu: float, p99: float) -> ks.Load:
+def _load(rps: float, cpu: float, p99: float, wrk_util: float = 1.0) -> ks.Load:
     return ks.Load(rps=rps, p50_ms=p99 / 2, p99_ms=p99, requests=int(rps), failed=0,
-                   cpu_s_per_1k=cpu, wrk_util=1.0)
+                   timeouts=0, cpu_s_per_1k=cpu, wrk_util=wrk_util)
+
+
+def test_a_round_where_neither_the_agent_nor_wrk_had_its_core_is_machine_bound():
+    starved = _load(2_000, 0.05, 100.0, wrk_util=0.1)      # agent at 10 % of its core
+    saturated = _load(40_000, 0.025, 5.0, wrk_util=0.6)    # agent at 100 %
+    wrk_bound = _load(10_000, 0.03, 20.0, wrk_util=0.95)   # agent at 30 %, wrk at 95 %
+    assert ks.machine_bound({"kiamfast": [starved], "kube2iam": [saturated]})
+    assert not ks.machine_bound({"kiamfast": [saturated], "kube2iam": [wrk_bound]})
 
 
 def test_ratios_are_per_round_medians_of_kiamfast_over_kube2iam():
