@@ -40,8 +40,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from benchutil import ROOT, cpu_seconds, median, pod_addresses, rss_bytes
+from benchutil import ROOT, median, pod_addresses, rss_bytes
 
 for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
     if str(_p) not in sys.path:
@@ -71,7 +72,7 @@ class Options:
     dnat: bool = True
 
 
-QUICK = Options(rounds=1, duration=1.0, pod_counts=(110,), start_reps=1, workers=(1, 2))
+QUICK = Options(rounds=1, duration=1.0, pod_counts=(110,), start_reps=1, workers=(2,))
 
 
 @dataclass
@@ -144,12 +145,9 @@ def pinned(cpus: set[int] | None):
 class Running:
     name: str
     port: int
-    pids: callable            # () -> every pid of the agent
-    stop: callable
+    pids: Callable[[], list[int]]     # every pid of the agent, now
+    stop: Callable[[], object]
     token: str = ""           # the IMDSv2 token the benchmark's pod got from this agent
-
-    def cpu(self) -> float:
-        return sum(cpu_seconds(p) for p in self.pids())
 
     def rss_mib(self) -> float:
         return sum(rss_bytes(p) for p in self.pids()) / 2**20
