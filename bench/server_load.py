@@ -69,9 +69,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    from benchutil import cpu_seconds as precise   # ns, not /proc's 10 ms ticks
+    return precise(pid)
 
 
 # ---- the table the worker serves --------------------------------------------------------------

@@ -7,7 +7,8 @@ import pytest
 
 import kube2iam_speed as ks
 
-TINY = ks.Options(rounds=1, duration=1.0, pod_counts=(12,), start_reps=1, workers=(2,))
+# The quick run of bench/run (tests/bench/test_bench_run.py) measures the scaling too.
+TINY = ks.Options(rounds=1, duration=1.0, pod_counts=(12,), start_reps=1, workers=())
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def test_both_agents_served_the_pod_its_own_role_under_load_and_none_failed(resu
             assert run.cpu_s_per_1k > 0, (path, agent, run)
         (run,) = result.paths[path]["kiamfast"]
         assert run.timeouts == 0, run   # kube2iam's can time out on a crowded machine
+        assert set(result.idle[path]) == set(ks.AGENTS)
 
 
 @pytest.mark.slow
@@ -52,11 +54,10 @@ def test_a_node_start_counts_every_pod_served_its_own_role(result):
 
 
 @pytest.mark.slow
-def test_scaling_measured_kiamfast_workers_and_kube2iam_unpinned(result):
-    assert sorted(result.scaling) == ["kiamfast --workers 2", "kube2iam"]
-    for label, runs in result.scaling.items():
-        assert [r.failed for r in runs] == [0], label
+def test_rss_is_read_for_both_agents_and_no_scaling_is_run_when_no_workers_are_asked(result):
     assert set(result.rss_mib) == set(ks.AGENTS)
+    assert all(v > 0 for v in result.rss_mib.values())
+    assert result.scaling == {}
 
 
 @pytest.mark.slow
@@ -93,6 +94,15 @@ def test_ratios_are_per_round_medians_of_kiamfast_over_kube2iam():
     assert r["rps"] == pytest.approx(5.0)     # rounds: 6, 5, 1
     assert r["cpu"] == pytest.approx(5.0)     # rounds: 6, 4, 5
     assert r["p99"] == pytest.approx(0.1)     # rounds: 1/20, 1/5, 1/10
+    assert r["marginal"] == pytest.approx(5.0)   # no idle background: the same as "cpu"
+
+
+def test_the_idle_background_is_taken_out_of_the_cpu_per_request_beyond_it():
+    busy = _load(1_000, 0.03, 50.0)
+    busy.idle_s_per_1k = 0.01      # 10 ms/s of timers spread over 1,000 requests/s
+    runs = {"kiamfast": [busy], "kube2iam": [_load(1_000, 0.12, 100.0)]}
+    assert ks.ratios(runs)["cpu"] == pytest.approx(4.0)
+    assert ks.ratios(runs)["marginal"] == pytest.approx(6.0)
 
 
 def test_the_dnat_path_is_skipped_with_the_reason_when_not_root(monkeypatch):
