@@ -16,8 +16,12 @@ a file here); kiamfast runs at its default too (info; it logs no request).
       169.254.169.254:80, which the node namespace's nat PREROUTING rule sends to the
       agent (root only; without root the report says it was skipped).
 
-  Reported: requests/s, p50/p99 (wrk's), the agent's CPU seconds per 1,000 requests (all
-  its processes, from their CPU clocks), RSS (kiamfast: the sum of its processes).
+  The pod asks with the IMDSv2 token it got from that agent, as botocore does, and the
+  role it is served is checked against what STS issued before the load. Reported:
+  requests/s, p50/p99 (wrk's), the agent's CPU seconds per 1,000 requests (all its
+  processes, from their CPU clocks; also beyond its idle background), wrk's and the
+  agent's CPU use (a round where neither had its core is flagged machine-bound), RSS
+  (kiamfast: the sum of its processes).
 * **Node start**: both started against a node already holding N pods (40 roles); the time
   from the process start until every pod has been served its own role's credentials,
   polling every pod from its own address (16 at a time).
