@@ -76,7 +76,7 @@ class Options:
     dnat: bool = True
 
 
-QUICK = Options(rounds=1, duration=1.0, pod_counts=(110,), start_reps=1, workers=(2,))
+QUICK = Options(rounds=1, duration=1.0, pod_counts=(110,), start_reps=1, workers=())
 
 
 @dataclass

@@ -7,8 +7,7 @@ import pytest
 
 import kube2iam_speed as ks
 
-# The quick run of bench/run (tests/bench/test_bench_run.py) measures the scaling too.
-TINY = ks.Options(rounds=1, duration=1.0, pod_counts=(12,), start_reps=1, workers=())
+TINY = ks.Options(rounds=1, duration=1.0, pod_counts=(12,), start_reps=1, workers=(2,))
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +53,18 @@ def test_a_node_start_counts_every_pod_served_its_own_role(result):
 
 
 @pytest.mark.slow
-def test_rss_is_read_for_both_agents_and_no_scaling_is_run_when_no_workers_are_asked(result):
+def test_scaling_measured_kiamfast_workers_and_kube2iam_unpinned(result):
+    assert sorted(result.scaling) == ["kiamfast --workers 2", "kube2iam"]
+    for label, runs in result.scaling.items():
+        assert [r.failed for r in runs] == [0], label
+        assert [r.requests > 0 for r in runs] == [True], label
+
+
+@pytest.mark.slow
+def test_rss_is_read_for_both_agents(result):
     assert set(result.rss_mib) == set(ks.AGENTS)
     assert all(v > 0 for v in result.rss_mib.values())
-    assert result.scaling == {}
+
 
 
 @pytest.mark.slow
