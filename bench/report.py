@@ -13,7 +13,9 @@ Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
 runtime_polling.py: the container runtime's path, on a real containerd when root has one),
 ``kubelet`` (bench/kubelet_timing.py: a real kubelet's podIP delay and new pods' first SDK
 call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries),
-``fleet`` (bench/fleet_sim.py: many nodes' credential managers against one STS budget).
+``fleet`` (bench/fleet_sim.py: many nodes' credential managers against one STS budget),
+``kube2iam`` (bench/kube2iam_speed.py: the real kube2iam beside kiamfast in the same run:
+hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -38,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet")
+SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam")
 
 
 @dataclass
@@ -505,9 +507,24 @@ def section_fleet(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_kube2iam(quick: bool, out: Path, log) -> Section:
+    import kube2iam_speed as ks
+    res = ks.run(ks.QUICK if quick else ks.Options(), log=log)
+    sec = Section("kube2iam beside kiamfast, same run: hot path, node start, CPU, RSS")
+    sec.body = ks.markdown(res)
+    sec.headline = ks.headline(res)
+    sec.raw = {"options": res.options, "identity": res.identity, "rss_mib": res.rss_mib,
+               "skipped": res.skipped,
+               "paths": {p: {a: [r.__dict__ for r in rs] for a, rs in runs.items()}
+                         for p, runs in res.paths.items()},
+               "scaling": {k: [r.__dict__ for r in rs] for k, rs in res.scaling.items()},
+               "starts": [s.__dict__ for s in res.starts]}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
-           "fleet": section_fleet}
+           "fleet": section_fleet, "kube2iam": section_kube2iam}
 
 
 # ---- the report ------------------------------------------------------------------------------

@@ -69,9 +69,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    from benchutil import cpu_seconds as precise   # ns, not /proc's 10 ms ticks
+    return precise(pid)
 
 
 # ---- the table the worker serves --------------------------------------------------------------
@@ -369,20 +368,25 @@ def _wrk_ms(text: str) -> float:
 
 
 def run_wrk(port: int, script: str, *, connections: int, duration: float, cpus: list[int] | None,
-            server_pid: int, tmp: str) -> dict:
-    """wrk -t1 against 127.0.0.1:port; req/s, p50/p99 and server CPU per request."""
+            tmp: str, server_pid: int | None = None, server_pids: list[int] = (),
+            host: str = "127.0.0.1", argv_prefix: list[str] | None = None) -> dict:
+    """wrk -t1 against host:port (run under ``argv_prefix``: in a pod's network namespace);
+    req/s, p50/p99 and the server's CPU per request (all of ``server_pids``)."""
+    pids = [server_pid] if server_pid is not None else list(server_pids)
     path = os.path.join(tmp, f"wrk-{abs(hash(script))}.lua")
     with open(path, "w") as f:
         f.write(script)
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--latency",
-           "-s", path, f"http://127.0.0.1:{port}/"]
-    cpu0 = cpu_seconds(server_pid)
+    cmd = [*(argv_prefix or ()), "wrk", "-t1", f"-c{connections}",
+           f"-d{max(1, round(duration))}s", "--latency", "-s", path, f"http://{host}:{port}/"]
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    child0 = _children_cpu()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 30,
                           preexec_fn=(lambda: os.sched_setaffinity(0, set(cpus))) if cpus
                           else None)
-    cpu1 = cpu_seconds(server_pid)
+    cpu1 = sum(cpu_seconds(p) for p in pids)
+    out_client = (_children_cpu() - child0) / max(1, round(duration))
     out = {"rps": 0.0, "p50_ms": float("nan"), "p99_ms": float("nan"), "non2xx": 0,
-           "errors": 0}
+           "errors": 0, "timeouts": 0}
     total = 0
     for line in proc.stdout.splitlines():
         parts = line.split()
@@ -398,8 +402,18 @@ def run_wrk(port: int, script: str, *, connections: int, duration: float, cpus: 
             out["non2xx"] = int(parts[-1])
         elif line.strip().startswith("Socket errors"):
             out["errors"] = sum(int(x.strip(",")) for x in parts[3::2])
+            out["timeouts"] = int(parts[-1])   # "... write 0, timeout N"
     out["cpu_us_per_req"] = (cpu1 - cpu0) / total * 1e6 if total else float("nan")
+    out["requests"] = total
+    out["client_util"] = out_client
     return out
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the children this process has waited for (wrk, once it is done)."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 # ---- callgrind: user-space instructions per request, deterministic --------------------------

@@ -34,11 +34,11 @@ def test_run_refuses_an_unknown_section(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(720)   # every section, the fleet simulation's ~90 s included
+@pytest.mark.timeout(780)   # every section, the fleet simulation's ~90 s and kube2iam's ~40 s
 @requires_nginx
 def test_quick_run_of_everything(tmp_path):
     p = subprocess.run([str(BENCH / "run"), "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=660)
+                       capture_output=True, text=True, timeout=720)
     assert p.returncode == 0, p.stderr[-3000:]
     text = (tmp_path / "report.md").read_text()
     assert "not measured" not in text
