@@ -93,6 +93,12 @@ def pod_patch(pod: dict[str, Any], *, role_key: str, audience: str, expiration: 
     spec = pod.get("spec")
     if not isinstance(spec, dict):
         raise MalformedReview("pod has no spec")
+    if not spec.get("serviceAccountName"):
+        # The API server refuses a token volume then; the ServiceAccount admission plugin,
+        # which runs first, sets it on every cluster that has one.
+        log.warning("pod %s opts in but has no serviceAccountName: no token volume",
+                    _pod_name(pod))
+        return []
     ops: list[dict] = []
     for kind in ("initContainers", "containers"):
         containers = spec.get(kind) or []
@@ -143,9 +149,13 @@ def review_answer(body: bytes, **settings: Any) -> dict[str, Any]:
         return _answer(uid, [])
     if ops:
         log.info("pod %s/%s: container-credentials variables and token volume added",
-                 request.get("namespace", ""), (pod.get("metadata") or {}).get("name")
-                 or (pod.get("metadata") or {}).get("generateName", ""))
+                 request.get("namespace", ""), _pod_name(pod))
     return _answer(uid, ops)
+
+
+def _pod_name(pod: dict[str, Any]) -> str:
+    metadata = pod.get("metadata") or {}
+    return metadata.get("name") or metadata.get("generateName", "")
 
 
 class _Handler(BaseHTTPRequestHandler):

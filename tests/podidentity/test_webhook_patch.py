@@ -24,6 +24,7 @@ TOKEN_PATH = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
 
 def pod(annotations=None, **spec):
     spec.setdefault("containers", [{"name": "app", "image": "app:test"}])
+    spec.setdefault("serviceAccountName", "default")
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "p", "annotations": annotations or {}}, "spec": spec}
 
@@ -83,6 +84,11 @@ def test_every_container_of_an_opting_in_pod_gets_the_variables_and_the_token():
     {ROLE_KEY: "", webhook.OPT_IN_ANNOTATION: "true"}])
 def test_a_pod_that_does_not_opt_in_is_untouched(annotations):
     original = pod(annotations)
+    assert admitted(original) == original
+
+
+def test_a_pod_without_a_service_account_name_gets_no_token_the_api_server_would_refuse():
+    original = pod(OPTED_IN, serviceAccountName="")
     assert admitted(original) == original
 
 
