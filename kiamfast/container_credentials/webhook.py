@@ -20,6 +20,7 @@ import json
 import logging
 import ssl
 import sys
+import threading
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -35,7 +36,8 @@ MOUNT_PATH = "/var/run/secrets/kiamfast.io/container-credentials"
 TOKEN_FILE = "token"
 MIN_EXPIRATION = 600            # the TokenRequest API's floor
 MAX_REVIEW_BYTES = 4 << 20      # a pod is at most etcd's 1.5 MiB; the review wraps it once
-READ_TIMEOUT = 10.0
+READ_TIMEOUT = 10.0             # per read, the TLS handshake included
+MAX_CONNECTIONS = 64
 
 # Any of these means the container chose its own container-provider settings.
 PROVIDER_VARIABLES = frozenset({
@@ -195,13 +197,39 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
-def make_server(*, listen: tuple[str, int], cert: str, key: str,
-                settings: dict[str, Any]) -> ThreadingHTTPServer:
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: any pod can reach the
+    Service, and a flood must not grow threads without bound (beyond it: closed at once)."""
+
+    daemon_threads = True
+
+    def __init__(self, listen: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(listen, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(*, listen: tuple[str, int], cert: str, key: str, settings: dict[str, Any],
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     handler = type("Handler", (_Handler,), {"settings": settings})
-    server = ThreadingHTTPServer(listen, handler)
-    server.daemon_threads = True
+    server = _BoundedServer(listen, handler, max_connections)
     # The handshake runs in the request's thread, under its timeout, not in the accept loop.
     server.socket = context.wrap_socket(server.socket, server_side=True,
                                         do_handshake_on_connect=False)
