@@ -76,13 +76,14 @@ def _container_patch(base: str, container: dict[str, Any], full_uri: str) -> lis
                 {"name": "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
                  "value": f"{MOUNT_PATH}/{TOKEN_FILE}"}]
     ours_mount = {"name": VOLUME, "mountPath": MOUNT_PATH, "readOnly": True}
-    return [*_append(f"{base}/env", "env" in container, ours_env),
-            *_append(f"{base}/volumeMounts", "volumeMounts" in container, [ours_mount])]
+    return [*_append(f"{base}/env", env, ours_env),
+            *_append(f"{base}/volumeMounts", mounts, [ours_mount])]
 
 
-def _append(path: str, exists: bool, items: list[Any]) -> list[dict]:
-    """JSONPatch adding ``items`` to the list at ``path`` (created if absent)."""
-    if not exists:
+def _append(path: str, current: list[Any], items: list[Any]) -> list[dict]:
+    """JSONPatch adding ``items`` to the list ``current`` at ``path``; an empty, null or
+    absent one is replaced (appending to null is a patch the API server cannot apply)."""
+    if not current:
         return [{"op": "add", "path": path, "value": items}]
     return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
 
@@ -115,7 +116,7 @@ def pod_patch(pod: dict[str, Any], *, role_key: str, audience: str, expiration: 
         raise MalformedReview("spec.volumes is not a list")
     has_volume = any(isinstance(v, dict) and v.get("name") == VOLUME for v in volumes)
     if ops and not has_volume:
-        ops += _append("/spec/volumes", "volumes" in spec, [_token_volume(audience, expiration)])
+        ops += _append("/spec/volumes", volumes, [_token_volume(audience, expiration)])
     return ops
 
 

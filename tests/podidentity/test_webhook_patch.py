@@ -102,6 +102,15 @@ def test_a_container_with_its_own_provider_settings_is_left_alone():
         == TOKEN_PATH
 
 
+def test_null_lists_are_replaced_not_appended_to():
+    """A patch the API server cannot apply fails the pod's creation, whatever failurePolicy."""
+    out = admitted(pod(OPTED_IN, containers=[{"name": "app", "env": None,
+                                              "volumeMounts": None}], volumes=None))
+    assert env_of(out["spec"]["containers"][0])["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] \
+        == TOKEN_PATH
+    assert [v["name"] for v in out["spec"]["volumes"]] == [webhook.VOLUME]
+
+
 def test_a_pod_already_injected_is_not_changed_again():
     once = admitted(pod(OPTED_IN))
     assert admitted(once) == once
