@@ -9,6 +9,7 @@ whole session shares, so it selects only this test's namespace and is deleted af
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import secrets
 import ssl
@@ -37,14 +38,15 @@ TEST_LABEL = "kiamfast.io/webhook-test"
 class WebhookProcess:
     """``kiamfast webhook`` as its Deployment runs it, on loopback with the test's cert."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra_args: str) -> None:
         self.pki = kube.make_pki(workdir / "webhook-pki")   # serving cert for 127.0.0.1
         self.port = kube.free_port()
         self.log = (workdir / "webhook.log").open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-P", "-m", "kiamfast", "webhook",
              "--tls-cert", str(self.pki["cert"]), "--tls-key", str(self.pki["key"]),
-             "--listen", f"127.0.0.1:{self.port}", "--token-expiration", "600"],
+             "--listen", f"127.0.0.1:{self.port}", "--token-expiration", "600",
+             *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
@@ -124,24 +126,32 @@ def env_of(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-@pytest.fixture
-def scoped_webhook(cluster, tmp_path):
-    """The webhook running and registered for one new namespace; its configuration is
-    deleted after the test whatever happens."""
-    admin = cluster.admin
-    ns = unique("webhook")
-    create_namespace(admin, ns, {TEST_LABEL: ns})
-    process = WebhookProcess(tmp_path)
+@contextlib.contextmanager
+def registered_webhook(admin, ns: str, workdir: Path, *extra_args: str):
+    """The webhook running and registered for namespace ``ns`` alone (labelled here); its
+    configuration is deleted afterwards whatever happens."""
+    admin.call("PATCH", f"/api/v1/namespaces/{ns}", {"metadata": {"labels": {TEST_LABEL: ns}}},
+               content_type="application/merge-patch+json")
+    process = WebhookProcess(workdir, *extra_args)
     config = webhook_configuration(ns, port=process.port, ca=process.pki["ca"],
                                    namespace_label=ns)
     try:
         process.wait_ready()
         admin.call("POST", CONFIGS, config)
         wait_until_registered(admin, ns)
-        yield admin, ns, process
+        yield process
     finally:
         process.stop()
         admin.request("DELETE", f"{CONFIGS}/{ns}")
+
+
+@pytest.fixture
+def scoped_webhook(cluster, tmp_path):
+    admin = cluster.admin
+    ns = unique("webhook")
+    create_namespace(admin, ns, {})
+    with registered_webhook(admin, ns, tmp_path) as process:
+        yield admin, ns, process
 
 
 def wait_until_registered(admin, ns: str, timeout: float = 20.0) -> None:
