@@ -6,13 +6,16 @@ audience and lifetime, as the kubelet does).
 from __future__ import annotations
 
 import pytest
+import test_container_credentials
 from podid import BASE_ARN
-from test_container_credentials import node, sdk_identity  # noqa: F401 (node: a fixture)
 from test_webhook_apiserver import OPTED_IN, env_of, registered_webhook
 
 from kiamfast.container_credentials import webhook
 
 pytestmark = pytest.mark.kube_apiserver
+
+node = test_container_credentials.node      # that module's node and agent, started for this one
+sdk_identity = test_container_credentials.sdk_identity
 
 
 def kubelet_token(admin, pod: dict) -> str:
@@ -32,7 +35,7 @@ def kubelet_token(admin, pod: dict) -> str:
     return out["status"]["token"]
 
 
-def test_an_injected_pod_gets_its_own_role_through_the_agent(node, tmp_path):  # noqa: F811
+def test_an_injected_pod_gets_its_own_role_through_the_agent(node, tmp_path):
     admin = node.admin
     full_uri = f"http://127.0.0.1:{node.port}/v1/credentials"   # the agent's test address
     with registered_webhook(admin, node.ns, tmp_path, "--full-uri", full_uri):
