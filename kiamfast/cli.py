@@ -12,8 +12,9 @@ Every mistake ends the same way: exactly one line on stderr naming the flag, exi
 The parser is generated from :data:`kiamfast.config.FLAGS`, as are ``--help`` and
 :func:`render_flag_reference` (the README's configuration reference).
 
-``kiamfast demo ...`` runs the demo (:mod:`kiamfast.demo`); anything else parses the flags and
-hands the :class:`~kiamfast.config.Config` to :func:`kiamfast.supervisor.run`. Both are
+``kiamfast demo ...`` runs the demo (:mod:`kiamfast.demo`), ``kiamfast webhook ...`` the
+injection webhook (:mod:`kiamfast.container_credentials.webhook`); anything else parses the
+flags and hands the :class:`~kiamfast.config.Config` to :func:`kiamfast.supervisor.run`. All are
 imported only when needed, so ``--help`` and ``--version`` work without them.
 """
 
@@ -236,6 +237,7 @@ def render_help() -> str:
     lines = [
         f"Usage: {PROG} [flags]",
         f"       {PROG} demo [demo flags]",
+        f"       {PROG} webhook --tls-cert F --tls-key F [webhook flags]",
         "",
         "kube2iam-compatible IAM credential agent for Kubernetes. Flags (pflag syntax: "
         "--flag=value or --flag value; booleans also as bare --flag):",
@@ -288,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"{PROG}: the demo is not available ({e})\n")
             return 1
         return int(demo.main(args[1:]) or 0)
+    if args and args[0] == "webhook":
+        from kiamfast.container_credentials import webhook
+        return webhook.main(args[1:])
     try:
         values = _scan(args)
         if values.get("version"):

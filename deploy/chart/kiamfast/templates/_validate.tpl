@@ -42,7 +42,7 @@ sts-fleet-nodes container-credentials-addr container-credentials-audience
 Every value kiamfast cannot mean the way kube2iam's chart did fails here, with the reason.
 */}}
 {{- define "kiamfast.validate" -}}
-{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "global" -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "global" -}}
 {{- range $key, $_ := .Values -}}
 {{- if eq $key "probe" -}}
 {{- fail "probe: the old stable/kube2iam switch is livenessProbe.enabled and readinessProbe.enabled in kube2iam's chart 2.x and here; set those instead" -}}

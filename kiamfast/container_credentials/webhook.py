@@ -1,0 +1,292 @@
+"""``kiamfast webhook``: the mutating admission webhook that gives an opting-in pod the two
+variables and the token volume of the container-credentials protocol.
+
+A pod opts in with its role annotation (``--iam-role-key``) and ``kiamfast.io/container-
+credentials: "true"``.  Every container and initContainer then gets
+``AWS_CONTAINER_CREDENTIALS_FULL_URI`` and ``AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE`` and a
+read-only mount of a projected service-account token with kiamfast's audience.  A container
+that already sets any container-provider variable is left alone: adding only some of them
+could send kiamfast's token to an endpoint the container chose.
+
+The webhook only ever allows: every pod is admitted, a pod it does not understand without a
+patch (it then gets IMDS by address, kube2iam's contract).  The API server calls it rarely
+(pod creations), so the stdlib's threaded HTTPS server is enough.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import ssl
+import sys
+import threading
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kiamfast.config import FLAGS_BY_NAME
+
+log = logging.getLogger("kiamfast.webhook")
+
+OPT_IN_ANNOTATION = "kiamfast.io/container-credentials"
+FULL_URI = "http://169.254.170.23/v1/credentials"
+VOLUME = "kiamfast-container-credentials-token"
+MOUNT_PATH = "/var/run/secrets/kiamfast.io/container-credentials"
+TOKEN_FILE = "token"
+MIN_EXPIRATION = 600            # the TokenRequest API's floor
+MAX_REVIEW_BYTES = 4 << 20      # a pod is at most etcd's 1.5 MiB; the review wraps it once
+READ_TIMEOUT = 10.0             # per read, the TLS handshake included
+MAX_CONNECTIONS = 64
+
+# Any of these means the container chose its own container-provider settings.
+PROVIDER_VARIABLES = frozenset({
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"})
+
+
+class MalformedReview(ValueError):
+    """The request is not an AdmissionReview v1 for a pod we can read."""
+
+
+def opts_in(pod: dict[str, Any], *, role_key: str) -> bool:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if not isinstance(annotations, dict):
+        raise MalformedReview("metadata.annotations is not an object")
+    return bool(annotations.get(role_key)) and annotations.get(OPT_IN_ANNOTATION) == "true"
+
+
+def _token_volume(audience: str, expiration: int) -> dict[str, Any]:
+    return {"name": VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+        "audience": audience, "expirationSeconds": expiration, "path": TOKEN_FILE}}]}}
+
+
+def _container_patch(base: str, container: dict[str, Any], full_uri: str) -> list[dict]:
+    """The operations for one container, none if it sets its own provider variables or
+    already mounts something at our path."""
+    env = container.get("env") or []
+    mounts = container.get("volumeMounts") or []
+    if not isinstance(env, list) or not isinstance(mounts, list):
+        raise MalformedReview(f"{base}: env or volumeMounts is not a list")
+    if any(isinstance(e, dict) and e.get("name") in PROVIDER_VARIABLES for e in env):
+        return []
+    if any(isinstance(m, dict) and m.get("mountPath") == MOUNT_PATH for m in mounts):
+        return []
+    ours_env = [{"name": "AWS_CONTAINER_CREDENTIALS_FULL_URI", "value": full_uri},
+                {"name": "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+                 "value": f"{MOUNT_PATH}/{TOKEN_FILE}"}]
+    ours_mount = {"name": VOLUME, "mountPath": MOUNT_PATH, "readOnly": True}
+    return [*_append(f"{base}/env", env, ours_env),
+            *_append(f"{base}/volumeMounts", mounts, [ours_mount])]
+
+
+def _append(path: str, current: list[Any], items: list[Any]) -> list[dict]:
+    """JSONPatch adding ``items`` to the list ``current`` at ``path``; an empty, null or
+    absent one is replaced (appending to null is a patch the API server cannot apply)."""
+    if not current:
+        return [{"op": "add", "path": path, "value": items}]
+    return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
+
+
+def pod_patch(pod: dict[str, Any], *, role_key: str, audience: str, expiration: int,
+              full_uri: str = FULL_URI) -> list[dict]:
+    """The JSONPatch for ``pod``; empty if it does not opt in or nothing needs adding."""
+    if not opts_in(pod, role_key=role_key):
+        return []
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        raise MalformedReview("pod has no spec")
+    if not spec.get("serviceAccountName"):
+        # The API server refuses a token volume then; the ServiceAccount admission plugin,
+        # which runs first, sets it on every cluster that has one.
+        log.warning("pod %s opts in but has no serviceAccountName: no token volume",
+                    _pod_name(pod))
+        return []
+    ops: list[dict] = []
+    for kind in ("initContainers", "containers"):
+        containers = spec.get(kind) or []
+        if not isinstance(containers, list):
+            raise MalformedReview(f"spec.{kind} is not a list")
+        for i, container in enumerate(containers):
+            if not isinstance(container, dict):
+                raise MalformedReview(f"spec.{kind}[{i}] is not an object")
+            ops += _container_patch(f"/spec/{kind}/{i}", container, full_uri)
+    volumes = spec.get("volumes") or []
+    if not isinstance(volumes, list):
+        raise MalformedReview("spec.volumes is not a list")
+    has_volume = any(isinstance(v, dict) and v.get("name") == VOLUME for v in volumes)
+    if ops and not has_volume:
+        ops += _append("/spec/volumes", volumes, [_token_volume(audience, expiration)])
+    return ops
+
+
+def _answer(uid: str, ops: list[dict]) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": uid, "allowed": True}
+    if ops:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "response": response}
+
+
+def review_answer(body: bytes, **settings: Any) -> dict[str, Any]:
+    """The AdmissionReview answer to the request ``body``: always allowed; patched only for
+    a pod creation that opts in; a review it cannot read is logged and left unpatched."""
+    uid = ""
+    try:
+        review = json.loads(body)
+        request = review.get("request") if isinstance(review, dict) else None
+        if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
+            raise MalformedReview("no request.uid")
+        uid = request["uid"]
+        kind = request.get("kind") or {}
+        if request.get("operation") != "CREATE" or not isinstance(kind, dict) \
+                or kind.get("kind") != "Pod" or request.get("subResource"):
+            return _answer(uid, [])
+        pod = request.get("object")
+        if not isinstance(pod, dict):
+            raise MalformedReview("no request.object")
+        ops = pod_patch(pod, **settings)
+    except Exception as e:   # whatever the shape: admit unchanged, never fail the pod
+        log.warning("admission review %r not understood, pod admitted unchanged: %s", uid, e)
+        return _answer(uid, [])
+    if ops:
+        log.info("pod %s/%s: container-credentials variables and token volume added",
+                 request.get("namespace", ""), _pod_name(pod))
+    return _answer(uid, ops)
+
+
+def _pod_name(pod: dict[str, Any]) -> str:
+    metadata = pod.get("metadata") or {}
+    return metadata.get("name") or metadata.get("generateName", "")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "kiamfast-webhook"
+    timeout = READ_TIMEOUT
+    settings: dict[str, Any] = {}
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._send(200, b"ok\n", "text/plain")
+        else:
+            self._send(404, b"not found\n", "text/plain")
+
+    def do_POST(self) -> None:
+        if self.path.split("?", 1)[0] != "/mutate":
+            self._send(404, b"not found\n", "text/plain")
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._send(411, b"Content-Length required\n", "text/plain")
+            return
+        if not 0 <= length <= MAX_REVIEW_BYTES:
+            self._send(413, b"review too large\n", "text/plain")
+            return
+        answer = review_answer(self.rfile.read(length), **self.settings)
+        self._send(200, json.dumps(answer).encode(), "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: any pod can reach the
+    Service, and a flood must not grow threads without bound (beyond it: closed at once)."""
+
+    daemon_threads = True
+
+    def __init__(self, listen: tuple[str, int], handler: type, max_connections: int) -> None:
+        super().__init__(listen, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(*, listen: tuple[str, int], cert: str, key: str, settings: dict[str, Any],
+                max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    handler = type("Handler", (_Handler,), {"settings": settings})
+    server = _BoundedServer(listen, handler, max_connections)
+    # The handshake runs in the request's thread, under its timeout, not in the accept loop.
+    server.socket = context.wrap_socket(server.socket, server_side=True,
+                                        do_handshake_on_connect=False)
+    return server
+
+
+def _listen_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _expiration(text: str) -> int:
+    seconds = int(text)
+    if seconds < MIN_EXPIRATION:
+        raise argparse.ArgumentTypeError(f"at least {MIN_EXPIRATION} (the API's minimum)")
+    return seconds
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kiamfast webhook", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) to serve")
+    p.add_argument("--tls-key", required=True, help="PEM private key of --tls-cert")
+    p.add_argument("--listen", type=_listen_address, default=("0.0.0.0", 8443),
+                   help="host:port to serve /mutate and /healthz on (default 0.0.0.0:8443)")
+    p.add_argument("--audience", default=FLAGS_BY_NAME["container-credentials-audience"].default,
+                   help="audience of the projected token (the agent's "
+                        "--container-credentials-audience)")
+    p.add_argument("--token-expiration", type=_expiration, default=3600,
+                   help=f"expirationSeconds of the token, at least {MIN_EXPIRATION} "
+                        "(default 3600)")
+    p.add_argument("--iam-role-key", default=FLAGS_BY_NAME["iam-role-key"].default,
+                   help="pod annotation holding the role (the agent's --iam-role-key)")
+    p.add_argument("--full-uri", default=FULL_URI,
+                   help=f"AWS_CONTAINER_CREDENTIALS_FULL_URI to inject (default {FULL_URI})")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    from kiamfast import logs
+    logs.setup(level=args.log_level, process="webhook")
+    server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key, settings={
+        "role_key": args.iam_role_key, "audience": args.audience,
+        "expiration": args.token_expiration, "full_uri": args.full_uri})
+    log.info("serving the injection webhook on https://%s:%d/mutate", *args.listen)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
