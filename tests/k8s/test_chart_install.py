@@ -7,9 +7,11 @@ imported into the node's containerd. The agent runs only in its container; the t
 user (helm, pods) and nothing else.
 
 One node for the whole module, and the steps in order, each starting where the last left
-the node: a fresh node with the startup taint; the agent's container killed; ``helm
-upgrade`` to a new image tag (a rolling update); ``helm uninstall``. Every check is STS's own
-answer to what a pod received, plus moto's record of which role each key was issued for.
+the node: a fresh node with the startup taint (and a botocore app); the node's containerd
+restarted while pods are replaced on a reused address; the agent's container killed, then
+stopped as the kubelet stops it for a failed liveness probe; ``helm upgrade`` to a new image
+tag (a rolling update); ``helm uninstall``. Every check is STS's own answer to what a pod
+received, plus moto's record of which role each key was issued for.
 
 What differs from a real node (and why): the node is a network namespace whose address is
 ``10.77.0.1``; the agent reaches the API server through the node's loopback proxy, so the
