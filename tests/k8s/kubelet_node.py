@@ -167,20 +167,27 @@ class KubeletNode(RuntimeNode):
         stays Pending until :meth:`bind` (the scheduler's part, which this cluster lacks).
         ``refetch``: the SDK's cache treats credentials as expired at once (an expiry window
         longer than their hour), so every round asks the metadata service again."""
+        environment = {"AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_STS": self.sts.moto_url,
+                       **(env or {})}
+        return self.create_app_pod(name, role=role, bind=bind, annotations=annotations, app={
+            "image": self.image,
+            "args": ["--provider", "default", "--print-rounds", "--loop", str(loop),
+                     "--interval", f"{interval}s",
+                     *(["--expiry-window", "2h"] if refetch else [])],
+            "env": [{"name": k, "value": v} for k, v in environment.items()]})
+
+    def create_app_pod(self, name: str, *, app: dict[str, Any], role: str | None = None,
+                       bind: bool = True,
+                       annotations: dict[str, str] | None = None) -> KubePod:
+        """A pod whose one container ``app`` (image, command, args, env) prints JSON lines
+        as the Go client does (:meth:`KubePod.result` reads the last one)."""
         ann = dict(annotations or {})
         if role is not None:
             ann[ROLE_KEY] = role
-        environment = {"AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_STS": self.sts.moto_url,
-                       **(env or {})}
         spec: dict[str, Any] = {
             "restartPolicy": "Never", "automountServiceAccountToken": False,
             "enableServiceLinks": False, "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": APP_CONTAINER, "image": self.image, "imagePullPolicy": "Never",
-                "args": ["--provider", "default", "--print-rounds", "--loop", str(loop),
-                         "--interval", f"{interval}s",
-                         *(["--expiry-window", "2h"] if refetch else [])],
-                "env": [{"name": k, "value": v} for k, v in environment.items()]}]}
+            "containers": [{"name": APP_CONTAINER, "imagePullPolicy": "Never", **app}]}
         if bind:
             spec["nodeName"] = self.name
         pod = self.admin.call("POST", f"/api/v1/namespaces/{self.name}/pods", {

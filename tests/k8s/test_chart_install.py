@@ -7,9 +7,11 @@ imported into the node's containerd. The agent runs only in its container; the t
 user (helm, pods) and nothing else.
 
 One node for the whole module, and the steps in order, each starting where the last left
-the node: a fresh node with the startup taint; the agent's container killed; ``helm
-upgrade`` to a new image tag (a rolling update); ``helm uninstall``. Every check is STS's own
-answer to what a pod received, plus moto's record of which role each key was issued for.
+the node: a fresh node with the startup taint (and a botocore app); the node's containerd
+restarted while pods are replaced on a reused address; the agent's container killed, then
+stopped as the kubelet stops it for a failed liveness probe; ``helm upgrade`` to a new image
+tag (a rolling update); ``helm uninstall``. Every check is STS's own answer to what a pod
+received, plus moto's record of which role each key was issued for.
 
 What differs from a real node (and why): the node is a network namespace whose address is
 ``10.77.0.1``; the agent reaches the API server through the node's loopback proxy, so the
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 from chart_cluster import ChartControlPlane, ChartNode, built_image, helm, missing_reason
-from kubelet_node import go_time, wait_untainted
+from cri_api.v1 import api_pb2 as cri
+from kubelet_node import KubePod, go_time, wait_untainted
 
-from e2e_cluster import BASE_ARN, STARTUP_TAINT, assert_own_role
+from e2e_cluster import BASE_ARN, POD_SCRIPTS, STARTUP_TAINT, assert_own_role
 from runtime_node import wait_until
 
 pytestmark = [pytest.mark.kubelet, pytest.mark.kube_apiserver, pytest.mark.root,
@@ -144,6 +148,64 @@ def restarts(pod: dict) -> int:
     return pod["status"]["containerStatuses"][0]["restartCount"]
 
 
+def runtime_link(node: ChartNode) -> tuple[str, float | None]:
+    """The agent's own view of its runtime link, read inside the node's namespace: the
+    /healthz ``runtime`` field and the ``kiamfast_runtime_up`` metric."""
+    return node.healthz().get("runtime", ""), node.metric("kiamfast_runtime_up")
+
+
+def deleted(node: ChartNode, pod: KubePod, seen: dict[str, list[dict]]) -> KubePod:
+    """Delete ``pod`` through the API; ``seen`` keeps its rounds (its log goes with it)."""
+    seen[pod.name] = pod.rounds()
+    node.admin.delete_pod(pod.namespace, pod.name, grace=1)
+    return pod
+
+
+def replacement(node: ChartNode, previous: KubePod, name: str, seen: dict[str, list[dict]],
+                address: str) -> KubePod:
+    """Once the runtime has freed the deleted ``previous``'s address, a new pod ``name``
+    (role ``name``) asking every 0.2 s, which host-local gives that address; returned once
+    it has been served (a round just after a runtime restart may get nothing)."""
+    wait_until(lambda: node.sandbox_ip(previous) == "", timeout=90, interval=0.2,
+               what=f"{previous}'s sandbox stopped")
+    seen[previous.name] = max(seen[previous.name], previous.rounds(), key=len)
+    current = node.create_pod(name, role=name, loop=300, interval=0.2, refetch=True)
+    wait_until(lambda: any("AccessKeyId" in r for r in current.rounds()), timeout=90,
+               interval=0.2, what=f"{current} served")
+    assert node.sandbox_ip(current) == address
+    return current
+
+
+def busy_pods_keep_their_keys_across(node: ChartNode, interrupt: Callable[[dict], None],
+                                     prefix: str) -> dict:
+    """Two pods asking every 0.25 s while ``interrupt(agent pod)`` ends the agent's
+    container; the kubelet restarts it in the same pod, which adopts the table on the node.
+    Checks every round and that the restarted agent serves the keys it had (no new STS
+    call); returns the agent pod after the restart."""
+    before = ready_agent_pod(node)
+    busy = [node.create_pod(f"{prefix}-{i}", role=f"{prefix}-{i}", loop=120, interval=0.25,
+                            refetch=True) for i in range(2)]
+    keys = {pod.name: pod.first_round()["AccessKeyId"] for pod in busy}
+    interrupt(before)
+    after = wait_until(lambda: (p := ready_agent_pod(node)) and restarts(p) > restarts(before)
+                       and p, timeout=120, interval=0.5, what="the agent container restarted")
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    fresh = node.create_pod(f"after-{prefix}", role=f"after-{prefix}")
+    doc = fresh.result(timeout=120)
+    assert doc["exit"] == 0, doc
+    assert_own_role(fresh, doc)
+    for pod in busy:
+        rounds = pod.result(timeout=120)["rounds"]
+        # While no agent listened a round may get nothing; none another identity. The
+        # restarted agent serves the credentials it had: the same key, no new STS call.
+        for r in rounds:
+            if "AccessKeyId" in r:
+                assert_own_role(pod, r)
+        assert rounds[-1].get("AccessKeyId") == keys[pod.name], rounds[-1]
+    assert node.imds_credential_requests() == []
+    return after
+
+
 def test_a_fresh_node_waits_for_the_agent_pod_then_each_app_gets_its_own_role(reported,
                                                                               control):
     node = reported
@@ -178,32 +240,89 @@ def test_a_fresh_node_waits_for_the_agent_pod_then_each_app_gets_its_own_role(re
     assert node.imds_credential_requests() == []
 
 
+def test_a_botocore_app_gets_its_own_role(reported):
+    """botocore's default chain as every boto3 application runs it (the instance-metadata
+    provider at 169.254.169.254), in a pod of the agent's image (its /opt/venv has
+    botocore): tests/e2e's pod script, unchanged."""
+    node = reported
+    script = (POD_SCRIPTS / "botocore_credentials.py").read_text()
+    pod = node.create_app_pod("app-botocore", role="app-botocore", app={
+        "image": f"{IMAGE_REPO}:test", "command": ["/opt/venv/bin/python", "-c", script],
+        "args": ["--sts-endpoint", node.sts.moto_url]})
+    doc = pod.result(timeout=120)
+    assert doc["exit"] == 0 and doc["method"] == "iam-role", doc
+    assert_own_role(pod, doc)
+    assert node.imds_credential_requests() == []
+
+
+def test_containerd_restarted_while_pods_are_replaced_on_a_reused_address(reported):
+    """The node's containerd goes down and comes back twice while pods are replaced on one
+    address (host-local has only that one): once deleted during the outage and replaced
+    when the runtime is back, once replaced right after a restart. Every round of every
+    pod gets its own role or nothing (STS's record of each key decides); the agent's link
+    to the runtime (the socket's directory is mounted, so the new socket shows) comes
+    back by itself, in the same container."""
+    node = reported
+    agent = ready_agent_pod(node)
+    address = str(node.containerd.subnet.network_address + 250)
+    node.containerd.set_range(address, address)
+    seen: dict[str, list[dict]] = {}
+    try:
+        tenants = [node.create_pod("reuse-0", role="reuse-0", loop=300, interval=0.2,
+                                   refetch=True)]
+        assert_own_role(tenants[0], tenants[0].first_round(timeout=90))
+        assert node.sandbox_ip(tenants[0]) == address
+        node.containerd.kill()
+        wait_until(lambda: runtime_link(node)[0].startswith("unreachable")
+                   and runtime_link(node)[1] == 0, timeout=60, interval=0.2,
+                   what="the agent seeing the runtime down")
+        gone = deleted(node, tenants[-1], seen)   # while no runtime can act on it
+        node.containerd.start()
+        tenants.append(replacement(node, gone, "reuse-1", seen, address))
+        node.containerd.restart()
+        gone = deleted(node, tenants[-1], seen)
+        tenants.append(replacement(node, gone, "reuse-2", seen, address))
+        wait_until(lambda: runtime_link(node) == ("ok", 1), timeout=60, interval=0.5,
+                   what="the agent's runtime link back")
+        seen[tenants[-1].name] = tenants[-1].rounds()
+    finally:
+        node.containerd.set_range(None, None)
+    for tenant in tenants:   # every round of every tenant: its own role or nothing
+        for r in seen[tenant.name]:
+            if "AccessKeyId" in r:
+                assert_own_role(tenant, r)
+    now = ready_agent_pod(node)
+    assert (now["metadata"]["uid"], restarts(now), agent_container_id(now)) == (
+        agent["metadata"]["uid"], restarts(agent), agent_container_id(agent))
+    assert node.imds_credential_requests() == []
+
+
 def test_the_agent_container_killed_pods_keep_their_credentials(reported):
     node = reported
-    before = ready_agent_pod(node)
-    busy = [node.create_pod(f"busy-{i}", role=f"busy-{i}", loop=120, interval=0.25,
-                            refetch=True) for i in range(2)]
-    keys = {pod.name: pod.first_round()["AccessKeyId"] for pod in busy}
-    subprocess.run(["ctr", "-a", str(node.containerd.socket), "-n", "k8s.io", "tasks", "kill",
-                    "-s", "SIGKILL", agent_container_id(before)], check=True,
-                   capture_output=True, timeout=30)
-    # The kubelet restarts the container in the same pod; it adopts the table on the node.
-    after = wait_until(lambda: (p := ready_agent_pod(node)) and restarts(p) > restarts(before)
-                       and p, timeout=120, interval=0.5, what="the agent container restarted")
-    assert after["metadata"]["uid"] == before["metadata"]["uid"]
-    fresh = node.create_pod("after-kill", role="after-kill")
-    doc = fresh.result(timeout=120)
-    assert doc["exit"] == 0, doc
-    assert_own_role(fresh, doc)
-    for pod in busy:
-        rounds = pod.result(timeout=120)["rounds"]
-        # While no agent listened a round may get nothing; none another identity. The
-        # restarted agent serves the credentials it had: the same key, no new STS call.
-        for r in rounds:
-            if "AccessKeyId" in r:
-                assert_own_role(pod, r)
-        assert rounds[-1].get("AccessKeyId") == keys[pod.name], rounds[-1]
-    assert node.imds_credential_requests() == []
+
+    def kill(agent: dict) -> None:
+        subprocess.run(["ctr", "-a", str(node.containerd.socket), "-n", "k8s.io", "tasks",
+                        "kill", "-s", "SIGKILL", agent_container_id(agent)], check=True,
+                       capture_output=True, timeout=30)
+    busy_pods_keep_their_keys_across(node, kill, "busy")
+
+
+def test_the_agent_container_stopped_as_for_a_failed_liveness_probe(reported):
+    """What the kubelet does when the liveness probe fails: CRI StopContainer with the
+    pod's grace period (SIGTERM, SIGKILL only once it ran out), then a new container in
+    the same pod. (The probe itself is not waited for: at the chart's values it restarts a
+    container after six failures 10 s apart, and /healthz turns 500 only after the agent's
+    30-s metadata check failed or its runtime link was dead for 60 s.) The agent stops
+    cleanly within the grace period and the new one serves the same keys."""
+    node = reported
+
+    def stop(agent: dict) -> None:
+        grace = agent["spec"]["terminationGracePeriodSeconds"]
+        node.containerd.call("StopContainer", cri.StopContainerRequest(
+            container_id=agent_container_id(agent), timeout=grace), timeout=grace + 30)
+    after = busy_pods_keep_their_keys_across(node, stop, "stopped")
+    ended = after["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert ended["exitCode"] == 0, ended   # SIGTERM honoured, not SIGKILLed at the deadline
 
 
 def test_helm_upgrade_to_a_new_tag_rolls_the_agent_and_no_pod_gets_another_role(reported,
