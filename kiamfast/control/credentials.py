@@ -257,9 +257,13 @@ class CredentialManager:
         self.clock = clock
         self.sleep = sleep
         self.rng = rng or random.Random()
+        # With a fleet budget but no node count yet (it comes from the API), the floor is
+        # the one without a budget until set_fleet_nodes: the lower of the two.
+        self.account_qps = account_qps
         self.bucket = TokenBucket(
             qps, burst, clock=clock, sleep=sleep,
-            min_rate=node_share(account_qps, fleet_nodes, qps) if account_qps > 0 else None)
+            min_rate=node_share(account_qps, fleet_nodes, qps)
+            if account_qps > 0 and fleet_nodes > 0 else None)
 
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}
@@ -309,6 +313,19 @@ class CredentialManager:
             error_ttl=config.iam_role_error_ttl)
         kwargs.update(overrides)
         return cls(**kwargs)
+
+    def set_fleet_nodes(self, nodes: int) -> None:
+        """The number of agents sharing ``account_qps`` is now ``nodes`` (the cluster's node
+        count): the floor throttling may cut this node's rate down to follows its share."""
+        if self.account_qps <= 0 or nodes < 1:
+            return
+        share = node_share(self.account_qps, nodes, self.bucket.max_rate)
+        if share != self.bucket.min_rate:
+            log.info("STS share: %.3g calls/s (%g over %d nodes)", share, self.account_qps,
+                     nodes)
+        self.bucket.min_rate = share
+        self.bucket.rate = max(self.bucket.rate, share)
+        self._metrics.rate.set(self.bucket.rate)
 
     def key_for(self, req: CredentialRequest) -> CredentialKey:
         """The credential key of a request under this manager's policies."""
