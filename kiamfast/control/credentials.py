@@ -194,7 +194,7 @@ class _Entry:
     waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
     freed: bool = False
     issued: int = 0                # credentials issued for this key so far
-    quick_retry: bool = False      # a pod's request is held: a throttled call retries once now
+    quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
 
 
 # ---- the manager --------------------------------------------------------------------------------
@@ -634,6 +634,7 @@ class CredentialManager:
 
     def _set_waiting(self, entry: _Entry, waiting: bool) -> None:
         entry.waiting = waiting
+        entry.quick_retry = entry.quick_retry and waiting
         (self._waiting.add if waiting else self._waiting.discard)(entry)
         self._metrics.waiting.set(len(self._waiting))
 
