@@ -485,8 +485,8 @@ def brownout(nodes: int = 2000, budget: float = 600.0, fraction: float = 0.1,
 def runs(quick: bool) -> list[tuple[str, Scenario]]:
     """The issue's scenarios: arrival at its scale (2,000 nodes Ready within 10 s, 600/s);
     the brownout and the steady state, which run for hours of simulated time, with nodes and
-    the budget scaled together (the same share per node: 1,000 nodes at 300/s, 1,000 at
-    60/s for 10,000 at 600/s); the Go SDK at 500 nodes and 150/s.  ``quick``: 50 nodes at
+    the budget scaled together (the same share per node: 200 nodes at 60/s, 1,000 at 60/s
+    for 10,000 at 600/s); the Go SDK at 500 nodes and 150/s.  ``quick``: 50 nodes at
     15/s, arrival and brownout."""
     if quick:
         return [("arrival", arrival(nodes=50, budget=15.0)),
@@ -495,8 +495,8 @@ def runs(quick: bool) -> list[tuple[str, Scenario]]:
     return [("arrival", arr), ("arrival, today's defaults", todays_defaults(arr)),
             ("arrival, Go SDK (500 nodes at 150/s)",
              replace(arrival(nodes=500, budget=150.0), client="go")),
-            ("brownout 10 % for 10 min (1,000 nodes at 300/s)",
-             brownout(nodes=1000, budget=300.0)),
+            ("brownout 10 % for 10 min (200 nodes at 60/s)",
+             brownout(nodes=200, budget=60.0)),
             ("steady state, 1 h (1,000 nodes at 60/s: 10,000 at 600/s per node)",
              steady(nodes=1000, budget=60.0, hours=1.0))]
 
