@@ -437,8 +437,9 @@ def sandbox(pool: int = 32, attempts: int = 1):
     with aws_env(), MotoSts() as moto, FaultProxy(moto.url, clock=clock.time) as proxy, \
             tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm")
                                         else None) as tmp:
+        # time is simulated: a call moto answers slowly on a loaded machine is not a timeout
         sts = StsClient(endpoint_url=proxy.url, max_pool_connections=pool,
-                        max_attempts=attempts)
+                        max_attempts=attempts, read_timeout=300.0)
         try:
             yield proxy, sts, clock, tmp
         finally:
@@ -482,18 +483,66 @@ def brownout(nodes: int = 2000, budget: float = 600.0, fraction: float = 0.1,
 
 
 def runs(quick: bool) -> list[tuple[str, Scenario]]:
-    """The issue's scenarios at a scale this machine runs in minutes: nodes and the budget
-    scaled together (2,000 nodes at 600/s is 500 at 150/s: the same share per node, the
-    same arrival per unit of budget); ``quick``: a tenth of that, arrival and brownout."""
-    k = 10 if quick else 1
-    arr = arrival(nodes=500 // k, budget=150.0 / k)
-    out = brownout(nodes=500 // k, budget=150.0 / k)
+    """The issue's scenarios: arrival at its scale (2,000 nodes Ready within 10 s, 600/s);
+    the brownout and the steady state, which run for hours of simulated time, with nodes and
+    the budget scaled together (the same share per node: 200 nodes at 60/s, 1,000 at 60/s
+    for 10,000 at 600/s); the Go SDK at 500 nodes and 150/s.  ``quick``: 50 nodes at
+    15/s, arrival and brownout."""
     if quick:
-        return [("arrival", arr), ("brownout 10 % for 10 min", out)]
+        return [("arrival", arrival(nodes=50, budget=15.0)),
+                ("brownout 10 % for 10 min", brownout(nodes=50, budget=15.0))]
+    arr = arrival(nodes=2000, budget=600.0)
     return [("arrival", arr), ("arrival, today's defaults", todays_defaults(arr)),
-            ("arrival, Go SDK", replace(arr, client="go")),
-            ("brownout 10 % for 10 min", out),
-            ("steady state", steady(nodes=500, budget=30.0, hours=2.0))]
+            ("arrival, Go SDK (500 nodes at 150/s)",
+             replace(arrival(nodes=500, budget=150.0), client="go")),
+            ("brownout 10 % for 10 min (200 nodes at 60/s)",
+             brownout(nodes=200, budget=60.0)),
+            ("steady state, 1 h (1,000 nodes at 60/s: 10,000 at 600/s per node)",
+             steady(nodes=1000, budget=60.0, hours=1.0))]
+
+
+# ---- the per-node cost ------------------------------------------------------------------------
+
+FOOTPRINT_FLAGS = {
+    "defaults": [],
+    "--sts-account-qps=600 --sts-fleet-nodes=2000": ["--sts-account-qps=600",
+                                                     "--sts-fleet-nodes=2000"],
+    "--sts-account-qps=600 (nodes from the API)": ["--sts-account-qps=600"],
+}
+
+
+def footprint(flags: list[str], *, pods: int = 110, roles: int = 40,
+              events: int = 2000) -> dict:
+    """One real agent (supervisor, control process, a worker) on the emulator's node with
+    ``pods`` pods over ``roles`` roles: RSS when ready, and the control process's CPU per
+    1,000 pod events (pods replaced, each with its role: acquire, prefetch, release)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_agent as ba
+    from benchutil import cpu_seconds, pod_addresses, rss_bytes
+    from scale_sim import _drive_events, _wait_agent_view
+
+    with ba.cluster() as c:
+        ips = pod_addresses(pods)
+        for i, ip in enumerate(ips):
+            c.add_pod(ip, ba.role_name(i % roles))
+        with ba.agent(c, extra=flags) as a:
+            a.wait_ready(120)
+            procs = a.processes()
+            rss = sum(rss_bytes(p) for p in a.all_pids())
+            control = procs["control"][0]
+            cpu0 = cpu_seconds(control)
+            n = _drive_events(c, ips, roles=roles, events=events)
+            processed = _wait_agent_view(c, a, ips, timeout=120)
+            cpu = cpu_seconds(control) - cpu0
+            return {"rss_mb": round(rss / 2**20, 1), "events": n, "processed": processed,
+                    "control_cpu_per_1k_events_s": round(cpu / n * 1000, 3)}
+
+
+def footprint_markdown(rows: list[tuple[str, dict]]) -> str:
+    out = ("| agent flags | RSS at ready (all processes) MB | control CPU s per 1,000 pod "
+           "events |\n|---|---|---|\n")
+    return out + "".join(f"| {name} | {r['rss_mb']} | {r['control_cpu_per_1k_events_s']} |\n"
+                         for name, r in rows)
 
 
 def markdown(results: list[tuple[str, dict]]) -> str:
@@ -521,7 +570,8 @@ def _share(rate: float | None, budget: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", choices=("arrival", "today", "steady", "brownout"),
+    ap.add_argument("--scenario", choices=("arrival", "today", "steady", "brownout",
+                                           "footprint"),
                     default="arrival")
     ap.add_argument("--nodes", type=int)
     ap.add_argument("--budget", type=float, default=600.0)
@@ -537,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         kw["burst"] = args.burst
     if args.nodes:
         kw["nodes"] = args.nodes
+    if args.scenario == "footprint":
+        print(json.dumps({name: footprint(flags) for name, flags in FOOTPRINT_FLAGS.items()}))
+        return 0
     if args.scenario in ("arrival", "today"):
         sc = arrival(budget=args.budget, **kw)
         if args.scenario == "today":

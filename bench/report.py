@@ -497,6 +497,9 @@ def section_fleet(quick: bool, out: Path, log) -> Section:
         results.append((name, fs.simulate(sc)))
         log(f"  fleet: {name} done")
     sec.body = fs.markdown(results)
+    if not quick:      # the per-node cost: a real agent with and without the budget flags
+        sec.body += "\n" + fs.footprint_markdown(
+            [(name, fs.footprint(flags)) for name, flags in fs.FOOTPRINT_FLAGS.items()])
     for name, r in results:
         sec.headline.append((f"fleet, {name}: wrong identity, pods served, lost credentials",
                              f"{r['wrong_identity']}, {r['pods_served']}/{r['pods']}, "

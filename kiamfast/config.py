@@ -357,7 +357,8 @@ FLAGS: tuple[Flag, ...] = (
        "never below that share. 0 = no fleet budget (throttling may halve down to "
        "--sts-qps / 16)."),
     _f("sts-fleet-nodes", "int", 0, "Number of nodes (agents) sharing --sts-account-qps; "
-       "size it for the largest the cluster scales to."),
+       "size it for the largest the cluster scales to. 0 = the cluster's node count, "
+       "listed from the API every minute (needs list on nodes)."),
     _f("session-duration", "duration", 3600.0, "DurationSeconds of AssumeRole (15m-12h; "
        "sessions chained from an instance role are capped at 1h by AWS).",
        shown_default="1h0m0s, or 2x --iam-role-session-ttl when that is given"),
@@ -606,9 +607,6 @@ def _normalise_and_validate(c: Config) -> None:
                           value=c.sts_account_qps)
     if c.sts_fleet_nodes < 0:
         raise ConfigError("sts-fleet-nodes", "must be 0 or greater", value=c.sts_fleet_nodes)
-    if c.sts_account_qps > 0 and c.sts_fleet_nodes < 1:
-        raise ConfigError("sts-fleet-nodes", "must be at least 1 with --sts-account-qps",
-                          value=c.sts_fleet_nodes)
 
     # Durations are never negative.
     for flag in FLAGS:

@@ -37,7 +37,11 @@ when the pause ends, with no backoff of its own (the node's rate is what throttl
 about). Other failures back off per key. Calls
 are taken from a priority queue: a key a pod is *waiting* for (a worker said so) beats
 prefetching new keys, which beats refresh-ahead, and keeps that priority through its
-retries until it is servable.
+retries until it is servable.  A worker holds a pod's request only for its wait budget
+(0.35 s), so a waited-for key does not wait for the node's token or pause: it borrows a
+token (debt of at most a burst, which later tokens pay back: over time the node's rate
+holds), and a throttled call of it retries once 50-150 ms later, within that wait.  The pod's
+SDK paces anything more: a key is waited for again only when a pod asks again.
 Permanent refusals (AccessDenied...) become the real-IMDS error document, cached for
 ``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least ``error_ttl_floor`` so a
 misconfigured role cannot hammer STS), retried with growing intervals while pods use them.
@@ -90,6 +94,10 @@ SESSION_TAGS = (TAG_NAMESPACE, TAG_POD, TAG_SERVICE_ACCOUNT, TAG_NODE)
 PRIO_WANTED = 0     # a worker has a request waiting for this slot
 PRIO_NEW = 1        # prefetch of a key nobody has credentials for yet, or its retry
 PRIO_REFRESH = 2    # refresh-ahead of credentials still being served
+
+# A throttled call of a key a pod's request is held for retries once this soon (seconds):
+# within the worker's wait budget (0.35 s by default), and spread so retries do not align.
+QUICK_RETRY = (0.05, 0.15)
 
 # Far enough that an error document is never reported EXPIRED by the table; it is replaced
 # by the next attempt anyway.
@@ -186,6 +194,7 @@ class _Entry:
     waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
     freed: bool = False
     issued: int = 0                # credentials issued for this key so far
+    quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
 
 
 # ---- the manager --------------------------------------------------------------------------------
@@ -248,9 +257,13 @@ class CredentialManager:
         self.clock = clock
         self.sleep = sleep
         self.rng = rng or random.Random()
+        # With a fleet budget but no node count yet (it comes from the API), the floor is
+        # the one without a budget until set_fleet_nodes: the lower of the two.
+        self.account_qps = account_qps
         self.bucket = TokenBucket(
             qps, burst, clock=clock, sleep=sleep,
-            min_rate=node_share(account_qps, fleet_nodes, qps) if account_qps > 0 else None)
+            min_rate=node_share(account_qps, fleet_nodes, qps)
+            if account_qps > 0 and fleet_nodes > 0 else None)
 
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}
@@ -300,6 +313,19 @@ class CredentialManager:
             error_ttl=config.iam_role_error_ttl)
         kwargs.update(overrides)
         return cls(**kwargs)
+
+    def set_fleet_nodes(self, nodes: int) -> None:
+        """The number of agents sharing ``account_qps`` is now ``nodes`` (the cluster's node
+        count): the floor throttling may cut this node's rate down to follows its share."""
+        if self.account_qps <= 0 or nodes < 1:
+            return
+        share = node_share(self.account_qps, nodes, self.bucket.max_rate)
+        if share != self.bucket.min_rate:
+            log.info("STS share: %.3g calls/s (%g over %d nodes)", share, self.account_qps,
+                     nodes)
+        self.bucket.min_rate = share
+        self.bucket.rate = max(self.bucket.rate, share)
+        self._metrics.rate.set(self.bucket.rate)
 
     def key_for(self, req: CredentialRequest) -> CredentialKey:
         """The credential key of a request under this manager's policies."""
@@ -401,8 +427,10 @@ class CredentialManager:
                                                  or now < entry.serve_until):
             return  # servable from our point of view; the worker's read was stale
         self._set_waiting(entry, True)
-        if entry.inflight or now < entry.not_before:
+        if entry.inflight or (now < entry.not_before
+                              and not isinstance(entry.last_error, StsThrottled)):
             return
+        entry.quick_retry = True
         self._enqueue(entry, PRIO_WANTED)
 
     def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
@@ -606,6 +634,7 @@ class CredentialManager:
 
     def _set_waiting(self, entry: _Entry, waiting: bool) -> None:
         entry.waiting = waiting
+        entry.quick_retry = entry.quick_retry and waiting
         (self._waiting.add if waiting else self._waiting.discard)(entry)
         self._metrics.waiting.set(len(self._waiting))
 
@@ -628,6 +657,16 @@ class CredentialManager:
         entry.timer_prio = prio
         if self._timers[0][4] is entry:
             self._timer_wake.set()
+
+    def _wanted_first(self) -> bool:
+        """The best item of the queue is a key a pod is waiting for."""
+        while self._ready:
+            prio, _, entry = self._ready[0]
+            if entry.freed or entry.queued != prio:
+                heapq.heappop(self._ready)
+                continue
+            return prio == PRIO_WANTED
+        return False
 
     def _live_ready(self) -> int:
         return self._queued
@@ -683,10 +722,13 @@ class CredentialManager:
                 await self._slot_free.wait()
                 continue
             wait = self.bucket.try_take()
+            if wait > 0 and self._wanted_first() and self.bucket.borrow():
+                wait = 0.0      # a pod is held for it: go now, later tokens pay it back
             if wait > 0:  # rate limit or throttling pause: sleep, then look again
                 self._token_wait = True
+                self._work.clear()      # a key a pod waits for cuts the wait short
                 try:
-                    await self.sleep(wait)
+                    await self._wait_any(self._work, wait)
                 finally:
                     self._token_wait = False
                 continue
@@ -854,7 +896,13 @@ class CredentialManager:
             entry.state = _ERROR
         self._notify()
         if entry.idle_since is None:
-            self._set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
+            if isinstance(err, StsThrottled) and entry.quick_retry:
+                # once per request a worker holds: the next token may be free within its wait
+                entry.quick_retry = False
+                self._set_timer(entry, now + self.rng.uniform(*QUICK_RETRY), "fetch",
+                                PRIO_WANTED)
+            else:
+                self._set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
 
     def _expire(self, entry: _Entry) -> None:
         """serve_until reached with no fresh credentials: stop serving (ERROR -> 503)."""

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -46,6 +47,7 @@ HEALTH_INTERVAL = 30.0
 PUBLISH_INTERVAL = 2.0
 HEARTBEAT_INTERVAL = 1.0
 LINK_CHECK_INTERVAL = 5.0
+NODE_COUNT_INTERVAL = 60.0   # --sts-account-qps without --sts-fleet-nodes (jittered)
 # /readyz answers 503 once the runtime has been unreachable this long (a restart of
 # containerd takes a few seconds; a lasting outage must show in `kubectl get ds`).
 RUNTIME_UNREADY_AFTER = 15.0
@@ -157,6 +159,10 @@ class ControlProcess:
                                                    table=self.table)
             tasks.append(asyncio.create_task(self.container.run(),
                                              name="container-credentials"))
+        if self.config.sts_account_qps > 0 and self.config.sts_fleet_nodes == 0:
+            from kubernetes import client as kclient
+            tasks.append(asyncio.create_task(follow_node_count(
+                kclient.CoreV1Api(self.watcher.api_client), self.manager), name="node-count"))
         if self.poller is not None:
             tasks.append(asyncio.create_task(self.poller.run(), name="runtime"))
             tasks.append(asyncio.create_task(self._watch_runtime_link(), name="runtime-link"))
@@ -527,3 +533,35 @@ def main(argv: list[str] | None = None) -> int:
         log.error("control process exiting: %s", e)
         return 1
     return 0
+
+
+# ---- the fleet's node count ---------------------------------------------------------------------
+
+def count_nodes(api: Any, timeout: float = 10.0) -> int:
+    """The cluster's node count from one LIST of at most one node: the API answers with the
+    number of items left (``remainingItemCount``), so the answer stays small at any size."""
+    resp = api.list_node(limit=1, _preload_content=False, _request_timeout=timeout)
+    body = orjson.loads(resp.data)
+    meta = body.get("metadata") or {}
+    left = meta.get("remainingItemCount")
+    if left is None and meta.get("continue"):
+        raise ValueError("the node list has more pages but no remainingItemCount")
+    return len(body.get("items") or []) + int(left or 0)
+
+
+async def follow_node_count(api: Any, manager: CredentialManager, *,
+                            interval: float = NODE_COUNT_INTERVAL, sleep=asyncio.sleep) -> None:
+    """Keep the manager's share of the fleet budget on the cluster's node count.  Until the
+    first count, and while the API fails, the share stays as it is (before the first: the
+    floor without a budget, the lower one)."""
+    loop = asyncio.get_running_loop()
+    failing = False
+    while True:
+        try:
+            manager.set_fleet_nodes(await loop.run_in_executor(None, count_nodes, api))
+            failing = False
+        except Exception as exc:  # ApiException, urllib3 and socket errors alike
+            if not failing:      # once per episode
+                log.warning("could not count the cluster's nodes (will keep trying): %s", exc)
+                failing = True
+        await sleep(interval * random.uniform(0.8, 1.2))

@@ -93,6 +93,18 @@ class TokenBucket:
                 return
             await self._sleep(wait)
 
+    def borrow(self) -> bool:
+        """Take a token now, past the rate and any pause, if the debt stays within ``burst``
+        tokens: later tokens pay it back, so over time the rate holds (a burst's worth
+        sooner, at most).  False: no token."""
+        self._refill(self._clock())
+        if self._tokens - 1.0 < -self.burst:
+            return False
+        self._tokens -= 1.0
+        self.taken += 1
+        self.tickets += 1
+        return True
+
     def refund(self) -> None:
         """Give back a token that was taken but not used."""
         self._tokens = min(self.burst, self._tokens + 1.0)

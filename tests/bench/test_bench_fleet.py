@@ -1,7 +1,7 @@
 """The fleet simulation, small: real credential managers against one shared STS budget.
 
 Counts only, never timings (time is simulated): no pod ever gets another identity, every pod
-is served in the end, the calls STS accepted fit in its budget, throttling stays a fraction
+is served in the end (by its second attempt), the calls STS accepted fit in its budget, throttling stays a fraction
 of the work, and a brownout shorter than the serving window takes no pod's credentials.
 """
 from __future__ import annotations
@@ -23,7 +23,10 @@ def test_arrival_within_the_budget_serves_every_pod_its_own_role():
     assert r["accepted_max_per_window"]["1.0"] <= sc.budget + sc.budget
     assert r["accepted_max_per_window"]["10.0"] <= sc.budget * 10 + sc.budget
     assert r["sts_throttled"] <= r["sts_ok"]     # no herd: throttling is not the work
-    assert r["attempts_max"] <= 3                # crash-loop back-off: 10 s, then 20 s
+    # a pod that asks for a key not fetched yet gets it while its request is held, as a
+    # rule (before: 19-26 of 150 missed, the key waiting for its node's throttling pause) ...
+    assert r["first_call_failed"] <= r["pods"] // 10
+    assert r["attempts_max"] <= 2                # ... and always on its next attempt
 
 
 def test_a_brownout_shorter_than_the_serving_window_takes_no_credentials():

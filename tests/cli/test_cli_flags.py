@@ -317,7 +317,6 @@ def test_cri_endpoint_values_and_the_kubelet_flags_kept_for_compatibility():
     (["--passthrough-concurrency=0"], "--passthrough-concurrency"),
     (["--sts-account-qps=-1"], "--sts-account-qps"),
     (["--sts-fleet-nodes=-1"], "--sts-fleet-nodes"),
-    (["--sts-account-qps=600"], "--sts-fleet-nodes"),      # a budget needs the node count
     (["--wait-budget=-1s"], "--wait-budget"),
     (["--node-startup-taint=not a key"], "--node-startup-taint"),
     (["--host-ipv6=10.0.0.1"], "--host-ipv6"),

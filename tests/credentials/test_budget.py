@@ -214,3 +214,64 @@ def test_a_key_whose_pods_are_gone_is_not_waited_for(h):
             return waiting, registry.get_sample_value("kiamfast_sts_waiting_keys")
 
     assert h.run(main()) == (1.0, 0.0)
+
+
+def test_a_key_a_pod_asks_for_goes_at_once_while_prefetch_waits_for_tokens(h):
+    """b's prefetch waits for the node's next token (2 s away); b's pod asks: the worker
+    holds its request for only the wait budget, so b goes now, on a borrowed token."""
+    clock = manual(h)
+
+    async def main():
+        async with h.manager(clock=clock.time, sleep=clock.sleep, qps=0.5, burst=1) as mgr:
+            mgr.acquire("uid-a", h.req("a"))
+            b = mgr.acquire("uid-b", h.req("b"))
+            await settle(mgr)                        # a took the token, b waits for one
+            before = h.state(b)[0]
+            mgr.wanted(b)
+            await settle(mgr)                        # the clock has not moved
+            return before, b, mgr.bucket.tokens
+
+    before, b, tokens = h.run(main())
+    assert before == tbl.CRED_PENDING
+    assert h.state(b)[0] == tbl.CRED_READY
+    assert [c.outcome for c in h.proxy.assume_role_calls()] == ["ok", "ok"]
+    assert tokens == pytest.approx(-1.0)             # paid back by the next two seconds
+
+
+def test_a_throttled_call_a_pod_waits_for_retries_once_within_the_wait(h):
+    """w's pod asked; w's call was throttled and the node pauses (at least 0.5 s).  The
+    request is held for 0.35 s: w retries once, 50-150 ms later, and the pod is served."""
+    clock = manual(h)
+    w = h.role("w")
+    h.proxy.add_fault("throttle", roles=[w], count=1)
+
+    async def main():
+        async with h.manager(clock=clock.time, sleep=clock.sleep) as mgr:
+            slot = mgr.acquire("uid-w", h.req("w"))
+            mgr.wanted(slot)                         # asked before the first call went
+            await walk(mgr, clock, 0.3, step=0.05)
+            return slot, mgr.stats()["throttle_paused_for"]
+
+    slot, paused_for = h.run(main())
+    assert h.state(slot)[0] == tbl.CRED_READY
+    assert [c.outcome for c in h.proxy.assume_role_calls()] == ["throttle", "ok"]
+    assert paused_for > 0                            # the node's prefetch still pauses
+
+
+def test_a_pod_asking_again_and_again_never_takes_the_node_past_its_rate(h):
+    """An app retrying every 0.4 s for a role STS keeps throttling: borrowed tokens are
+    debt the rate pays back (at most a burst's worth ahead), so no herd."""
+    clock = manual(h)
+    h.proxy.add_fault("throttle", roles=[h.role("w")])
+
+    async def main():
+        async with h.manager(clock=clock.time, sleep=clock.sleep, qps=1, burst=2) as mgr:
+            slot = mgr.acquire("uid-w", h.req("w"))
+            for _ in range(75):
+                mgr.wanted(slot)
+                await walk(mgr, clock, 0.4, step=0.05)
+
+    h.run(main())
+    calls = len(h.proxy.assume_role_calls())
+    # 30 s at most 1/s, the burst saved up at the start and a burst's worth of debt
+    assert 2 <= calls <= 30 + 2 + 2

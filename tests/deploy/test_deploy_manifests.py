@@ -35,6 +35,7 @@ AGENT_CALLS = [
     ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"),
     ("", "namespaces", "list"), ("", "namespaces", "watch"), ("", "namespaces", "get"),
     ("", "nodes", "get"), ("", "nodes", "patch"),  # the startup taint
+    ("", "nodes", "list"),                         # the fleet's node count (STS budget)
 ]
 
 
