@@ -402,15 +402,18 @@ def new_admin_token() -> str:
     return secrets.token_urlsafe(24)
 
 
-def wait_allowed(client: Client, *, verb: str, resource: str, timeout: float = 10.0) -> None:
-    """Wait until ``client``'s identity may ``verb`` ``resource`` (SelfSubjectAccessReview,
-    which every authenticated user may ask): a new binding takes effect when the server's
-    RBAC informers have seen it, a moment after the POST."""
+def wait_allowed(client: Client, *, verb: str, resource: str, group: str = "",
+                 timeout: float = 10.0) -> None:
+    """Wait until ``client``'s identity may ``verb`` ``resource`` of API ``group`` (default:
+    the core group), asking SelfSubjectAccessReview (which every authenticated user may):
+    a new binding takes effect when the server's RBAC informers have seen it, a moment
+    after the POST."""
     deadline = time.monotonic() + timeout
     while True:
         out = client.call("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
             "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": {"verb": verb, "resource": resource}}})
+            "spec": {"resourceAttributes": {"group": group, "verb": verb,
+                                            "resource": resource}}})
         if out["status"].get("allowed"):
             return
         if time.monotonic() > deadline:

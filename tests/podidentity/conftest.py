@@ -10,7 +10,6 @@ their tokens come from the TokenRequest API, bound to the pod, with the agent's 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -48,23 +47,10 @@ def agent_kubeconfig(cluster) -> Path:
                         "name": role},
             "subjects": [{"kind": "ServiceAccount", "name": AGENT_SA,
                           "namespace": "kube-system"}]})
-    wait_allowed(cluster.as_user(token), group="authentication.k8s.io", resource="tokenreviews",
-                 verb="create")
+    kube.wait_allowed(cluster.as_user(token), group="authentication.k8s.io",
+                      resource="tokenreviews", verb="create")
     kube.wait_allowed(cluster.as_user(token), verb="watch", resource="pods")
     return cluster.kubeconfig_for(token, name=AGENT_SA)
-
-
-def wait_allowed(client, *, group: str, resource: str, verb: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        out = client.call("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", {
-            "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": {"group": group, "verb": verb,
-                                            "resource": resource}}})
-        if out["status"].get("allowed"):
-            return
-        assert time.monotonic() < deadline, f"{verb} {resource} not allowed: {out}"
-        time.sleep(0.05)
 
 
 class RealCluster:
