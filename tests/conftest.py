@@ -13,6 +13,8 @@ covers ``bench/`` in the same session: conftest hooks only see their own directo
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +76,17 @@ def test_failed(request):
     return lambda: any(getattr(request.node, f"rep_{when}", None) is not None
                        and getattr(request.node, f"rep_{when}").failed
                        for when in ("setup", "call"))
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(tmp_path_factory):
+    """The session's one real control plane (etcd and kube-apiserver, tests/k8s/kube.py),
+    started at its first use and shared by every tier that needs a real API server (tests/k8s,
+    tests/podidentity). Without the binaries its tests skip, naming them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "k8s"))
+    import kube
+    reason = kube.missing_binaries()
+    if reason:
+        pytest.skip(reason)
+    with kube.running_cluster(tmp_path_factory.mktemp("kube")) as cluster:
+        yield cluster

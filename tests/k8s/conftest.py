@@ -1,4 +1,5 @@
-"""The session's real cluster control plane: one etcd and one kube-apiserver, started once.
+"""The session's real cluster control plane: one etcd and one kube-apiserver, started once
+(``kube_cluster``, in tests/conftest.py: tests/podidentity shares it).
 
 ``kube`` starts them on loopback (random ports, a temp dir), creates the agent's
 ServiceAccount ``kube-system/kiamfast``, applies the ClusterRole and binding exactly as
@@ -31,15 +32,6 @@ def pytest_configure(config):
     # directory runnable on its own.
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
-
-
-@pytest.fixture(scope="session")
-def kube_cluster(tmp_path_factory):
-    reason = kube.missing_binaries()
-    if reason:
-        pytest.skip(reason)
-    with kube.running_cluster(tmp_path_factory.mktemp("kube")) as cluster:
-        yield cluster
 
 
 @pytest.fixture(scope="session")

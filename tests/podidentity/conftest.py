@@ -27,12 +27,9 @@ AGENT_SA = "kiamfast-podid"
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    reason = kube.missing_binaries()
-    if reason:
-        pytest.skip(reason)
-    with kube.running_cluster(tmp_path_factory.mktemp("kube")) as c:
-        yield c
+def cluster(kube_cluster):
+    """The session's real control plane (tests/conftest.py), shared with tests/k8s."""
+    return kube_cluster
 
 
 def agent_kubeconfig(cluster) -> Path:
