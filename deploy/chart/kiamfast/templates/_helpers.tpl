@@ -40,6 +40,11 @@ app.kubernetes.io/part-of: kiamfast
 {{- printf "%s-webhook" (include "kiamfast.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The Secret cert-manager writes the webhook's certificate into (not the chart's own). */}}
+{{- define "kiamfast.webhookCertManagerSecret" -}}
+{{- include "kiamfast.webhookName" . }}-tls
+{{- end -}}
+
 {{- define "kiamfast.serviceAccountName" -}}
 {{- if .Values.rbac.create -}}
 {{- include "kiamfast.fullname" . -}}

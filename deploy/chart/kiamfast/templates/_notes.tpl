@@ -48,7 +48,7 @@ the annotations {{ index ($.Values.extraArgs | default dict) "iam-role-key" | de
 (pods created while the webhook is down are not injected and use IMDS by address).
 {{- if .webhook.certManager.enabled }}
 Its certificate comes from cert-manager, which must be installed: the webhook's pods start once
-cert-manager has written the Secret {{ include "kiamfast.webhookName" $ }}-tls.
+cert-manager has written the Secret {{ include "kiamfast.webhookCertManagerSecret" $ }}.
 {{- end }}
 {{- else }} Without the webhook,
 give a pod AWS_CONTAINER_CREDENTIALS_FULL_URI and a projected token with audience {{ .audience }}

@@ -110,7 +110,6 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- end -}}
 {{- end -}}
 
-
 {{/* containerCredentials: the agent's listener and the webhook that sends pods to it. */}}
 {{- define "kiamfast.validateContainerCredentials" -}}
 {{- $cc := .Values.containerCredentials -}}
