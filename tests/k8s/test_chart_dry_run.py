@@ -80,7 +80,8 @@ def test_rendered_chart_is_accepted_by_a_real_api_server(kube_cluster, values):
 
 @pytest.fixture(scope="module")
 def cert_manager_crds(kube_cluster):
-    """cert-manager's Certificate and Issuer CRDs, installed (once) and served."""
+    """cert-manager's Certificate and Issuer CRDs, installed (once) and served.  They stay
+    for the session: only definitions, no objects and no controller acting on them."""
     version = re.search(r"^CERT_MANAGER_VERSION=(\S+)$", FETCH_CRDS.read_text(), re.M).group(1)
     tools = Path(os.environ.get("KIAMFAST_TOOLS") or Path.home() / ".cache/kiamfast/tools")
     directory = tools / f"cert-manager-crds-{version}"
