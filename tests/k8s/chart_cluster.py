@@ -300,10 +300,11 @@ def metadata_dnat(node: ChartNode) -> list[str]:
     return [r for r in node.dnat_rules() if "169.254.169.254" in r]
 
 
-def removal_commands(directory: Path) -> str:
-    """deploy/README.md's commands for what an uninstall leaves on a node, with this node's
-    state directory for the chart's default."""
-    section = DEPLOY_README.read_text().split("## Uninstalling", 1)[1]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
-    assert HOST_STATE_DIR in block, block
-    return block.replace(HOST_STATE_DIR, str(directory))
+def removal_commands(directory: Path) -> list[str]:
+    """deploy/README.md's commands for what an uninstall leaves on a node, each ``sh``
+    block of its section in order (the DNAT rule and the state directory first, with this
+    node's state directory for the chart's default; then the container-credentials link)."""
+    section = DEPLOY_README.read_text().split("## Uninstalling", 1)[1].split("\n## ", 1)[0]
+    blocks = [part.split("```", 1)[0] for part in section.split("```sh\n")[1:]]
+    assert blocks and HOST_STATE_DIR in blocks[0], section
+    return [block.replace(HOST_STATE_DIR, str(directory)) for block in blocks]

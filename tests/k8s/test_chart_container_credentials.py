@@ -336,7 +336,8 @@ def test_helm_uninstall_keeps_the_link_so_pods_fail_closed_until_it_is_removed(r
     node.delete_pod(pod)
     assert node.imds_credential_requests() == []
     state = state_dir(node)
-    node.net.ns.run(["sh", "-ec", removal_commands(state)], check=True)
+    for commands in removal_commands(state):   # the rule and the state, then the link
+        node.net.ns.run(["sh", "-ec", commands], check=True)
     assert link_addresses(node) is None
     assert metadata_dnat(node) == [], node.dnat_rules()
     assert not state.exists()
