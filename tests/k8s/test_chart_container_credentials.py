@@ -306,8 +306,8 @@ def test_the_rotated_token_keeps_the_app_on_its_role_and_key(reported, rotating)
     # Measured, not asserted: what the SDK waited for its credentials, inside the pod (each
     # round a new HTTP request; a cached round: the token's review and the key both cached).
     cached = [r["seconds"] * 1000 for r in rounds[1:]]
-    print(f"first call {rounds[0]['seconds'] * 1000:.1f} ms (TokenReview, the role's first "
-          f"AssumeRole); cached p50 {statistics.median(cached):.1f} ms, p90 "
+    print(f"first call {rounds[0]['seconds'] * 1000:.1f} ms (its TokenReview included); "
+          f"cached p50 {statistics.median(cached):.1f} ms, p90 "
           f"{statistics.quantiles(cached, n=10)[-1]:.1f} ms over {len(cached)} rounds, "
           f"{len(after)} of them with the rotated token")
     assert node.imds_credential_requests() == []
