@@ -29,9 +29,9 @@ sent for ABAC and become part of the key, so tagging per pod means one session p
 Two sets (``tag_keys``): ``kiamfast`` (``kiamfast-namespace``, ``kiamfast-pod``,
 ``kiamfast-serviceaccount``, ``kiamfast-node``, ``kiamfast-cluster``) and ``eks``, EKS Pod
 Identity's keys (``eks-cluster-name``, ``kubernetes-namespace``,
-``kubernetes-service-account``, ``kubernetes-pod-name``, ``kubernetes-pod-uid``) so policies
-written for ``aws:PrincipalTag/kubernetes-namespace`` work unchanged; the cluster tag only
-when ``cluster_name`` is set.  With ``eks`` every pod has its own session, named as EKS
+``kubernetes-service-account``, ``kubernetes-pod-name``, ``kubernetes-pod-uid``), transitive
+as EKS sends them, so policies written for ``aws:PrincipalTag/kubernetes-namespace`` work
+unchanged; the cluster tag only when ``cluster_name`` is set.  With ``eks`` every pod has its own session, named as EKS
 names it: ``eks-<cluster>-<pod>-<uid prefix>`` (the session-name policy does not apply).
 A tag value STS cannot take (length, characters) is never altered or left out, since a
 policy condition may rely on it: that pod's key is denied (``InvalidSessionTag``) without an
@@ -156,7 +156,8 @@ class CredentialTable(Protocol):
 class AssumeRole(Protocol):
     async def assume_role(self, role_arn: str, session_name: str, *,
                           external_id: str | None = None, duration: int = 3600,
-                          tags: list[tuple[str, str]] | None = None) -> Credentials: ...
+                          tags: list[tuple[str, str]] | None = None,
+                          transitive: bool = False) -> Credentials: ...
 
 
 @dataclass(frozen=True)
@@ -811,7 +812,7 @@ class CredentialManager:
         try:
             result = await self.sts.assume_role(
                 key.role_arn, name, external_id=key.external_id, duration=self.duration,
-                tags=list(key.tags) or None)
+                tags=list(key.tags) or None, transitive=self.eks_names)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # classified: StsError already, anything else -> transient

@@ -23,7 +23,7 @@ from kiamfast.container_credentials.server import container_document
 from kiamfast.control import render
 from kiamfast.control.credentials import CredentialManager
 
-from test_manager import settle
+from test_manager import _slots, settle
 
 UID_A = "3f2b9c1e-7d4a-4c2b-9a1e-0b5c6d7e8f90"
 UID_B = "a1b2c3d4-0000-4000-8000-000000000001"
@@ -56,6 +56,8 @@ def test_eks_keys_tag_the_call_and_name_the_session_after_the_pod(h, moto_sts):
     assert call.tags == {"eks-cluster-name": "prod-1", "kubernetes-namespace": "shop",
                          "kubernetes-service-account": "web", "kubernetes-pod-name": "web-0",
                          "kubernetes-pod-uid": UID_A}
+    transitive = {v for k, v in call.params.items() if k.startswith("TransitiveTagKeys.member.")}
+    assert transitive == EKS_KEYS            # kept through role chaining, as EKS sends them
     assert call.session_name == "eks-prod-1-web-0-3f2b9c1e"
     assert caller_arn(moto_sts, h.document(slot)).endswith(
         "assumed-role/app/eks-prod-1-web-0-3f2b9c1e")
@@ -77,6 +79,27 @@ def test_two_pods_of_one_role_get_two_sessions(h, moto_sts):
     arns = {caller_arn(moto_sts, h.document(s)) for s in (a, b)}
     assert {arn.rsplit("/", 1)[1] for arn in arns} == {"eks-prod-1-web-0-3f2b9c1e",
                                                        "eks-prod-1-web-1-a1b2c3d4"}
+
+
+def test_a_restart_adopts_each_pods_session_without_a_call(h):
+    async def main():
+        async with eks(h) as first:
+            slots = [first.acquire(uid, h.req("app", pod=pod))
+                     for uid, pod in ((UID_A, "web-0"), (UID_B, "web-1"))]
+            for s in slots:
+                await h.wait_state(s, tbl.CRED_READY)
+        before = [h.document(s) for s in slots]
+        calls = len(h.proxy.assume_role_calls())
+        async with eks(h) as second:                # a new control process, same table
+            assert second.adopt(_slots(h.table)) == 2
+            again = [second.acquire(uid, h.req("app", pod=pod))
+                     for uid, pod in ((UID_A, "web-0"), (UID_B, "web-1"))]
+            await settle(second)
+        return slots, again, before, [h.document(s) for s in again], calls
+
+    slots, again, before, after, calls = h.run(main())
+    assert again == slots and after == before
+    assert len(h.proxy.assume_role_calls()) == calls
 
 
 def test_long_pod_names_keep_the_uid_in_a_64_character_name(h):
@@ -117,6 +140,7 @@ def test_default_keys_are_unchanged(h):
     assert call.tags == {"kiamfast-namespace": "ns", "kiamfast-pod": "web-0",
                          "kiamfast-serviceaccount": "default", "kiamfast-node": "node-1"}
     assert call.session_name == "node-1-app"
+    assert not any(k.startswith("TransitiveTagKeys") for k in call.params)
 
 
 def test_a_tag_value_sts_cannot_take_denies_that_pod_without_a_call(h, caplog):
