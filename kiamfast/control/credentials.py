@@ -31,8 +31,9 @@ Two sets (``tag_keys``): ``kiamfast`` (``kiamfast-namespace``, ``kiamfast-pod``,
 Identity's keys (``eks-cluster-name``, ``kubernetes-namespace``,
 ``kubernetes-service-account``, ``kubernetes-pod-name``, ``kubernetes-pod-uid``), transitive
 as EKS sends them, so policies written for ``aws:PrincipalTag/kubernetes-namespace`` work
-unchanged; the cluster tag only when ``cluster_name`` is set.  With ``eks`` every pod has its own session, named as EKS
-names it: ``eks-<cluster>-<pod>-<uid prefix>`` (the session-name policy does not apply).
+unchanged; the cluster tag only when ``cluster_name`` is set.  With ``eks`` every pod has
+its own session, named as EKS names it: ``eks-<cluster>-<pod>-<uid prefix>`` (the
+session-name policy does not apply).
 A tag value STS cannot take (length, characters) is never altered or left out, since a
 policy condition may rely on it: that pod's key is denied (``InvalidSessionTag``) without an
 STS call.  A tagged call STS refuses is denied as any refusal, with a message naming
@@ -260,10 +261,11 @@ class CredentialManager:
             raise ValueError("capacity must be >= 1")
         if tag_keys not in TAG_KEYS:
             raise ValueError(f"tag_keys must be one of {TAG_KEYS}")
-        known = ((EKS_CLUSTER, *EKS_TAGS) if tag_keys == "eks" else (*SESSION_TAGS, TAG_CLUSTER))
-        if session_tags is True:
-            tags: tuple[str, ...] = tuple(t for t in known
-                                          if cluster_name or t not in (EKS_CLUSTER, TAG_CLUSTER))
+        known = ((EKS_CLUSTER, *EKS_TAGS) if tag_keys == "eks"
+                 else (*SESSION_TAGS, TAG_CLUSTER))
+        if session_tags is True:       # all of them; the cluster's only when it has a name
+            tags: tuple[str, ...] = tuple(
+                t for t in known if cluster_name or t not in (EKS_CLUSTER, TAG_CLUSTER))
         elif session_tags is False or session_tags is None:
             tags = ()
         else:
