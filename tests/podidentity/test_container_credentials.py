@@ -54,6 +54,13 @@ class Node:
         self.agent.wait_ready()
         self.sts_url = peers.sts.url
         self._ips = iter(f"10.250.{i // 250}.{i % 250 + 1}" for i in range(10000))
+        # Where requests come from: each test stands for a pod of its own, with an address
+        # (and so a per-address TokenReview budget) of its own, as on a node.
+        self._sources = iter(f"127.0.{i // 250 + 1}.{i % 250 + 1}" for i in range(10000))
+        self.source = next(self._sources)
+
+    def next_source(self) -> None:
+        self.source = next(self._sources)
 
     def pod(self, name: str, *, role: str | None = None, node: str | None = None,
             host_network: bool = False) -> str:
@@ -64,9 +71,9 @@ class Node:
         return pod_token(self.admin, self.ns, "app", name, uid, **kw)
 
     def ask(self, token: str | None, *, path: str = "/v1/credentials", method: str = "GET",
-            source: str = "127.0.0.1") -> tuple[int, dict]:
+            source: str | None = None) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10,
-                                          source_address=(source, 0))
+                                          source_address=(source or self.source, 0))
         try:
             conn.request(method, path, headers={"Authorization": token} if token else {})
             resp = conn.getresponse()
@@ -93,6 +100,14 @@ def node(cluster, peers, tmp_path_factory):
              lambda prefix: f"{prefix}-{secrets.token_hex(3)}")
     yield n
     n.agent.stop()
+
+
+@pytest.fixture(autouse=True)
+def own_address(request):
+    """A test's requests come from an address no earlier test used (not the SDK runs: an
+    SDK connects from 127.0.0.1)."""
+    if "node" in request.fixturenames:
+        request.getfixturevalue("node").next_source()
 
 
 HERE = Path(__file__).resolve().parent
