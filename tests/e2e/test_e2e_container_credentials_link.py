@@ -155,3 +155,19 @@ def test_ipv6_disabled_on_the_node_serves_ipv4_and_says_why_not_ipv6(node):
     assert len(lines) == 1, agent.log()
     assert "IPv6 disabled" in lines[0]
     assert agent.running() and len(agent.children()) == 2   # control + one worker, no loop
+
+
+def test_without_net_admin_the_agent_exits_with_one_line_naming_the_flag(node):
+    """No CAP_NET_ADMIN (a chart without it): the IPv4 address cannot be added, and the
+    honest answer is to exit (the DaemonSet restarts it), not to run without the listener."""
+    no_net_admin = ["setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin"]
+    agent = node.start_agent(extra_args=FLAGS, wrapper=no_net_admin, wait_ready=False)
+    assert agent.proc.wait(30) == 1
+    errors = [line for line in agent.log().splitlines() if " error " in line]
+    assert len(errors) == 1, agent.log()
+    assert "cannot start: --container-credentials-link=kiamfast0:" in errors[0]
+    assert "Operation not permitted" in errors[0]
+    assert "Traceback" not in agent.log()
+    missing = subprocess.run(["ip", "-n", node.name, "link", "show", "dev", LINK],
+                             capture_output=True, text=True)
+    assert missing.returncode != 0      # nothing half made
