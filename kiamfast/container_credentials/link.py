@@ -24,21 +24,19 @@ import ipaddress
 import json
 import logging
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger("kiamfast.container_credentials.link")
 
 FLAG = "container-credentials-link"
 KINDS = ("dummy", "bridge")        # what we create, in order of preference; what we accept
 
-Run = Callable[[Sequence[str]], subprocess.CompletedProcess]
-
 
 class LinkError(Exception):
     """The link or an IPv4 address could not be set up; the message names the flag."""
 
 
-def _run(argv: Sequence[str]) -> subprocess.CompletedProcess:
+def _ip(argv: Sequence[str]) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=10)
     except FileNotFoundError:
@@ -51,13 +49,12 @@ def _why(proc: subprocess.CompletedProcess) -> str:
 
 
 class Link:
-    def __init__(self, name: str, run: Run = _run) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.run = run
 
     def _show(self) -> dict | None:
         """The link as `ip -j -d link show` gives it, or None when it does not exist."""
-        proc = self.run(["-j", "-d", "link", "show", "dev", self.name])
+        proc = _ip(["-j", "-d", "link", "show", "dev", self.name])
         if proc.returncode != 0:
             return None
         return json.loads(proc.stdout)[0]
@@ -75,14 +72,14 @@ class Link:
             raise LinkError(f"--{FLAG}={self.name}: a {kind or 'physical'} link of that name "
                             f"exists; name a link of the agent's own")
         if "UP" not in found.get("flags", ()):
-            proc = self.run(["link", "set", "dev", self.name, "up"])
+            proc = _ip(["link", "set", "dev", self.name, "up"])
             if proc.returncode != 0:
                 raise LinkError(f"--{FLAG}={self.name}: cannot bring it up: {_why(proc)}")
 
     def _create(self) -> None:
         errors = []
         for kind in KINDS:
-            proc = self.run(["link", "add", self.name, "type", kind])
+            proc = _ip(["link", "add", self.name, "type", kind])
             if proc.returncode == 0:
                 log.info("created the link %s (%s) for the container-credentials addresses",
                          self.name, kind)
@@ -93,7 +90,7 @@ class Link:
         raise LinkError(f"--{FLAG}={self.name}: cannot create it: {'; '.join(errors)}")
 
     def addresses(self) -> set[str]:
-        proc = self.run(["-j", "addr", "show", "dev", self.name])
+        proc = _ip(["-j", "addr", "show", "dev", self.name])
         if proc.returncode != 0:
             raise LinkError(f"--{FLAG}={self.name}: cannot list its addresses: {_why(proc)}")
         return {a["local"] for entry in json.loads(proc.stdout or "[]")
@@ -105,14 +102,14 @@ class Link:
         argv = ["addr", "add", f"{ip}/{ip.max_prefixlen}", "dev", self.name]
         if ip.version == 6:
             argv.append("nodad")   # bindable at once; no other host can have it on this link
-        proc = self.run(argv)
+        proc = _ip(argv)
         return None if proc.returncode == 0 else _why(proc)
 
 
-def ensure_addresses(name: str, hosts: Sequence[str], run: Run = _run) -> list[str]:
+def ensure_addresses(name: str, hosts: Sequence[str]) -> list[str]:
     """Make link ``name`` hold every one of ``hosts``; return the hosts it holds (an IPv6 one
     that could not be added is left out, with a log line). `LinkError` for the rest."""
-    link = Link(name, run)
+    link = Link(name)
     link.ensure()
     present = {str(ipaddress.ip_address(a)) for a in link.addresses()}
     held = []
