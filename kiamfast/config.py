@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,8 +372,16 @@ FLAGS: tuple[Flag, ...] = (
        "<fnv32a of pod IP>-<role name> as kube2iam does.",
        choices=("node-role", "pod", "kube2iam")),
     _f("session-tags", "bool", False, "Pass session tags (pod namespace, name, "
-       "service account, node) to AssumeRole; the role's trust policy must allow "
-       "sts:TagSession."),
+       "service account, node; see --session-tag-keys) to AssumeRole; the role's trust "
+       "policy must allow sts:TagSession."),
+    _f("session-tag-keys", "choice", "kiamfast", "Tag keys of --session-tags: kiamfast = "
+       "kiamfast-namespace, -pod, -serviceaccount, -node (one session per role and tag "
+       "values); eks = EKS Pod Identity's kubernetes-namespace, -service-account, -pod-name, "
+       "-pod-uid, so its policies work unchanged (one session per pod, named "
+       "eks-<cluster>-<pod>-<uid>).", choices=("kiamfast", "eks")),
+    _f("cluster-name", "str", "", "This cluster's name, sent with --session-tags as "
+       "eks-cluster-name (eks keys) or kiamfast-cluster, and in EKS-style session names. "
+       "\"\" = no cluster tag."),
     _f("node-startup-taint", "str", DEFAULT_STARTUP_TAINT, "Taint key removed from this "
        "node once the agent is ready (register nodes with it so no pod starts before the "
        "agent). \"\" disables."),
@@ -423,6 +432,20 @@ FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
 
 def _default(name: str) -> Any:
     return field(default=FLAGS_BY_NAME[name].default)
+
+
+TAG_VALUE_MAX = 256
+_TAG_PUNCT = frozenset("_.:/=+-@")
+
+
+def tag_value_problem(value: str) -> str:
+    """Why STS would refuse ``value`` as a session tag's value (at most 256 letters,
+    separators, numbers and ``_.:/=+-@``), or "" when it takes it."""
+    if len(value) > TAG_VALUE_MAX:
+        return f"{len(value)} characters (at most {TAG_VALUE_MAX})"
+    bad = sorted({ch for ch in value
+                  if ch not in _TAG_PUNCT and unicodedata.category(ch)[0] not in "LZN"})
+    return f"characters STS refuses: {''.join(bad)!r}" if bad else ""
 
 
 @dataclass(frozen=True)
@@ -489,6 +512,8 @@ class Config:
     min_credential_lifetime: float = _default("min-credential-lifetime")
     session_name_policy: str = _default("session-name-policy")
     session_tags: bool = _default("session-tags")
+    session_tag_keys: str = _default("session-tag-keys")
+    cluster_name: str = _default("cluster-name")
     node_startup_taint: str = _default("node-startup-taint")
     iptables_remove_on_exit: bool = _default("iptables-remove-on-exit")
     iptables_backend: str = _default("iptables-backend")
@@ -717,6 +742,19 @@ def _normalise_and_validate(c: Config) -> None:
         _url(c.sts_endpoint, "sts-endpoint")
     if c.api_server:
         _url(c.api_server, "api-server")
+
+    # Session tags: a cluster name STS takes as a tag value, EKS keys only with tags on.
+    problem = tag_value_problem(c.cluster_name)
+    if problem:
+        raise ConfigError("cluster-name", f"not an STS session tag value: {problem}",
+                          value=c.cluster_name)
+    if c.session_tag_keys == "eks":
+        if not c.session_tags:
+            raise ConfigError("session-tag-keys", "eks needs --session-tags", value="eks")
+        if c.session_name_policy != "node-role":
+            raise ConfigError("session-name-policy", "cannot be used with "
+                              "--session-tag-keys=eks, which names each session after its "
+                              "pod as EKS Pod Identity does", value=c.session_name_policy)
 
     # Session duration: 1h, or kube2iam's 2x TTL when the TTL was given.
     if c.session_duration is None:

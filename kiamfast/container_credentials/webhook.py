@@ -10,7 +10,9 @@ could send kiamfast's token to an endpoint the container chose.
 
 The webhook only ever allows: every pod is admitted, a pod it does not understand without a
 patch (it then gets IMDS by address, kube2iam's contract).  The API server calls it rarely
-(pod creations), so the stdlib's threaded HTTPS server is enough.
+(pod creations), so the stdlib's threaded HTTPS server is enough.  A renewed serving
+certificate (cert-manager, the kubelet's Secret volume update) is picked up by the next
+connection, without a restart.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import argparse
 import base64
 import json
 import logging
+import os
 import ssl
 import sys
 import threading
@@ -198,15 +201,64 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
+class ServingCertificate:
+    """The TLS context of a certificate and key file pair, loaded again when either file
+    changes: a stat of each per new connection (cheap next to a handshake) spots the
+    kubelet's swap of a Secret volume's ``..data`` link or a file written in place.  A pair
+    that does not load (half written, key and certificate not matching, missing) keeps the
+    previous one and logs a line; it is tried again once the files change again."""
+
+    def __init__(self, cert: str, key: str) -> None:
+        self.cert, self.key = cert, key
+        self._seen = self._signature()
+        self._context = self._load()        # at start a pair that does not load is fatal
+
+    def context(self) -> ssl.SSLContext:
+        seen = self._signature()
+        if seen != self._seen:
+            self._seen = seen
+            try:
+                self._context = self._load()
+                log.info("serving certificate %s reloaded", self.cert)
+            except (OSError, ssl.SSLError) as e:
+                log.warning("serving certificate %s and key %s not loaded, serving the "
+                            "previous pair: %s", self.cert, self.key, e)
+        return self._context
+
+    def _signature(self) -> tuple:
+        signature = []
+        for path in (self.cert, self.key):
+            try:
+                s = os.stat(path)           # through the links, to the current files
+                signature.append((s.st_dev, s.st_ino, s.st_mtime_ns, s.st_size))
+            except OSError as e:
+                signature.append(e.errno)
+        return tuple(signature)
+
+    def _load(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+
 class _BoundedServer(ThreadingHTTPServer):
     """A thread per connection, at most ``max_connections`` at once: any pod can reach the
     Service, and a flood must not grow threads without bound (beyond it: closed at once)."""
 
     daemon_threads = True
 
-    def __init__(self, listen: tuple[str, int], handler: type, max_connections: int) -> None:
+    def __init__(self, listen: tuple[str, int], handler: type, max_connections: int,
+                 tls: ServingCertificate) -> None:
         super().__init__(listen, handler)
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.tls = tls
+
+    def get_request(self) -> tuple[ssl.SSLSocket, Any]:
+        sock, address = self.socket.accept()
+        # The handshake runs in the request's thread, under its timeout, not in the accept
+        # loop; each connection gets the certificate current when it was accepted.
+        return self.tls.context().wrap_socket(sock, server_side=True,
+                                              do_handshake_on_connect=False), address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -227,14 +279,9 @@ class _BoundedServer(ThreadingHTTPServer):
 
 def make_server(*, listen: tuple[str, int], cert: str, key: str, settings: dict[str, Any],
                 max_connections: int = MAX_CONNECTIONS) -> ThreadingHTTPServer:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
+    tls = ServingCertificate(cert, key)
     handler = type("Handler", (_Handler,), {"settings": settings})
-    server = _BoundedServer(listen, handler, max_connections)
-    # The handshake runs in the request's thread, under its timeout, not in the accept loop.
-    server.socket = context.wrap_socket(server.socket, server_side=True,
-                                        do_handshake_on_connect=False)
-    return server
+    return _BoundedServer(listen, handler, max_connections, tls)
 
 
 def _listen_address(text: str) -> tuple[str, int]:
@@ -251,13 +298,20 @@ def _expiration(text: str) -> int:
     return seconds
 
 
+def _audience(text: str) -> str:
+    if not text:
+        # A projected token without an audience is one for the API server itself.
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kiamfast webhook", description=__doc__.split("\n\n")[0])
     p.add_argument("--tls-cert", required=True, help="PEM certificate (chain) to serve")
     p.add_argument("--tls-key", required=True, help="PEM private key of --tls-cert")
     p.add_argument("--listen", type=_listen_address, default=("0.0.0.0", 8443),
                    help="host:port to serve /mutate and /healthz on (default 0.0.0.0:8443)")
-    p.add_argument("--audience", default=FLAGS_BY_NAME["container-credentials-audience"].default,
+    p.add_argument("--audience", type=_audience, default=FLAGS_BY_NAME["container-credentials-audience"].default,
                    help="audience of the projected token (the agent's "
                         "--container-credentials-audience)")
     p.add_argument("--token-expiration", type=_expiration, default=3600,

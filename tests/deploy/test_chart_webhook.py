@@ -2,8 +2,10 @@
 
 What a user checks: off by default; on, the objects are valid, the API server would reach the
 Service's pods over TLS it can verify (the caBundle signs a certificate for the Service's DNS
-name), a failure lets pods through, the webhook's pods are never the agent's, and what the
-webhook injects follows the agent's own flags.
+name, or with certManager.enabled cert-manager issues it and its cainjector fills the
+caBundle), a failure lets pods through and the webhook's pods are never the agent's.  What it
+injects against what the agent serves: test_chart_container_credentials.py; cert-manager's
+objects against its real CRDs: tests/k8s/test_chart_dry_run.py.
 """
 from __future__ import annotations
 
@@ -11,20 +13,22 @@ import base64
 import datetime
 
 import kubernetes_validate
-import pytest
 from cryptography import x509
-from test_chart import (CHART, NAMESPACE, NEWEST_VERSION, SCHEMA_VERSION, helm, of_kind, one,
-                        render, values_file)
+from test_chart import (CHART, NAMESPACE, NEWEST_VERSION, SCHEMA_VERSION, helm, notes,
+                        of_kind, one, render, values_file)
 
 from kiamfast.container_credentials import webhook
 
-ENABLED = {"containerCredentials": {"webhook": {"enabled": True}}}
+ENABLED = {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}
+CERT_MANAGER = {"containerCredentials": {"enabled": True, "webhook": {
+    "enabled": True, "certManager": {"enabled": True}}}}
 KINDS = {"Secret", "Deployment", "Service", "MutatingWebhookConfiguration"}
+CERT_MANAGER_KINDS = {"Certificate", "Deployment", "Service", "MutatingWebhookConfiguration"}
 
 
-def webhook_objects(objs: list[dict]) -> dict[str, dict]:
+def webhook_objects(objs: list[dict], kinds: set[str] = KINDS) -> dict[str, dict]:
     found = {o["kind"]: o for o in objs if o["metadata"]["name"].endswith("-webhook")}
-    assert set(found) == KINDS, [o["kind"] for o in objs]
+    assert set(found) == kinds, [o["kind"] for o in objs]
     return found
 
 
@@ -101,19 +105,83 @@ def test_the_webhook_pods_are_never_selected_as_agents(tmp_path):
     assert not selects(metrics["spec"]["selector"], labels)
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ({}, {"audience": "kiamfast.io/container-credentials",
-          "iam_role_key": "iam.amazonaws.com/role",
-          "full_uri": "http://169.254.170.23/v1/credentials"}),
-    ({"container-credentials-audience": "sts.example", "iam-role-key": "example.com/role",
-      "container-credentials-addr": "169.254.170.23:80"},
-     {"audience": "sts.example", "iam_role_key": "example.com/role",
-      "full_uri": "http://169.254.170.23:80/v1/credentials"})])
-def test_what_it_injects_follows_the_agents_flags(tmp_path, extra, expected):
-    values = values_file(tmp_path, {**ENABLED, "extraArgs": extra, "containerCredentials": {
-        "webhook": {"enabled": True, "tokenExpirationSeconds": 900}}})
+def test_the_token_expiration_is_the_values(tmp_path):
+    values = values_file(tmp_path, {"containerCredentials": {
+        "enabled": True, "webhook": {"enabled": True, "tokenExpirationSeconds": 900}}})
     container = webhook_objects(render(values))["Deployment"]["spec"]["template"]["spec"][
         "containers"][0]
-    args = vars(webhook.parse_args(container["args"][1:]))
-    assert {k: args[k] for k in expected} == expected
-    assert args["token_expiration"] == 900
+    assert webhook.parse_args(container["args"][1:]).token_expiration == 900
+
+
+# ---- certManager.enabled: cert-manager issues the serving certificate ------------------------
+
+def by_name(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in of_kind(objs, kind)}
+
+
+def test_cert_manager_issues_a_certificate_for_the_service_and_injects_its_ca(tmp_path):
+    objs = render(values_file(tmp_path, CERT_MANAGER))
+    found = webhook_objects(objs, CERT_MANAGER_KINDS)
+    assert not of_kind(objs, "Secret")            # cert-manager writes it, not helm
+    certificate, service = found["Certificate"], found["Service"]
+    config = found["MutatingWebhookConfiguration"]
+    # The cainjector fills every webhook's caBundle from the Certificate's Secret (ca.crt).
+    assert config["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from":
+            f"{NAMESPACE}/{certificate['metadata']['name']}"}
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert certificate["metadata"]["namespace"] == NAMESPACE
+    dns = f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    assert dns in certificate["spec"]["dnsNames"]
+    # The pods serve the files of the Secret cert-manager writes, and reload a renewal
+    # themselves: no checksum restarts them.
+    pod = found["Deployment"]["spec"]["template"]
+    assert pod["spec"]["volumes"] == [{"name": "tls", "secret": {
+        "secretName": certificate["spec"]["secretName"]}}]
+    assert "annotations" not in pod["metadata"]
+    args = webhook.parse_args(pod["spec"]["containers"][0]["args"][1:])
+    assert (args.tls_cert, args.tls_key) == ("/tls/tls.crt", "/tls/tls.key")
+    # The Secret is not the chart's own Secret's name: switching to cert-manager never has
+    # helm delete the Secret cert-manager just wrote.
+    assert certificate["spec"]["secretName"] != found["Service"]["metadata"]["name"]
+
+
+def test_cert_manager_bootstrap_self_signed_ca_issuer_chain(tmp_path):
+    objs = render(values_file(tmp_path, CERT_MANAGER))
+    issuers, certificates = by_name(objs, "Issuer"), by_name(objs, "Certificate")
+    serving = next(c for n, c in certificates.items() if n.endswith("-webhook"))
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert serving["spec"]["issuerRef"]["kind"] == "Issuer"
+    ca_certificate = next(c for c in certificates.values()
+                          if c["spec"]["secretName"] == ca_issuer["spec"]["ca"]["secretName"])
+    assert ca_certificate["spec"]["isCA"] is True
+    root = issuers[ca_certificate["spec"]["issuerRef"]["name"]]
+    assert root["spec"] == {"selfSigned": {}}
+    assert len(issuers) == 2 and len(certificates) == 2
+    for obj in [*issuers.values(), *certificates.values()]:
+        assert obj["apiVersion"] == "cert-manager.io/v1"
+        assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+def test_cert_manager_with_an_issuer_of_ones_own_makes_only_the_certificate(tmp_path):
+    ref = {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    objs = render(values_file(tmp_path, {"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "certManager": {"enabled": True, "issuerRef": ref}}}}))
+    assert not of_kind(objs, "Issuer")
+    (certificate,) = of_kind(objs, "Certificate")
+    assert certificate["spec"]["issuerRef"] == ref
+
+
+def test_cert_manager_objects_lint_clean_and_the_rest_validate(tmp_path):
+    values = values_file(tmp_path, CERT_MANAGER)
+    for obj in render(values):
+        if obj["apiVersion"] != "cert-manager.io/v1":   # its CRDs: the real server's check
+            for version in (SCHEMA_VERSION, NEWEST_VERSION):
+                kubernetes_validate.validate(obj, version, strict=True)
+    result = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, "-f", str(values))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cert_manager_notes_say_it_must_be_installed(tmp_path):
+    text = notes(tmp_path, values_file(tmp_path, CERT_MANAGER))
+    assert "Its certificate comes from cert-manager, which must be installed" in text

@@ -37,7 +37,7 @@ ALLOWED = ["role-a", "role-b", "default-role"]
 class Node:
     """This module's node, namespace and agent (one start for every test here)."""
 
-    def __init__(self, cluster, peers, workdir, unique) -> None:
+    def __init__(self, cluster, peers, workdir, unique, extra: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
         self.admin = cluster.admin
         self.name, self.other = unique("node"), unique("node")
@@ -50,7 +50,7 @@ class Node:
         self.port = free_port()
         self.agent = Agent(peers, workdir, extra=[
             f"--node={self.name}", f"--container-credentials-addr=127.0.0.1:{self.port}",
-            "--namespace-restrictions", "--default-role=default-role"])
+            "--namespace-restrictions", "--default-role=default-role", *extra])
         self.agent.wait_ready()
         self.sts_url = peers.sts.url
         self._ips = iter(f"10.250.{i // 250}.{i % 250 + 1}" for i in range(10000))

@@ -211,7 +211,8 @@ def test_the_charts_webhook_objects_are_accepted_by_the_api_server(cluster, tmp_
     """Server-side dry run (validation and admission, nothing stored: the configuration
     never reaches the session's other tests)."""
     from test_chart import NAMESPACE, render, values_file
-    values = values_file(tmp_path, {"containerCredentials": {"webhook": {"enabled": True}}})
+    values = values_file(tmp_path, {"containerCredentials": {"enabled": True,
+                                                         "webhook": {"enabled": True}}})
     docs = [d for d in render(values) if d["metadata"]["name"].endswith("-webhook")]
     paths = {"Secret": f"/api/v1/namespaces/{NAMESPACE}/secrets",
              "Service": f"/api/v1/namespaces/{NAMESPACE}/services",

@@ -91,3 +91,10 @@ def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+def test_an_empty_audience_is_refused_at_start(capsys):
+    # A projected token without an audience is one for the API server: never inject that.
+    with pytest.raises(SystemExit):
+        webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
+    assert "--audience: must not be empty" in capsys.readouterr().err

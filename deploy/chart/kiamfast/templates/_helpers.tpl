@@ -35,6 +35,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: kiamfast
 {{- end -}}
 
+{{/* The injection webhook's objects: its Deployment, Service, Secret, Certificate. */}}
+{{- define "kiamfast.webhookName" -}}
+{{- printf "%s-webhook" (include "kiamfast.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The Secret cert-manager writes the webhook's certificate into (not the chart's own). */}}
+{{- define "kiamfast.webhookCertManagerSecret" -}}
+{{- include "kiamfast.webhookName" . }}-tls
+{{- end -}}
+
 {{- define "kiamfast.serviceAccountName" -}}
 {{- if .Values.rbac.create -}}
 {{- include "kiamfast.fullname" . -}}
@@ -111,6 +121,32 @@ kiamfast's own flags come last.
 - --cri-endpoint={{ include "kiamfast.criEndpoint" . }}
 - --table-path={{ .Values.stateDir }}/table
 - --token-key-file={{ .Values.stateDir }}/token-key
+{{- with .Values.containerCredentials }}
+{{- if .enabled }}
+- --container-credentials-addr={{ include "kiamfast.containerCredentialsAddr" $ }}
+{{- with .link }}
+- --container-credentials-link={{ . }}
+{{- end }}
+- --container-credentials-audience={{ .audience }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Where the agent serves container credentials: the EKS Pod Identity addresses the SDKs accept
+for http://, port 80. The webhook's injected URI names the IPv4 one (every SDK takes it).
+*/}}
+{{- define "kiamfast.containerCredentialsIP" -}}
+169.254.170.23
+{{- end -}}
+
+{{- define "kiamfast.containerCredentialsAddr" -}}
+{{- include "kiamfast.containerCredentialsIP" . }}:80
+{{- if .Values.containerCredentials.ipv6 }},[fd00:ec2::23]:80{{ end }}
+{{- end -}}
+
+{{- define "kiamfast.containerCredentialsURI" -}}
+http://{{ include "kiamfast.containerCredentialsIP" . }}/v1/credentials
 {{- end -}}
 
 {{/* The default resources, from the measured RSS (values.yaml, resources). */}}

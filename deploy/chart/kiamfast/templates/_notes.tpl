@@ -36,7 +36,25 @@ agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities, and ho
 {{- if not .Values.rbac.create }}
 
 NOTE: rbac.create is false: the ServiceAccount "{{ .Values.rbac.serviceAccountName }}" needs get, list, watch
-on pods and namespaces and get, patch on nodes (for the startup taint).
+on pods and namespaces and get, patch on nodes (for the startup taint){{ if .Values.containerCredentials.enabled }},
+and create on tokenreviews.authentication.k8s.io (for container credentials){{ end }}.
+{{- end }}
+{{- with .Values.containerCredentials }}
+{{- if .enabled }}
+
+Container credentials: the agents serve {{ include "kiamfast.containerCredentialsURI" $ }}.
+{{- if .webhook.enabled }} A pod opts in with
+the annotations {{ index ($.Values.extraArgs | default dict) "iam-role-key" | default "iam.amazonaws.com/role" }}=<role> and kiamfast.io/container-credentials="true"
+(pods created while the webhook is down are not injected and use IMDS by address).
+{{- if .webhook.certManager.enabled }}
+Its certificate comes from cert-manager, which must be installed: the webhook's pods start once
+cert-manager has written the Secret {{ include "kiamfast.webhookCertManagerSecret" $ }}.
+{{- end }}
+{{- else }} Without the webhook,
+give a pod AWS_CONTAINER_CREDENTIALS_FULL_URI and a projected token with audience {{ .audience }}
+(deploy/README.md, "Container credentials").
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.startupTaint.key .Values.startupTaint.tolerate }}
 

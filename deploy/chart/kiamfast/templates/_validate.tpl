@@ -23,8 +23,8 @@ imdsv2 token-key-file cri-endpoint kubelet-url sts-endpoint sts-region sts-qps s
 session-duration min-credential-lifetime session-name-policy node-startup-taint
 iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
-sts-fleet-nodes container-credentials-addr container-credentials-audience
-container-credentials-link
+sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
+cluster-name container-credentials-link
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
@@ -64,11 +64,12 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
 {{- fail (printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default" $key $value $key $key) -}}
 {{- end -}}
-{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" -}}
+{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" -}}
 {{- if hasKey $owned $key -}}
 {{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get $owned $key)) -}}
 {{- end -}}
 {{- end -}}
+{{- include "kiamfast.validateContainerCredentials" . -}}
 {{- if and .Values.host.iptables (not .Values.host.ip) -}}
 {{- fail "host.iptables: the DNAT rule needs host.ip (the node's address, $(HOST_IP))" -}}
 {{- end -}}
@@ -107,5 +108,24 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- end -}}
 {{- if and (kindIs "string" .Values.updateStrategy) (not (has .Values.updateStrategy (list "RollingUpdate" "OnDelete"))) -}}
 {{- fail (printf "updateStrategy %s: a DaemonSet updates by RollingUpdate or OnDelete" .Values.updateStrategy) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* containerCredentials: the agent's listener and the webhook that sends pods to it. */}}
+{{- define "kiamfast.validateContainerCredentials" -}}
+{{- $cc := .Values.containerCredentials -}}
+{{- if and $cc.webhook.enabled (not $cc.enabled) -}}
+{{- fail "containerCredentials.webhook.enabled needs containerCredentials.enabled: injected pods would send their SDK to 169.254.170.23, which no agent would serve, and the SDKs do not fall back to IMDS" -}}
+{{- end -}}
+{{- if and $cc.enabled (not $cc.audience) -}}
+{{- fail "containerCredentials.audience: empty: a projected token without an audience is one for the API server itself; name kiamfast's (default kiamfast.io/container-credentials)" -}}
+{{- end -}}
+{{- if and $cc.webhook.enabled (lt (int $cc.webhook.tokenExpirationSeconds) 600) -}}
+{{- fail (printf "containerCredentials.webhook.tokenExpirationSeconds %v: at least 600 (the TokenRequest API's minimum)" $cc.webhook.tokenExpirationSeconds) -}}
+{{- end -}}
+{{- with $cc.webhook.certManager.issuerRef -}}
+{{- if not (and (kindIs "map" .) (kindIs "string" .name) .name) -}}
+{{- fail "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA issuer) or a cert-manager issuerRef with a name, e.g. {name: my-ca, kind: ClusterIssuer}" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

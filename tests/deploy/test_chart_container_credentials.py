@@ -1,0 +1,151 @@
+"""The chart turns on the agent's container-credentials listener (containerCredentials.*),
+rendered by the real helm.
+
+What a user checks: off by default (kube2iam's contract alone, least privilege); on, the
+agent gets the EKS Pod Identity addresses, the link and the audience, its ClusterRole may
+create tokenreviews (and nothing else more), and the webhook injects exactly the address and
+audience the agent serves; values that would make the two disagree, or send pods where no
+agent answers, fail the render with the reason.
+"""
+from __future__ import annotations
+
+import pytest
+from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes, one,
+                        render, render_error, values_file)
+from test_deploy_manifests import AGENT_CALLS
+
+from kiamfast.container_credentials import webhook
+
+ON = {"containerCredentials": {"enabled": True}}
+FLAGS = ("--container-credentials-addr", "--container-credentials-link",
+         "--container-credentials-audience")
+TOKEN_REVIEW = ("authentication.k8s.io", "tokenreviews", "create")
+
+
+def cc_args(objs: list[dict]) -> list[str]:
+    return [a for a in container(objs)["args"] if a.startswith(FLAGS)]
+
+
+def granted(objs: list[dict]) -> set[tuple[str, str, str]]:
+    return {(g, res, v) for r in one(objs, "ClusterRole")["rules"] for g in r["apiGroups"]
+            for res in r["resources"] for v in r["verbs"]}
+
+
+def test_off_by_default_no_listener_and_no_token_reviews():
+    objs = render()
+    assert cc_args(objs) == []
+    assert agent_config(objs)[0].container_credentials_addr == ""
+    assert granted(objs) == set(AGENT_CALLS)
+
+
+def test_on_the_agent_serves_both_addresses_on_its_link(tmp_path):
+    # The comma list and the link flag are wip-linklocal's agent side, rendered exactly so.
+    assert cc_args(render(values_file(tmp_path, ON))) == [
+        "--container-credentials-addr=169.254.170.23:80,[fd00:ec2::23]:80",
+        "--container-credentials-link=kiamfast0",
+        "--container-credentials-audience=kiamfast.io/container-credentials"]
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"ipv6": False}, ["--container-credentials-addr=169.254.170.23:80",
+                       "--container-credentials-link=kiamfast0",
+                       "--container-credentials-audience=kiamfast.io/container-credentials"]),
+    ({"link": "", "audience": "sts.example.com"},
+     ["--container-credentials-addr=169.254.170.23:80,[fd00:ec2::23]:80",
+      "--container-credentials-audience=sts.example.com"])])
+def test_the_values_set_the_flags(tmp_path, values, expected):
+    objs = render(values_file(tmp_path, {"containerCredentials": {"enabled": True, **values}}))
+    assert cc_args(objs) == expected
+
+
+def test_the_agents_parser_accepts_what_the_chart_renders(tmp_path):
+    # The one address with no link is what this branch's agent parses today; with the
+    # comma list and --container-credentials-link merged, the default render parses too.
+    cfg, args = agent_config(render(values_file(tmp_path, {"containerCredentials": {
+        "enabled": True, "ipv6": False, "link": "", "audience": "sts.example.com"}})))
+    assert cfg.container_credentials_addr == "169.254.170.23:80"
+    assert cfg.container_credentials_audience == "sts.example.com"
+
+
+@pytest.mark.parametrize("security, expected_add", [
+    ({}, ["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"]),
+    ({"capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_BIND_SERVICE"]}},
+     ["NET_ADMIN", "NET_BIND_SERVICE"]),
+    ({"privileged": True}, ["NET_ADMIN", "NET_RAW"])])   # privileged has every capability
+def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
+    # Root whose capabilities were dropped cannot bind a port under 1024 without this one.
+    objs = render(values_file(tmp_path, {**ON, "securityContext": security}))
+    assert container(objs)["securityContext"]["capabilities"]["add"] == expected_add
+    off = render(values_file(tmp_path, {"securityContext": security}))
+    assert container(off)["securityContext"].get("capabilities", {}).get("add") == \
+        (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
+
+
+def test_on_the_cluster_role_adds_token_reviews_and_nothing_else(tmp_path):
+    assert granted(render(values_file(tmp_path, ON))) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+
+
+def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_path):
+    objs = render(values_file(tmp_path, {
+        "extraArgs": {"iam-role-key": "example.com/role"},
+        "containerCredentials": {"enabled": True, "audience": "sts.example.com",
+                                 "webhook": {"enabled": True}}}))
+    cfg = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cc_args(objs)}
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    args = webhook.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
+        "args"][1:])
+    assert args.audience == cfg["--container-credentials-audience"] == "sts.example.com"
+    assert args.iam_role_key == "example.com/role"
+    assert "--iam-role-key=example.com/role" in container(objs)["args"]
+    # The injected URI's host and port (80, implied by http://) are one the agent listens on.
+    assert args.full_uri == "http://169.254.170.23/v1/credentials"
+    assert "169.254.170.23:80" in cfg["--container-credentials-addr"].split(",")
+
+
+def test_rbac_off_says_what_the_service_account_needs(tmp_path):
+    text = notes(tmp_path, values_file(tmp_path, {"rbac": {"create": False}, **ON}))
+    assert "and create on tokenreviews.authentication.k8s.io" in text
+    assert "Container credentials: the agents serve http://169.254.170.23/v1/credentials" \
+        in text
+    other = tmp_path / "rbac-alone"
+    other.mkdir()
+    assert "tokenreviews" not in notes(other, values_file(other, {"rbac": {"create": False}}))
+
+
+REFUSED = [
+    ({"containerCredentials": {"webhook": {"enabled": True}}},
+     "containerCredentials.webhook.enabled needs containerCredentials.enabled: injected pods "
+     "would send their SDK to 169.254.170.23, which no agent would serve"),
+    ({"extraArgs": {"container-credentials-addr": "169.254.170.23:80"}},
+     "extraArgs.container-credentials-addr: the chart sets --container-credentials-addr "
+     "from its own value (containerCredentials.enabled and containerCredentials.ipv6)"),
+    ({**ON, "extraArgs": {"container-credentials-audience": "sts.example.com"}},
+     "extraArgs.container-credentials-audience: the chart sets "
+     "--container-credentials-audience from its own value (containerCredentials.audience)"),
+    ({"containerCredentials": {"enabled": True, "audience": ""}},
+     "containerCredentials.audience: empty: a projected token without an audience is one "
+     "for the API server itself"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "tokenExpirationSeconds": 599}}},
+     "containerCredentials.webhook.tokenExpirationSeconds 599: at least 600"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "certManager": {"enabled": True, "issuerRef": "my-ca"}}}},
+     "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA "
+     "issuer) or a cert-manager issuerRef with a name"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "Issuer"}}}}},
+     "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA"),
+]
+
+
+@pytest.mark.parametrize("values, message", REFUSED, ids=[m[:48] for _, m in REFUSED])
+def test_values_that_would_disagree_or_strand_pods_fail_the_render(tmp_path, values,
+                                                                    message):
+    assert message in render_error(tmp_path, values)
+
+
+def test_on_lints_clean(tmp_path):
+    result = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, "-f",
+                  str(values_file(tmp_path, {"containerCredentials": {
+                      "enabled": True, "webhook": {"enabled": True}}})))
+    assert result.returncode == 0, result.stdout + result.stderr
