@@ -59,9 +59,9 @@ class ControlTaskFailed(Exception):
 
 class ControlProcess:
     def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
-                 container_sock: socket.socket | None = None):
+                 container_socks: list[socket.socket] | None = None):
         self.config = config
-        self.container_sock = container_sock      # --container-credentials-addr, bound
+        self.container_socks = container_socks or []   # --container-credentials-addr, bound
         self.container: Any = None
         self.table = table
         self.channels = channels
@@ -152,9 +152,9 @@ class ControlProcess:
             asyncio.create_task(self._health(), name="health"),
             asyncio.create_task(self._publish(), name="publish"),
         ]
-        if self.container_sock is not None:
+        if self.container_socks:
             from kiamfast.container_credentials import server as container
-            self.container = container.from_config(self.config, self.container_sock,
+            self.container = container.from_config(self.config, self.container_socks,
                                                    model=self.model, manager=self.manager,
                                                    table=self.table)
             tasks.append(asyncio.create_task(self.container.run(),
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", required=True)
     parser.add_argument("--channel-fds", default="")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--container-credentials-fd", type=int, default=-1)
+    parser.add_argument("--container-credentials-fds", default="")
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
@@ -517,12 +517,12 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    container_sock = None
-    if args.container_credentials_fd >= 0:
-        container_sock = socket.socket(fileno=args.container_credentials_fd)
-        container_sock.setblocking(False)
+    container_socks = [socket.socket(fileno=int(fd))
+                       for fd in args.container_credentials_fds.split(",") if fd]
+    for sock in container_socks:
+        sock.setblocking(False)
     try:
-        asyncio.run(ControlProcess(config, table, channels, container_sock).run())
+        asyncio.run(ControlProcess(config, table, channels, container_socks).run())
     except iptables.IptablesError as e:
         log.error("cannot install the DNAT rule: %s", e)
         return 1

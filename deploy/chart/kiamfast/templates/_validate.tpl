@@ -24,7 +24,7 @@ session-duration min-credential-lifetime session-name-policy node-startup-taint
 iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
 sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
-cluster-name
+cluster-name container-credentials-link
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
