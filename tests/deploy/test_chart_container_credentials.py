@@ -39,7 +39,6 @@ def test_off_by_default_no_listener_and_no_token_reviews():
 
 
 def test_on_the_agent_serves_both_addresses_on_its_link(tmp_path):
-    # The comma list and the link flag are wip-linklocal's agent side, rendered exactly so.
     assert cc_args(render(values_file(tmp_path, ON))) == [
         "--container-credentials-addr=169.254.170.23:80,[fd00:ec2::23]:80",
         "--container-credentials-link=kiamfast0",
@@ -59,11 +58,14 @@ def test_the_values_set_the_flags(tmp_path, values, expected):
 
 
 def test_the_agents_parser_accepts_what_the_chart_renders(tmp_path):
-    # The one address with no link is what this branch's agent parses today; with the
-    # comma list and --container-credentials-link merged, the default render parses too.
-    cfg, args = agent_config(render(values_file(tmp_path, {"containerCredentials": {
+    cfg, _ = agent_config(render(values_file(tmp_path, ON)))
+    assert cfg.container_credentials_addr == "169.254.170.23:80,[fd00:ec2::23]:80"
+    assert cfg.container_credentials_link == "kiamfast0"
+    assert cfg.container_credentials_audience == "kiamfast.io/container-credentials"
+    cfg, _ = agent_config(render(values_file(tmp_path, {"containerCredentials": {
         "enabled": True, "ipv6": False, "link": "", "audience": "sts.example.com"}})))
     assert cfg.container_credentials_addr == "169.254.170.23:80"
+    assert cfg.container_credentials_link == ""
     assert cfg.container_credentials_audience == "sts.example.com"
 
 
