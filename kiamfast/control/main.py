@@ -25,6 +25,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -33,7 +34,7 @@ import prometheus_client
 from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
-from kiamfast.config import Config
+from kiamfast.config import Config, container_credentials_addrs
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
 from kiamfast.control.credentials import CredentialManager
 from kiamfast.control.ownership import Ownership
@@ -140,7 +141,8 @@ class ControlProcess:
                                adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
                                                    ip["cred_slot"])
                                         for ip in self.table.snapshot()},
-                               expect_runtime=self.runtime_expected)
+                               expect_runtime=self.runtime_expected,
+                               token_only=self._token_only())
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
@@ -196,6 +198,13 @@ class ControlProcess:
         return out
 
     # ---- the container runtime -----------------------------------------------------------
+
+    def _token_only(self) -> Callable[[Mapping[str, Any]], bool]:
+        """Pods that ask this agent's container-credentials listener by token: the metadata
+        path refuses them (container_credentials/token_only.py)."""
+        from kiamfast.container_credentials.token_only import predicate
+        addr = self.config.container_credentials_addr
+        return predicate(container_credentials_addrs(addr) if addr else ())
 
     def _runtime_poller(self) -> runtime.RuntimePoller | None:
         if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:

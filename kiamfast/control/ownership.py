@@ -179,6 +179,7 @@ class _Pod:
     terminating: bool = False
     annotations: Mapping[str, str] = field(default_factory=dict)
     service_account: str = ""
+    token_only: bool = False              # asks by token: the metadata path refuses it
     api_ips: tuple[str, ...] = ()
     identity: PodIdentity | None = None   # None: undecided (not yet evaluated / ns unknown)
     undecided_since: float | None = None
@@ -208,8 +209,10 @@ class Ownership:
         clock: Callable[[], float] = time.monotonic,
         adopted: Mapping[str, Written] | None = None,
         expect_runtime: bool = False,
+        token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
     ) -> None:
         self.policy = policy
+        self.token_only = token_only   # container_credentials/token_only.py
         self.table = table
         self.sink = sink
         self.notify = notify
@@ -300,7 +303,8 @@ class Ownership:
         out = {}
         for uid, state, _ in self._written.values():
             pod = self._pod(uid) if state == POD_DENIED else None
-            if pod is not None and pod.identity is not None and pod.identity.role_arn:
+            if (pod is not None and pod.identity is not None and pod.identity.role_arn
+                    and pod.identity.kind == IdentityKind.DENIED):
                 out[uid] = (pod.identity.role_arn, pod.namespace)
         return out
 
@@ -344,6 +348,7 @@ class Ownership:
         was_live = pod.live
         old_ann = (pod.annotations.get(self.policy.role_key),
                    pod.annotations.get(self.policy.external_id_key))
+        was_token_only = pod.token_only
         pod.rv = rv
         pod.created = meta.get("creationTimestamp") or pod.created
         pod.phase = status.get("phase") or ""
@@ -351,10 +356,15 @@ class Ownership:
         pod.terminating = bool(meta.get("deletionTimestamp"))
         pod.annotations = annotations
         pod.service_account = spec.get("serviceAccountName") or spec.get("serviceAccount") or ""
+        pod.token_only = self.token_only(spec)
+        if pod.token_only and not was_token_only:
+            log.info("pod %s/%s asks by token: the metadata path refuses it credentials",
+                     pod.namespace, pod.name)
         pod.api_ips = pod_ips(obj)
         new_ann = (annotations.get(self.policy.role_key),
                    annotations.get(self.policy.external_id_key))
-        if pod.identity is None or was_live != pod.live or old_ann != new_ann:
+        if (pod.identity is None or was_live != pod.live or old_ann != new_ann
+                or was_token_only != pod.token_only):
             self._dirty_pods.add(uid)
         self._set_claims(pod, seen=rv if seen is None else seen)
 
@@ -744,7 +754,8 @@ class Ownership:
         if ident is None:
             return (uid, POD_UNDECIDED, -1)   # known owner, policy still open: workers wait
         if ident.kind == IdentityKind.ROLE:
-            return (uid, POD_ROLE, pod.cred_slot)
+            # Its credentials are served by token only (the slot stays the pod's).
+            return (uid, POD_DENIED, -1) if pod.token_only else (uid, POD_ROLE, pod.cred_slot)
         if ident.kind == IdentityKind.NO_ROLE:
             return (uid, POD_NO_ROLE, -1)
         return (uid, POD_DENIED, -1)

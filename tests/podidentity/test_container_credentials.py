@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from agent_process import Agent, free_port
+from agent_process import http as imds_http
 from needs import JS_DIR, need_js_sdk
 from sdk_clients import go_client, java_client, need_client
 from podid import (
@@ -63,9 +64,11 @@ class Node:
         self.source = next(self._sources)
 
     def pod(self, name: str, *, role: str | None = None, node: str | None = None,
-            host_network: bool = False) -> str:
+            host_network: bool = False, ip: str | None = None,
+            env: dict[str, str] | None = None) -> str:
         return create_pod(self.admin, self.ns, name, node=node or self.name, sa="app",
-                          ip=next(self._ips), role=role, host_network=host_network)
+                          ip=ip or next(self._ips), role=role, host_network=host_network,
+                          env=env)
 
     def token(self, name: str, uid: str, **kw) -> str:
         return pod_token(self.admin, self.ns, "app", name, uid, **kw)
@@ -176,6 +179,49 @@ def test_default_role_and_namespace_policy_apply(node):
     host = node.pod("host", role="role-a", host_network=True)
     status, body = node.answered(node.token("host", host))
     assert (status, body["Code"]) == (403, "AccessDenied") and "host network" in body["Message"]
+
+
+def caller_arn(node: Node, creds: dict) -> str:
+    """STS's word on whose credentials these are."""
+    import botocore.session
+    sts = botocore.session.get_session().create_client(
+        "sts", region_name="us-east-1", endpoint_url=node.sts_url,
+        aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
+        aws_session_token=creds["Token"])
+    return sts.get_caller_identity()["Arn"]
+
+
+def imds_credentials(node: Node, source: str) -> tuple[int, bytes]:
+    """The metadata path's answer to a pod at ``source``: its role's credentials."""
+    deadline = time.monotonic() + 15
+    while True:
+        status, listing = imds_http(node.agent.port, "GET /latest/meta-data/iam/security-credentials/",
+                               source=source)
+        if status == 200:
+            return imds_http(node.agent.port, "GET /latest/meta-data/iam/security-credentials/"
+                        + listing.decode().strip(), source=source)
+        if status != 503 or time.monotonic() > deadline:
+            return status, listing
+        time.sleep(0.05)
+
+
+def test_a_pod_that_asks_by_token_is_refused_by_address(node):
+    """Both at once: a pod whose container asks this listener by token gets nothing on the
+    metadata path (an SDK falling back to IMDS, as Java's chain does, would otherwise be
+    identified by its address again); a pod without the variables keeps kube2iam's
+    contract."""
+    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
+           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
+    by_token = node.pod("by-token", role="role-a", ip="127.0.250.1", env=env)
+    node.pod("by-address", role="role-b", ip="127.0.250.2")
+    status, body = node.answered(node.token("by-token", by_token))
+    assert status == 200, body
+    assert "assumed-role/role-a/" in caller_arn(node, body)
+    status, body = imds_credentials(node, "127.0.250.1")
+    assert status == 404 and b"AccessKeyId" not in body, body
+    status, body = imds_credentials(node, "127.0.250.2")
+    assert status == 200, body
+    assert "assumed-role/role-b/" in caller_arn(node, json.loads(body))
 
 
 def test_a_token_is_the_identity_wherever_it_is_sent_from(node):
