@@ -104,6 +104,16 @@ def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_pa
     assert "169.254.170.23:80" in cfg["--container-credentials-addr"].split(",")
 
 
+def test_ipv6_only_pods_are_sent_to_the_ipv6_address(tmp_path):
+    objs = render(values_file(tmp_path, {"containerCredentials": {
+        "enabled": True, "webhook": {"enabled": True, "uriFamily": "ipv6"}}}))
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    args = webhook.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
+        "args"][1:])
+    assert args.full_uri == "http://[fd00:ec2::23]/v1/credentials"
+    assert "[fd00:ec2::23]:80" in cc_args(objs)[0].split("=", 1)[1].split(",")
+
+
 def test_rbac_off_says_what_the_service_account_needs(tmp_path):
     text = notes(tmp_path, values_file(tmp_path, {"rbac": {"create": False}, **ON}))
     assert "and create on tokenreviews.authentication.k8s.io" in text
@@ -124,6 +134,11 @@ REFUSED = [
     ({**ON, "extraArgs": {"container-credentials-audience": "sts.example.com"}},
      "extraArgs.container-credentials-audience: the chart sets "
      "--container-credentials-audience from its own value (containerCredentials.audience)"),
+    ({"containerCredentials": {"enabled": True, "ipv6": False, "webhook": {
+        "enabled": True, "uriFamily": "ipv6"}}},
+     "containerCredentials.webhook.uriFamily ipv6 needs containerCredentials.ipv6"),
+    ({"containerCredentials": {"enabled": True, "webhook": {"uriFamily": "IPv6"}}},
+     "containerCredentials.webhook.uriFamily IPv6: ipv4 (http://169.254.170.23) or ipv6"),
     ({"containerCredentials": {"enabled": True, "audience": ""}},
      "containerCredentials.audience: empty: a projected token without an audience is one "
      "for the API server itself"),
