@@ -109,9 +109,12 @@ class OwnershipView:
         if entry.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")
-        if entry.host_network:     # the model decides no role for them (no own address)
-            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network")
-        if not entry.live:
+        if entry.host_network and not entry.token_only:
+            # The node's address is not its own: served only when every container asks by
+            # token (ownership.py, `decided`).
+            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network and "
+                            "not every container asks by token")
+        if not entry.decided:
             raise forbidden(f"pod {pod.namespace}/{pod.name} is not running")
         ident = entry.identity
         if ident is None:

@@ -46,6 +46,9 @@ Identity: `RolePolicy.decide` per pod; denied pods are written `POD_DENIED` (wor
 the credential sink hands out (`sink.acquire`, which also starts the prefetch, before the
 pod has an address).  An owner whose decision needs a namespace the agent has not seen is
 written `POD_UNDECIDED` (workers wait) for at most `namespace_grace` seconds, then denied.
+A pod that asks by token only (`token_only`, container_credentials/token_only.py) keeps its
+role and slot for the token path, but its addresses are written `POD_DENIED`; such a pod on
+the host network is decided too, and owns no address.
 
 Restarts: the model starts from what the table holds (`adopted`).  The first sync (or the
 first runtime view) makes the table equal to what the model knows: every address nobody
@@ -190,6 +193,14 @@ class _Pod:
     @property
     def live(self) -> bool:
         return self.phase in LIVE_PHASES and not self.host_network
+
+    @property
+    def decided(self) -> bool:
+        """Does it get a role decision and credentials?  Live pods, and a hostNetwork pod
+        that asks by token only: it owns no address (the node's is not its own), so the
+        metadata path never serves it, but its token names it."""
+        return self.live or (self.host_network and self.token_only
+                             and self.phase in LIVE_PHASES)
 
 
 class Ownership:
@@ -345,7 +356,7 @@ class Ownership:
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
         annotations = meta.get("annotations") or {}
-        was_live = pod.live
+        was_live, was_decided = pod.live, pod.decided
         old_ann = (pod.annotations.get(self.policy.role_key),
                    pod.annotations.get(self.policy.external_id_key))
         was_token_only = pod.token_only
@@ -363,8 +374,8 @@ class Ownership:
         pod.api_ips = pod_ips(obj)
         new_ann = (annotations.get(self.policy.role_key),
                    annotations.get(self.policy.external_id_key))
-        if (pod.identity is None or was_live != pod.live or old_ann != new_ann
-                or was_token_only != pod.token_only):
+        if (pod.identity is None or was_live != pod.live or was_decided != pod.decided
+                or old_ann != new_ann or was_token_only != pod.token_only):
             self._dirty_pods.add(uid)
         self._set_claims(pod, seen=rv if seen is None else seen)
 
@@ -777,8 +788,8 @@ class Ownership:
         return PodIdentity.role(ident.role_arn, external_id)
 
     def _decide(self, pod: _Pod) -> None:
-        if not pod.live:
-            # Terminal (or hostNetwork): no addresses, no credentials.
+        if not pod.decided:
+            # Terminal (or hostNetwork, unless by token): no addresses, no credentials.
             if pod.cred_key is not None:
                 self._gone.add(pod.uid)
                 pod.cred_key = None
@@ -808,7 +819,7 @@ class Ownership:
         if ident is not None:
             pod.undecided_since = None
         if ident is not None and ident.kind == IdentityKind.ROLE:
-            ips = list(self._ips_of(pod)) or list(pod.api_ips)
+            ips = list(self._ips_of(pod)) or ([] if pod.host_network else list(pod.api_ips))
             ip = sorted(ips)[0] if ips else None
             want = (ident.role_arn, ident.external_id, ip)
             if pod.cred_key != want:

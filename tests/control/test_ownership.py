@@ -648,3 +648,25 @@ def test_without_a_listener_no_pod_is_token_only():
     assert predicate([("169.254.170.23", 80)])({"containers": []}) is False
     no_file = {"containers": [{"name": "c", "env": by_token()[:1]}]}
     assert predicate([("169.254.170.23", 80)])(no_file) is False
+
+
+def test_a_host_network_pod_that_asks_by_token_is_decided_but_owns_no_address(table, sink,
+                                                                              clock):
+    from kiamfast.container_credentials.token_only import predicate
+    m = ownership.Ownership(
+        policy=ownership.RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
+        token_only=predicate([("169.254.170.23", 80)]))
+    m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app",
+                                    host_network=True), by_token()))
+    m.apply_pod(with_containers(pod("host-plain", ips=("10.9.9.9",), role="other",
+                                    host_network=True), []))
+    m.commit()
+    assert lookup(table, "10.9.9.9") is None          # the node's address: nobody's
+    tok, plain = m.pods["host-tok"], m.pods["host-plain"]
+    assert tok.identity.role_arn == BASE + "app" and tok.cred_slot >= 0
+    assert sink.requests["host-tok"].pod_ip is None   # never named after the node's address
+    assert plain.cred_slot == -1 and "host-plain" not in sink.holders
+    m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app", rv=2,
+                                    phase="Succeeded", host_network=True), by_token()))
+    m.commit()
+    assert m.pods["host-tok"].cred_slot == -1         # finished: its credentials go

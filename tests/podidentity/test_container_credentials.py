@@ -224,6 +224,19 @@ def test_a_pod_that_asks_by_token_is_refused_by_address(node):
     assert "assumed-role/role-b/" in caller_arn(node, json.loads(body))
 
 
+def test_a_host_network_pod_that_asks_by_token_gets_its_own_role(node):
+    """The node's address is not a hostNetwork pod's own, so no address path can tell such
+    pods apart; their tokens can."""
+    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
+           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
+    uid_a = node.pod("host-a", role="role-a", host_network=True, env=env)
+    uid_b = node.pod("host-b", role="role-b", host_network=True, env=env)
+    for name, uid, role in (("host-a", uid_a, "role-a"), ("host-b", uid_b, "role-b")):
+        status, body = node.answered(node.token(name, uid))
+        assert status == 200, body
+        assert f"assumed-role/{role}/" in caller_arn(node, body)
+
+
 def test_a_token_is_the_identity_wherever_it_is_sent_from(node):
     """The protocol binds nothing to the address: a pod's token sent from another address
     (another pod's) gets the token's pod's role, never the sender's."""
