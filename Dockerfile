@@ -62,7 +62,7 @@ FROM python
 # DL3008 ignored: as in the python stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends iptables \
+ && apt-get install -y --no-install-recommends iptables iproute2 \
  && rm -rf /var/lib/apt/lists/*
 # The wheels are bind-mounted from the build stage, so no layer of this image holds them; their
 # checksums are copied first because buildah (1.28) reuses a cached RUN whatever its bind

@@ -89,6 +89,7 @@ class Scenario:
     sts_attempts: int = 1                # StsClient max_attempts (today: 2, botocore retries)
     quantum: float = 0.05
     seed: int = 1
+    tag_keys: str = ""                   # --session-tags with these keys ("": no tags)
 
 
 @dataclass
@@ -201,6 +202,8 @@ class Fleet:
             table=rec, sts=self.sts, capacity=8, node_name=f"node-{n}", base_role_arn=BASE,
             qps=sc.qps, burst=sc.burst, account_qps=sc.account_qps,
             fleet_nodes=sc.fleet_nodes or sc.nodes, clock=self.clock.time,
+            session_tags=bool(sc.tag_keys), tag_keys=sc.tag_keys or "kiamfast",
+            cluster_name="sim" if sc.tag_keys else "",
             sleep=self.clock.sleep, rng=random.Random(sc.seed * 100003 + n))
         self.managers.append(mgr)
         self.tables.append(rec)
@@ -248,8 +251,11 @@ class Fleet:
         if call is None:
             self._index_calls()
             call = self.issued.get(key) if key else None
-        return (call is not None and call.role_arn == BASE + pod.role
-                and call.session_name == f"node-{pod.node}-{pod.role}")
+        if call is None or call.role_arn != BASE + pod.role:
+            return False
+        if self.sc.tag_keys == "eks":     # a session of its own, tagged with its UID
+            return call.tags.get("kubernetes-pod-uid") == pod.uid
+        return call.session_name == f"node-{pod.node}-{pod.role}"
 
     def _index_calls(self) -> None:
         for c in self.proxy.assume_role_calls(outcome="ok"):
@@ -468,7 +474,8 @@ def todays_defaults(sc: Scenario) -> Scenario:
 
 def steady(nodes: int = 10000, budget: float = 600.0, hours: float = 2.0, **kw) -> Scenario:
     """Nodes × 5 roles long after arrival: the refresh rate against the budget."""
-    return Scenario(nodes=nodes, budget=budget, account_qps=budget, pods_per_node=5,
+    kw.setdefault("pods_per_node", 5)
+    return Scenario(nodes=nodes, budget=budget, account_qps=budget,
                     window=600.0, pull=(5.0, 20.0), duration=hours * 3600, **kw)
 
 
@@ -581,8 +588,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.1,
                     help="brownout: STS's rate during it, a fraction of the budget")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--pods-per-node", type=int, help="pods of each node (roles stay 5)")
+    ap.add_argument("--tag-keys", choices=("kiamfast", "eks"),
+                    help="--session-tags with these keys (eks: one session per pod)")
     args = ap.parse_args(argv)
     kw = {"client": args.client, "seed": args.seed}
+    if args.pods_per_node:
+        kw["pods_per_node"] = args.pods_per_node
+    if args.tag_keys:
+        kw["tag_keys"] = args.tag_keys
     if args.burst:
         kw["burst"] = args.burst
     if args.nodes:

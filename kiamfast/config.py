@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,6 +192,7 @@ _QUALIFIED_NAME = re.compile(
     re.ASCII,
 )
 _INTERFACE = re.compile(r"^!?[^\s/!:]{1,15}$")
+_LINK_NAME = re.compile(r"^[^\s/:]{1,15}$")      # IFNAMSIZ 16 with its NUL
 
 DEFAULT_STARTUP_TAINT = "kiamfast.io/agent-not-ready"
 
@@ -370,8 +372,16 @@ FLAGS: tuple[Flag, ...] = (
        "<fnv32a of pod IP>-<role name> as kube2iam does.",
        choices=("node-role", "pod", "kube2iam")),
     _f("session-tags", "bool", False, "Pass session tags (pod namespace, name, "
-       "service account, node) to AssumeRole; the role's trust policy must allow "
-       "sts:TagSession."),
+       "service account, node; see --session-tag-keys) to AssumeRole; the role's trust "
+       "policy must allow sts:TagSession."),
+    _f("session-tag-keys", "choice", "kiamfast", "Tag keys of --session-tags: kiamfast = "
+       "kiamfast-namespace, -pod, -serviceaccount, -node (one session per role and tag "
+       "values); eks = EKS Pod Identity's kubernetes-namespace, -service-account, -pod-name, "
+       "-pod-uid, so its policies work unchanged (one session per pod, named "
+       "eks-<cluster>-<pod>-<uid>).", choices=("kiamfast", "eks")),
+    _f("cluster-name", "str", "", "This cluster's name, sent with --session-tags as "
+       "eks-cluster-name (eks keys) or kiamfast-cluster, and in EKS-style session names. "
+       "\"\" = no cluster tag."),
     _f("node-startup-taint", "str", DEFAULT_STARTUP_TAINT, "Taint key removed from this "
        "node once the agent is ready (register nodes with it so no pod starts before the "
        "agent). \"\" disables."),
@@ -400,9 +410,14 @@ FLAGS: tuple[Flag, ...] = (
        "IPv6)."),
     _f("container-credentials-addr", "str", "", "Preview: also serve the container-"
        "credentials protocol (AWS_CONTAINER_CREDENTIALS_FULL_URI, a projected service-"
-       "account token as Authorization) at this ip:port, e.g. 169.254.170.23:80 (the "
-       "address must be on a node interface); \"\" = off. Needs RBAC to create "
-       "tokenreviews."),
+       "account token as Authorization) at these comma-separated ip:port, e.g. "
+       "169.254.170.23:80,[fd00:ec2::23]:80 (each address must be local to the node: see "
+       "--container-credentials-link); \"\" = off. Needs RBAC to create tokenreviews."),
+    _f("container-credentials-link", "str", "", "Before listening, make sure a dummy link "
+       "of this name exists and holds each --container-credentials-addr address (/32, "
+       "/128), adding what is missing; kept when the agent stops. An IPv6 address that "
+       "cannot be added (IPv6 disabled) is skipped with a log line. Needs NET_ADMIN. \"\" "
+       "= the agent does not manage addresses."),
     _f("container-credentials-audience", "str", "kiamfast.io/container-credentials",
        "Audience a container-credentials token must be issued for (the projected token "
        "volume's audience)."),
@@ -417,6 +432,20 @@ FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
 
 def _default(name: str) -> Any:
     return field(default=FLAGS_BY_NAME[name].default)
+
+
+TAG_VALUE_MAX = 256
+_TAG_PUNCT = frozenset("_.:/=+-@")
+
+
+def tag_value_problem(value: str) -> str:
+    """Why STS would refuse ``value`` as a session tag's value (at most 256 letters,
+    separators, numbers and ``_.:/=+-@``), or "" when it takes it."""
+    if len(value) > TAG_VALUE_MAX:
+        return f"{len(value)} characters (at most {TAG_VALUE_MAX})"
+    bad = sorted({ch for ch in value
+                  if ch not in _TAG_PUNCT and unicodedata.category(ch)[0] not in "LZN"})
+    return f"characters STS refuses: {''.join(bad)!r}" if bad else ""
 
 
 @dataclass(frozen=True)
@@ -483,6 +512,8 @@ class Config:
     min_credential_lifetime: float = _default("min-credential-lifetime")
     session_name_policy: str = _default("session-name-policy")
     session_tags: bool = _default("session-tags")
+    session_tag_keys: str = _default("session-tag-keys")
+    cluster_name: str = _default("cluster-name")
     node_startup_taint: str = _default("node-startup-taint")
     iptables_remove_on_exit: bool = _default("iptables-remove-on-exit")
     iptables_backend: str = _default("iptables-backend")
@@ -493,6 +524,7 @@ class Config:
     host_ipv6: str = _default("host-ipv6")
     listen_host: str = _default("listen-host")
     container_credentials_addr: str = _default("container-credentials-addr")
+    container_credentials_link: str = _default("container-credentials-link")
     container_credentials_audience: str = _default("container-credentials-audience")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
@@ -573,15 +605,41 @@ def _url(value: str, flag: str) -> None:
         raise ConfigError(flag, "must be an http:// or https:// URL", value=value)
 
 
-def _container_credentials_addr(addr: str) -> None:
-    """ip:port (IPv6 in brackets): the listener is bound before anything resolves names."""
-    try:
-        host, port = split_host_port(addr)
-    except ValueError as e:
-        raise ConfigError("container-credentials-addr", str(e), value=addr) from None
-    if port is None:
-        raise ConfigError("container-credentials-addr", "needs a port", value=addr)
-    _ip(host, "container-credentials-addr")
+def container_credentials_addrs(value: str) -> list[tuple[str, int]]:
+    """``"169.254.170.23:80,[fd00:ec2::23]:80"`` -> [(host, port), ...], each ip:port (IPv6
+    in brackets: the listeners are bound before anything resolves names), none twice."""
+    flag = "container-credentials-addr"
+    addrs: list[tuple[str, int]] = []
+    for addr in value.split(","):
+        addr = addr.strip()
+        if not addr:
+            raise ConfigError(flag, "an empty entry in the list", value=value)
+        try:
+            host, port = split_host_port(addr)
+        except ValueError as e:
+            raise ConfigError(flag, str(e), value=addr) from None
+        if port is None:
+            raise ConfigError(flag, "needs a port (ip:port, [ipv6]:port)", value=addr)
+        host = str(_ip(host, flag))
+        if (host, port) in addrs:
+            raise ConfigError(flag, "listed twice", value=addr)
+        addrs.append((host, port))
+    return addrs
+
+
+def _container_credentials_link(c: Config) -> None:
+    flag = "container-credentials-link"
+    if not c.container_credentials_addr:
+        raise ConfigError(flag, "needs --container-credentials-addr",
+                          value=c.container_credentials_link)
+    if not _LINK_NAME.match(c.container_credentials_link):
+        raise ConfigError(flag, "not a link name (1-15 characters, no space, / or :)",
+                          value=c.container_credentials_link)
+    for host, _ in container_credentials_addrs(c.container_credentials_addr):
+        if ipaddress.ip_address(host).is_unspecified:
+            raise ConfigError(flag, f"cannot put {host} on a link: list the addresses to "
+                              "serve in --container-credentials-addr",
+                              value=c.container_credentials_link)
 
 
 def _normalise_and_validate(c: Config) -> None:
@@ -668,9 +726,12 @@ def _normalise_and_validate(c: Config) -> None:
             _ip(host, "metadata-addr", version=4)
 
     if c.container_credentials_addr:
-        _container_credentials_addr(c.container_credentials_addr)
+        container_credentials_addrs(c.container_credentials_addr)
         if not c.container_credentials_audience:
             raise ConfigError("container-credentials-audience", "must not be empty", value="")
+
+    if c.container_credentials_link:
+        _container_credentials_link(c)
 
     # URLs.
     if c.cri_endpoint not in ("", "none", "auto") and not (
@@ -681,6 +742,19 @@ def _normalise_and_validate(c: Config) -> None:
         _url(c.sts_endpoint, "sts-endpoint")
     if c.api_server:
         _url(c.api_server, "api-server")
+
+    # Session tags: a cluster name STS takes as a tag value, EKS keys only with tags on.
+    problem = tag_value_problem(c.cluster_name)
+    if problem:
+        raise ConfigError("cluster-name", f"not an STS session tag value: {problem}",
+                          value=c.cluster_name)
+    if c.session_tag_keys == "eks":
+        if not c.session_tags:
+            raise ConfigError("session-tag-keys", "eks needs --session-tags", value="eks")
+        if c.session_name_policy != "node-role":
+            raise ConfigError("session-name-policy", "cannot be used with "
+                              "--session-tag-keys=eks, which names each session after its "
+                              "pod as EKS Pod Identity does", value=c.session_name_policy)
 
     # Session duration: 1h, or kube2iam's 2x TTL when the TTL was given.
     if c.session_duration is None:

@@ -16,9 +16,10 @@ What it hands the children, and why it holds it itself:
 * the IMDSv2 token key, in an in-memory file (memfd) each worker inherits.  With
   ``--token-key-file`` it is loaded from (or created in) that file so tokens survive
   restarts; with ``--token-key-file ""`` it exists only in memory, new at every start;
-* with ``--container-credentials-addr``, that listening socket, inherited by the control
-  process only (it answers that protocol), so requests wait in its backlog while the
-  control process restarts;
+* with ``--container-credentials-addr``, one listening socket per address, inherited by
+  the control process only (it answers that protocol), so requests wait in their backlog
+  while the control process restarts; with ``--container-credentials-link`` the addresses
+  are first put on that link (kiamfast/container_credentials/link.py);
 * the table lock (``<table>.lock``, flock), inherited by the control process: while any
   process of an agent that can write the table lives, no other supervisor touches it.
 
@@ -46,7 +47,8 @@ import time
 import orjson
 
 from kiamfast import channel, logs
-from kiamfast.config import Config, split_host_port
+from kiamfast.config import Config, container_credentials_addrs
+from kiamfast.container_credentials.link import LinkError, ensure_addresses
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import WorkerError, listen_socket
 from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError
@@ -283,13 +285,27 @@ def listeners(config: Config) -> list[socket.socket]:
     return socks
 
 
-def container_credentials_listener(config: Config) -> socket.socket | None:
-    """The container-credentials socket (--container-credentials-addr), bound here like the
-    app port so requests wait in its backlog while the control process restarts."""
+def container_credentials_listeners(config: Config) -> list[socket.socket]:
+    """The container-credentials sockets (--container-credentials-addr), bound here like the
+    app port so requests wait in their backlog while the control process restarts.  With
+    --container-credentials-link the addresses are put on that link first; an IPv6 one it
+    cannot hold is not listened on (`link.ensure_addresses` logs why)."""
     if not config.container_credentials_addr:
-        return None
-    host, port = split_host_port(config.container_credentials_addr)
-    return listen_socket(host, port)
+        return []
+    addrs = container_credentials_addrs(config.container_credentials_addr)
+    if config.container_credentials_link:
+        held = set(ensure_addresses(config.container_credentials_link,
+                                    list(dict.fromkeys(host for host, _ in addrs))))
+        addrs = [(host, port) for host, port in addrs if host in held]
+    socks: list[socket.socket] = []
+    try:
+        for host, port in addrs:
+            socks.append(listen_socket(host, port))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def _die_with_parent() -> None:
@@ -324,7 +340,7 @@ class Supervisor:
         self.stopping = False
         self.children: list[Child] = []
         self.listeners: list[socket.socket] = []
-        self.container_listener: socket.socket | None = None
+        self.container_listeners: list[socket.socket] = []
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
         self.lock_fd = self.token_key_fd = -1
         self.table: Table | None = None
@@ -336,7 +352,7 @@ class Supervisor:
         previous agent's control process gets LOCK_WAIT to exit), then the table and key."""
         cfg = self.config
         self.listeners = listeners(cfg)
-        self.container_listener = container_credentials_listener(cfg)   # control's only
+        self.container_listeners = container_credentials_listeners(cfg)   # control's only
         self.lock_fd = lock_table(cfg.table_path)
         self.table = open_table(cfg)
         self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
@@ -354,11 +370,10 @@ class Supervisor:
                       *listen_args, "--settings-json", settings],
                 fds=(worker_end.fileno(), self.token_key_fd, *listen_fds)))
         control_fds = tuple(c.fileno() for c, _ in self.pairs)
-        container_fds: tuple[int, ...] = ()
+        container_fds = tuple(sock.fileno() for sock in self.container_listeners)
         container_args: list[str] = []
-        if self.container_listener is not None:
-            container_fds = (self.container_listener.fileno(),)
-            container_args = ["--container-credentials-fd", str(container_fds[0])]
+        if container_fds:
+            container_args = ["--container-credentials-fds", ",".join(map(str, container_fds))]
         self.control = Child(
             name="control",
             argv=[*CHILD_PYTHON, "-m", "kiamfast.control", "--table", cfg.table_path,
@@ -392,8 +407,8 @@ class Supervisor:
     def run(self) -> int:
         try:
             self.prepare()
-        except (WorkerError, OSError) as e:   # the port is taken, the key file unwritable
-            log.error("cannot start: %s", e)
+        except (WorkerError, OSError, LinkError) as e:   # the port is taken, the key file
+            log.error("cannot start: %s", e)             # unwritable, no NET_ADMIN
             return 1
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -451,11 +466,10 @@ class Supervisor:
     def close(self) -> None:
         """Give back what prepare() took: the port, the channels, the table lock, the table's
         mapping, the key's memfd (how tests end a supervisor that started no children)."""
-        for sock in [*self.listeners, *(end for pair in self.pairs for end in pair)]:
+        for sock in [*self.listeners, *self.container_listeners,
+                     *(end for pair in self.pairs for end in pair)]:
             sock.close()
-        if self.container_listener is not None:
-            self.container_listener.close()
-            self.container_listener = None
+        self.container_listeners = []
         for fd in (self.lock_fd, self.token_key_fd):
             if fd >= 0:
                 os.close(fd)

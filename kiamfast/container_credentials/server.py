@@ -22,7 +22,7 @@ import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import orjson
 
@@ -109,9 +109,12 @@ class OwnershipView:
         if entry.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")
-        if entry.host_network:     # the model decides no role for them (no own address)
-            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network")
-        if not entry.live:
+        if entry.host_network and not entry.token_only:
+            # The node's address is not its own: served only when every container asks by
+            # token (ownership.py, `decided`).
+            raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network and "
+                            "not every container asks by token")
+        if not entry.decided:
             raise forbidden(f"pod {pod.namespace}/{pod.name} is not running")
         ident = entry.identity
         if ident is None:
@@ -227,11 +230,13 @@ def error_body(code: str, message: str) -> bytes:
 
 
 class ContainerCredentialsServer:
-    """The listener: one coroutine per connection, answers in request order."""
+    """The listeners: one coroutine per connection, answers in request order.  Every socket
+    (169.254.170.23 and [fd00:ec2::23], say) shares one reviewer, cache and set of limits."""
 
-    def __init__(self, sock: socket.socket, *, reviewer: TokenReviewer, view: PodView,
-                 wait_budget: float, clock: Callable[[], float] = time.time) -> None:
-        self.sock = sock
+    def __init__(self, socks: socket.socket | Sequence[socket.socket], *,
+                 reviewer: TokenReviewer, view: PodView, wait_budget: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.socks = [socks] if isinstance(socks, socket.socket) else list(socks)
         self.reviewer = reviewer
         self.view = view
         self.wait_budget = wait_budget
@@ -264,9 +269,13 @@ class ContainerCredentialsServer:
     # ---- connections -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        server = await asyncio.start_server(self._connection, sock=self.sock, limit=MAX_HEAD)
-        async with server:
-            await server.serve_forever()
+        servers = [await asyncio.start_server(self._connection, sock=sock, limit=MAX_HEAD)
+                   for sock in self.socks]
+        try:
+            await asyncio.gather(*(server.serve_forever() for server in servers))
+        finally:
+            for server in servers:
+                server.close()
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
@@ -399,9 +408,9 @@ class ContainerCredentialsServer:
         self.reviewer.close()
 
 
-def from_config(config: Any, sock: socket.socket, *, model: Any, manager: Any,
+def from_config(config: Any, socks: Sequence[socket.socket], *, model: Any, manager: Any,
                 table: Any) -> ContainerCredentialsServer:
-    """The listener of --container-credentials-addr, with its own API client (its reviews
+    """The listeners of --container-credentials-addr, with their own API client (reviews
     never queue behind the pod watch's connections)."""
     from kiamfast.container_credentials.review import token_review_call
     from kiamfast.control.pods import make_api_client
@@ -410,5 +419,5 @@ def from_config(config: Any, sock: socket.socket, *, model: Any, manager: Any,
     reviewer = TokenReviewer(token_review_call(api_client),
                              audience=config.container_credentials_audience)
     view = OwnershipView(model=model, manager=manager, table=table, node=config.node)
-    return ContainerCredentialsServer(sock, reviewer=reviewer, view=view,
+    return ContainerCredentialsServer(socks, reviewer=reviewer, view=view,
                                       wait_budget=config.wait_budget)

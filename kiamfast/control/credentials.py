@@ -24,9 +24,20 @@ Session-name policies (``session_policy``):
   asks and often before it has an IP, so the name uses the IP of the first user that has one
   and otherwise fnv32a of that pod's UID.
 
-Optional session tags (``session_tags``: ``kiamfast-namespace``, ``kiamfast-pod``,
-``kiamfast-serviceaccount``, ``kiamfast-node``, or ``True`` for all) are sent for ABAC and
-become part of the key, so tagging per pod means one session per pod.
+Optional session tags (``session_tags``: names of the chosen set, or ``True`` for all) are
+sent for ABAC and become part of the key, so tagging per pod means one session per pod.
+Two sets (``tag_keys``): ``kiamfast`` (``kiamfast-namespace``, ``kiamfast-pod``,
+``kiamfast-serviceaccount``, ``kiamfast-node``, ``kiamfast-cluster``) and ``eks``, EKS Pod
+Identity's keys (``eks-cluster-name``, ``kubernetes-namespace``,
+``kubernetes-service-account``, ``kubernetes-pod-name``, ``kubernetes-pod-uid``), transitive
+as EKS sends them, so policies written for ``aws:PrincipalTag/kubernetes-namespace`` work
+unchanged; the cluster tag only when ``cluster_name`` is set.  With ``eks`` every pod has
+its own session, named as EKS names it: ``eks-<cluster>-<pod>-<uid prefix>`` (the
+session-name policy does not apply).
+A tag value STS cannot take (length, characters) is never altered or left out, since a
+policy condition may rely on it: that pod's key is denied (``InvalidSessionTag``) without an
+STS call.  A tagged call STS refuses is denied as any refusal, with a message naming
+``sts:TagSession``, and never retried without its tags.
 
 Scheduling. One STS call per key at a time (single flight); every call takes a token from a
 global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered
@@ -72,6 +83,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
+from kiamfast.config import tag_value_problem
 from kiamfast.control import render
 from kiamfast.control.ratelimit import TokenBucket, backoff
 from kiamfast.control.sts import (Credentials, StsDenied, StsError, StsThrottled,
@@ -88,7 +100,16 @@ TAG_NAMESPACE = "kiamfast-namespace"
 TAG_POD = "kiamfast-pod"
 TAG_SERVICE_ACCOUNT = "kiamfast-serviceaccount"
 TAG_NODE = "kiamfast-node"
+TAG_CLUSTER = "kiamfast-cluster"
 SESSION_TAGS = (TAG_NAMESPACE, TAG_POD, TAG_SERVICE_ACCOUNT, TAG_NODE)
+# EKS Pod Identity's keys (its user guide, "List of session tags added by EKS Pod
+# Identity"); eks-cluster-arn is not sent: outside EKS there is no such cluster to name.
+EKS_CLUSTER = "eks-cluster-name"
+EKS_TAGS = ("kubernetes-namespace", "kubernetes-service-account", "kubernetes-pod-name",
+            "kubernetes-pod-uid")
+TAG_KEYS = ("kiamfast", "eks")
+TAGSESSION_HINT = ("session tags are sent: the role's trust policy must allow "
+                   "sts:TagSession as well as sts:AssumeRole")
 
 # Queue priorities (lower first).
 PRIO_WANTED = 0     # a worker has a request waiting for this slot
@@ -136,7 +157,8 @@ class CredentialTable(Protocol):
 class AssumeRole(Protocol):
     async def assume_role(self, role_arn: str, session_name: str, *,
                           external_id: str | None = None, duration: int = 3600,
-                          tags: list[tuple[str, str]] | None = None) -> Credentials: ...
+                          tags: list[tuple[str, str]] | None = None,
+                          transitive: bool = False) -> Credentials: ...
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,15 @@ def fnv32a(data: str | bytes) -> int:
     return h
 
 
+def tag_problem(tags: Iterable[tuple[str, str]]) -> str:
+    """Why STS would refuse these session tags, or "" when it takes them all."""
+    for key, value in tags:
+        problem = tag_value_problem(value)
+        if problem:
+            return f"session tag {key}={value[:64]!r}: {problem}"
+    return ""
+
+
 # ---- per-key state ------------------------------------------------------------------------------
 
 _PENDING, _READY, _ERROR, _DENIED = "pending", "ready", "error", "denied"
@@ -195,6 +226,7 @@ class _Entry:
     freed: bool = False
     issued: int = 0                # credentials issued for this key so far
     quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
+    unsendable: bool = False       # a tag value STS cannot take: denied, never fetched
 
 
 # ---- the manager --------------------------------------------------------------------------------
@@ -207,6 +239,7 @@ class CredentialManager:
                  node_name: str = "", base_role_arn: str | None = None,
                  session_policy: str = "node-role",
                  session_tags: bool | Iterable[str] = (),
+                 tag_keys: str = "kiamfast", cluster_name: str = "",
                  duration: float = 3600.0, min_lifetime: float = 900.0,
                  refresh_fraction: float = 0.5, refresh_jitter: float = 0.1,
                  qps: float = 5.0, burst: int = 20, max_inflight: int = 8,
@@ -226,15 +259,20 @@ class CredentialManager:
             raise ValueError("min_lifetime must be shorter than the session duration")
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        if session_tags is True:
-            tags: tuple[str, ...] = SESSION_TAGS
+        if tag_keys not in TAG_KEYS:
+            raise ValueError(f"tag_keys must be one of {TAG_KEYS}")
+        known = ((EKS_CLUSTER, *EKS_TAGS) if tag_keys == "eks"
+                 else (*SESSION_TAGS, TAG_CLUSTER))
+        if session_tags is True:       # all of them; the cluster's only when it has a name
+            tags: tuple[str, ...] = tuple(
+                t for t in known if cluster_name or t not in (EKS_CLUSTER, TAG_CLUSTER))
         elif session_tags is False or session_tags is None:
             tags = ()
         else:
             tags = tuple(session_tags)
-            unknown = set(tags) - set(SESSION_TAGS)
+            unknown = set(tags) - set(known)
             if unknown:
-                raise ValueError(f"unknown session tags {sorted(unknown)}; one of {SESSION_TAGS}")
+                raise ValueError(f"unknown session tags {sorted(unknown)}; one of {known}")
         self.table = table
         self.sts = sts
         self.capacity = capacity
@@ -243,6 +281,8 @@ class CredentialManager:
         self.base_role_arn = base_role_arn or None
         self.session_policy = session_policy
         self.session_tags = tags
+        self.eks_names = tag_keys == "eks"
+        self.cluster_name = cluster_name
         self.duration = int(duration)
         self.min_lifetime = float(min_lifetime)
         self.refresh_fraction = refresh_fraction
@@ -305,6 +345,7 @@ class CredentialManager:
             node_name=config.node, base_role_arn=config.base_role_arn or None,
             session_policy=config.session_name_policy,
             session_tags=config.session_tags,
+            tag_keys=config.session_tag_keys, cluster_name=config.cluster_name,
             duration=config.session_duration,
             min_lifetime=config.min_credential_lifetime,
             qps=config.sts_qps, burst=config.sts_burst,
@@ -327,27 +368,37 @@ class CredentialManager:
         self.bucket.rate = max(self.bucket.rate, share)
         self._metrics.rate.set(self.bucket.rate)
 
-    def key_for(self, req: CredentialRequest) -> CredentialKey:
+    def key_for(self, req: CredentialRequest, pod_uid: str = "") -> CredentialKey:
         """The credential key of a request under this manager's policies."""
-        if self.session_policy == "node-role":
+        if self.eks_names:
+            session = f"{req.pod_name}/{pod_uid}"      # one session per pod, as EKS
+        elif self.session_policy == "node-role":
             session = self.node_name
         elif self.session_policy == "pod":
             session = f"{req.namespace}/{req.pod_name}"
         else:
             session = "kube2iam"
-        tags = []
-        for tag in self.session_tags:
-            value = {TAG_NAMESPACE: req.namespace, TAG_POD: req.pod_name,
-                     TAG_SERVICE_ACCOUNT: req.service_account, TAG_NODE: self.node_name}[tag]
-            tags.append((tag, value))
-        return CredentialKey(req.role_arn, req.external_id or None, session,
-                             tuple(sorted(tags)))
+        values = {TAG_NAMESPACE: req.namespace, TAG_POD: req.pod_name,
+                  TAG_SERVICE_ACCOUNT: req.service_account, TAG_NODE: self.node_name,
+                  TAG_CLUSTER: self.cluster_name, EKS_CLUSTER: self.cluster_name,
+                  "kubernetes-namespace": req.namespace,
+                  "kubernetes-service-account": req.service_account,
+                  "kubernetes-pod-name": req.pod_name, "kubernetes-pod-uid": pod_uid}
+        tags = sorted((tag, values[tag]) for tag in self.session_tags)
+        return CredentialKey(req.role_arn, req.external_id or None, session, tuple(tags))
 
     def session_name(self, key: CredentialKey,
                      users: Iterable[tuple[str, CredentialRequest]] = ()) -> str:
         """The RoleSessionName for a key (kube2iam's policy also looks at the users)."""
         role = render.role_name(key.role_arn)
-        if self.session_policy == "node-role":
+        if self.eks_names:
+            # EKS: eks-<cluster>-<pod>-<random>; the UID's first 8 hex digits instead, so
+            # the name tells two pods of one name apart and stays the same across refreshes.
+            pod, _, uid = key.session.partition("/")
+            suffix = "-" + uid.replace("-", "")[:8] if uid else ""
+            head = "-".join(p for p in ("eks", self.cluster_name, pod) if p)
+            name = head[:64 - len(suffix)] + suffix     # sanitising keeps the length
+        elif self.session_policy == "node-role":
             name = f"{self.node_name or 'kiamfast'}-{role}"
         elif self.session_policy == "pod":
             namespace, _, pod = key.session.partition("/")
@@ -370,7 +421,7 @@ class CredentialManager:
         """
         if self._closed:
             raise ManagerClosed("credential manager is closed")
-        key = self.key_for(req)
+        key = self.key_for(req, pod_uid)
         old = self._pods.get(pod_uid)
         if old is not None:
             if old == key:
@@ -395,6 +446,15 @@ class CredentialManager:
         self._entries[key] = entry
         self._by_slot[slot] = entry
         self._pods[pod_uid] = key
+        problem = tag_problem(key.tags)
+        if problem:
+            # Never sent without the tag or with another value: no credentials for this key.
+            log.warning("pod %s/%s: no credentials for %s: %s", req.namespace, req.pod_name,
+                        key.role_arn, problem)
+            entry.unsendable = True
+            self._on_failure(entry, StsDenied("InvalidSessionTag", problem,
+                                              role_arn=key.role_arn))
+            return slot
         self.table.write_cred(slot, [], serve_until=0.0, state=CRED_PENDING)
         self._notify()
         self._enqueue(entry, PRIO_NEW)
@@ -639,7 +699,7 @@ class CredentialManager:
         self._metrics.waiting.set(len(self._waiting))
 
     def _enqueue(self, entry: _Entry, prio: int) -> None:
-        if entry.freed or entry.inflight:
+        if entry.freed or entry.inflight or entry.unsendable:
             return
         if entry.waiting:
             prio = PRIO_WANTED
@@ -754,7 +814,7 @@ class CredentialManager:
         try:
             result = await self.sts.assume_role(
                 key.role_arn, name, external_id=key.external_id, duration=self.duration,
-                tags=list(key.tags) or None)
+                tags=list(key.tags) or None, transitive=self.eks_names)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # classified: StsError already, anything else -> transient
@@ -843,14 +903,25 @@ class CredentialManager:
         ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
         return fetched_at + ahead
 
-    def _error_parts(self, entry: _Entry, code: str, now: float) -> list[bytes]:
-        parts = render.render_error(role_arn=entry.key.role_arn, code=code, last_updated=now,
-                                    base_role_arn=self.base_role_arn)
+    def _error_parts(self, entry: _Entry, err: StsError, now: float) -> list[bytes]:
+        parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
+                                    last_updated=now, base_role_arn=self.base_role_arn,
+                                    reason=self._reason(entry, err))
         parts.append(render.key_part(
             role_arn=entry.key.role_arn, external_id=entry.key.external_id,
             session=entry.key.session, tags=entry.key.tags, access_key_id="",
             expiration=now + _ERROR_DOC_LIFETIME, fetched_at=now, denied=True))
         return parts
+
+    @staticmethod
+    def _reason(entry: _Entry, err: StsError) -> str:
+        """What the pod and the log are told beyond the code: a refused tagged call most
+        likely lacks sts:TagSession (STS says so in its message, pods never see it)."""
+        if entry.unsendable:
+            return err.message
+        if entry.key.tags and err.code == "AccessDenied":
+            return f"{TAGSESSION_HINT} ({err.message})" if err.message else TAGSESSION_HINT
+        return ""
 
     def _on_failure(self, entry: _Entry, err: StsError) -> None:
         now = self.clock()
@@ -867,8 +938,10 @@ class CredentialManager:
                             rng=self.rng)
         loud = entry.failures == 1 or entry.failures % 10 == 0
         level = logging.WARNING if loud else logging.DEBUG
-        log.log(level, "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
-                entry.key.role_arn, err.code, entry.failures, delay, err.message)
+        if not entry.unsendable:
+            log.log(level, "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
+                    entry.key.role_arn, err.code, entry.failures, delay,
+                    self._reason(entry, err) or err.message)
         servable = entry.state == _READY and now < entry.serve_until
         if servable:
             # Static stability: keep serving what we have; retry, at the latest at the end.
@@ -882,7 +955,7 @@ class CredentialManager:
             return
         entry.not_before = now + delay
         if denied:
-            parts = self._error_parts(entry, err.code, now)
+            parts = self._error_parts(entry, err, now)
             self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
                                   state=CRED_READY)
             self._set_waiting(entry, False)    # the pod gets its answer: the error document
@@ -911,7 +984,7 @@ class CredentialManager:
             return
         self._counts["expired"] += 1
         if isinstance(entry.last_error, StsDenied):
-            parts = self._error_parts(entry, entry.last_error.code, now)
+            parts = self._error_parts(entry, entry.last_error, now)
             self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
                                   state=CRED_READY)
             entry.state = _DENIED

@@ -25,6 +25,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -33,7 +34,7 @@ import prometheus_client
 from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
-from kiamfast.config import Config
+from kiamfast.config import Config, container_credentials_addrs
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
 from kiamfast.control.credentials import CredentialManager
 from kiamfast.control.ownership import Ownership
@@ -59,9 +60,9 @@ class ControlTaskFailed(Exception):
 
 class ControlProcess:
     def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
-                 container_sock: socket.socket | None = None):
+                 container_socks: list[socket.socket] | None = None):
         self.config = config
-        self.container_sock = container_sock      # --container-credentials-addr, bound
+        self.container_socks = container_socks or []   # --container-credentials-addr, bound
         self.container: Any = None
         self.table = table
         self.channels = channels
@@ -140,7 +141,8 @@ class ControlProcess:
                                adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
                                                    ip["cred_slot"])
                                         for ip in self.table.snapshot()},
-                               expect_runtime=self.runtime_expected)
+                               expect_runtime=self.runtime_expected,
+                               token_only=self._token_only())
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
@@ -152,9 +154,9 @@ class ControlProcess:
             asyncio.create_task(self._health(), name="health"),
             asyncio.create_task(self._publish(), name="publish"),
         ]
-        if self.container_sock is not None:
+        if self.container_socks:
             from kiamfast.container_credentials import server as container
-            self.container = container.from_config(self.config, self.container_sock,
+            self.container = container.from_config(self.config, self.container_socks,
                                                    model=self.model, manager=self.manager,
                                                    table=self.table)
             tasks.append(asyncio.create_task(self.container.run(),
@@ -196,6 +198,13 @@ class ControlProcess:
         return out
 
     # ---- the container runtime -----------------------------------------------------------
+
+    def _token_only(self) -> Callable[[Mapping[str, Any]], bool]:
+        """Pods that ask this agent's container-credentials listener by token: the metadata
+        path refuses them (container_credentials/token_only.py)."""
+        from kiamfast.container_credentials.token_only import predicate
+        addr = self.config.container_credentials_addr
+        return predicate(container_credentials_addrs(addr) if addr else ())
 
     def _runtime_poller(self) -> runtime.RuntimePoller | None:
         if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:
@@ -500,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", required=True)
     parser.add_argument("--channel-fds", default="")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--container-credentials-fd", type=int, default=-1)
+    parser.add_argument("--container-credentials-fds", default="")
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
@@ -517,12 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    container_sock = None
-    if args.container_credentials_fd >= 0:
-        container_sock = socket.socket(fileno=args.container_credentials_fd)
-        container_sock.setblocking(False)
+    container_socks = [socket.socket(fileno=int(fd))
+                       for fd in args.container_credentials_fds.split(",") if fd]
+    for sock in container_socks:
+        sock.setblocking(False)
     try:
-        asyncio.run(ControlProcess(config, table, channels, container_sock).run())
+        asyncio.run(ControlProcess(config, table, channels, container_socks).run())
     except iptables.IptablesError as e:
         log.error("cannot install the DNAT rule: %s", e)
         return 1

@@ -46,6 +46,9 @@ Identity: `RolePolicy.decide` per pod; denied pods are written `POD_DENIED` (wor
 the credential sink hands out (`sink.acquire`, which also starts the prefetch, before the
 pod has an address).  An owner whose decision needs a namespace the agent has not seen is
 written `POD_UNDECIDED` (workers wait) for at most `namespace_grace` seconds, then denied.
+A pod that asks by token only (`token_only`, container_credentials/token_only.py) keeps its
+role and slot for the token path, but its addresses are written `POD_DENIED`; such a pod on
+the host network is decided too, and owns no address.
 
 Restarts: the model starts from what the table holds (`adopted`).  The first sync (or the
 first runtime view) makes the table equal to what the model knows: every address nobody
@@ -179,6 +182,7 @@ class _Pod:
     terminating: bool = False
     annotations: Mapping[str, str] = field(default_factory=dict)
     service_account: str = ""
+    token_only: bool = False              # asks by token: the metadata path refuses it
     api_ips: tuple[str, ...] = ()
     identity: PodIdentity | None = None   # None: undecided (not yet evaluated / ns unknown)
     undecided_since: float | None = None
@@ -189,6 +193,14 @@ class _Pod:
     @property
     def live(self) -> bool:
         return self.phase in LIVE_PHASES and not self.host_network
+
+    @property
+    def decided(self) -> bool:
+        """Does it get a role decision and credentials?  Live pods, and a hostNetwork pod
+        that asks by token only: it owns no address (the node's is not its own), so the
+        metadata path never serves it, but its token names it."""
+        return self.live or (self.host_network and self.token_only
+                             and self.phase in LIVE_PHASES)
 
 
 class Ownership:
@@ -208,8 +220,10 @@ class Ownership:
         clock: Callable[[], float] = time.monotonic,
         adopted: Mapping[str, Written] | None = None,
         expect_runtime: bool = False,
+        token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
     ) -> None:
         self.policy = policy
+        self.token_only = token_only   # container_credentials/token_only.py
         self.table = table
         self.sink = sink
         self.notify = notify
@@ -300,7 +314,8 @@ class Ownership:
         out = {}
         for uid, state, _ in self._written.values():
             pod = self._pod(uid) if state == POD_DENIED else None
-            if pod is not None and pod.identity is not None and pod.identity.role_arn:
+            if (pod is not None and pod.identity is not None and pod.identity.role_arn
+                    and pod.identity.kind == IdentityKind.DENIED):
                 out[uid] = (pod.identity.role_arn, pod.namespace)
         return out
 
@@ -341,9 +356,10 @@ class Ownership:
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
         annotations = meta.get("annotations") or {}
-        was_live = pod.live
+        was_live, was_decided = pod.live, pod.decided
         old_ann = (pod.annotations.get(self.policy.role_key),
                    pod.annotations.get(self.policy.external_id_key))
+        was_token_only = pod.token_only
         pod.rv = rv
         pod.created = meta.get("creationTimestamp") or pod.created
         pod.phase = status.get("phase") or ""
@@ -351,10 +367,15 @@ class Ownership:
         pod.terminating = bool(meta.get("deletionTimestamp"))
         pod.annotations = annotations
         pod.service_account = spec.get("serviceAccountName") or spec.get("serviceAccount") or ""
+        pod.token_only = self.token_only(spec)
+        if pod.token_only and not was_token_only:
+            log.info("pod %s/%s asks by token: the metadata path refuses it credentials",
+                     pod.namespace, pod.name)
         pod.api_ips = pod_ips(obj)
         new_ann = (annotations.get(self.policy.role_key),
                    annotations.get(self.policy.external_id_key))
-        if pod.identity is None or was_live != pod.live or old_ann != new_ann:
+        if (pod.identity is None or was_live != pod.live or was_decided != pod.decided
+                or old_ann != new_ann or was_token_only != pod.token_only):
             self._dirty_pods.add(uid)
         self._set_claims(pod, seen=rv if seen is None else seen)
 
@@ -744,7 +765,8 @@ class Ownership:
         if ident is None:
             return (uid, POD_UNDECIDED, -1)   # known owner, policy still open: workers wait
         if ident.kind == IdentityKind.ROLE:
-            return (uid, POD_ROLE, pod.cred_slot)
+            # Its credentials are served by token only (the slot stays the pod's).
+            return (uid, POD_DENIED, -1) if pod.token_only else (uid, POD_ROLE, pod.cred_slot)
         if ident.kind == IdentityKind.NO_ROLE:
             return (uid, POD_NO_ROLE, -1)
         return (uid, POD_DENIED, -1)
@@ -766,8 +788,8 @@ class Ownership:
         return PodIdentity.role(ident.role_arn, external_id)
 
     def _decide(self, pod: _Pod) -> None:
-        if not pod.live:
-            # Terminal (or hostNetwork): no addresses, no credentials.
+        if not pod.decided:
+            # Terminal (or hostNetwork, unless by token): no addresses, no credentials.
             if pod.cred_key is not None:
                 self._gone.add(pod.uid)
                 pod.cred_key = None
@@ -797,7 +819,7 @@ class Ownership:
         if ident is not None:
             pod.undecided_since = None
         if ident is not None and ident.kind == IdentityKind.ROLE:
-            ips = list(self._ips_of(pod)) or list(pod.api_ips)
+            ips = list(self._ips_of(pod)) or ([] if pod.host_network else list(pod.api_ips))
             ip = sorted(ips)[0] if ips else None
             want = (ident.role_arn, ident.external_id, ip)
             if pod.cred_key != want:

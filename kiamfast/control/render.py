@@ -176,9 +176,12 @@ def credentials_document(*, access_key_id: str, secret_access_key: str, session_
     return orjson.dumps(doc)
 
 
-def error_document(*, role_arn: str, code: str, last_updated: float | _dt.datetime) -> bytes:
-    """Real IMDS's answer when the role cannot be assumed (200, ``Code`` not ``Success``)."""
-    message = (f"kiamfast cannot assume the role {role_name(role_arn)} ({code}). Please see "
+def error_document(*, role_arn: str, code: str, last_updated: float | _dt.datetime,
+                   reason: str = "") -> bytes:
+    """Real IMDS's answer when the role cannot be assumed (200, ``Code`` not ``Success``);
+    ``reason`` says what to fix when kiamfast knows more than the code."""
+    why = f"{code}: {reason}" if reason else code
+    message = (f"kiamfast cannot assume the role {role_name(role_arn)} ({why}). Please see "
                "documentation at http://docs.amazonwebservices.com/IAM/latest/UserGuide/"
                "RolesTroubleshooting.html.")
     return orjson.dumps({"Code": ERROR_CODE, "Message": message,
@@ -222,7 +225,7 @@ def render_credentials(*, role_arn: str, access_key_id: str, secret_access_key: 
 
 
 def render_error(*, role_arn: str, code: str, last_updated: float | _dt.datetime,
-                 base_role_arn: str | None = None) -> list[bytes]:
+                 base_role_arn: str | None = None, reason: str = "") -> list[bytes]:
     """The five parts for a role STS refused for good (AccessDenied, ValidationError...).
 
     The listing still lists the name and ``iam/info`` still describes it, as real IMDS does;
@@ -230,7 +233,7 @@ def render_error(*, role_arn: str, code: str, last_updated: float | _dt.datetime
     """
     names_part, listing, info = _common(role_arn, base_role_arn, last_updated)
     document = http_response(error_document(role_arn=role_arn, code=code,
-                                            last_updated=last_updated),
+                                            last_updated=last_updated, reason=reason),
                              last_modified=last_updated)
     return [names_part, listing, document, document, info]
 

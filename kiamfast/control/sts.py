@@ -176,8 +176,11 @@ class StsClient:
 
     def assume_role_sync(self, role_arn: str, session_name: str, *,
                          external_id: str | None = None, duration: int = 3600,
-                         tags: Sequence[tuple[str, str]] | None = None) -> Credentials:
-        """Blocking AssumeRole; raises StsThrottled / StsTransient / StsDenied."""
+                         tags: Sequence[tuple[str, str]] | None = None,
+                         transitive: bool = False) -> Credentials:
+        """Blocking AssumeRole; raises StsThrottled / StsTransient / StsDenied.
+        ``transitive``: every tag is also a TransitiveTagKey (kept through role chaining,
+        where the chained session cannot override it), as EKS Pod Identity sends them."""
         params: dict = {
             "RoleArn": role_arn,
             "RoleSessionName": sanitize_session_name(session_name),
@@ -187,6 +190,8 @@ class StsClient:
             params["ExternalId"] = external_id
         if tags:
             params["Tags"] = [{"Key": k, "Value": v} for k, v in tags]
+            if transitive:
+                params["TransitiveTagKeys"] = [k for k, _ in tags]
         try:
             resp = self._client.assume_role(**params)
         except Exception as exc:  # classified below; nothing escapes unclassified
@@ -206,11 +211,13 @@ class StsClient:
 
     async def assume_role(self, role_arn: str, session_name: str, *,
                           external_id: str | None = None, duration: int = 3600,
-                          tags: Sequence[tuple[str, str]] | None = None) -> Credentials:
+                          tags: Sequence[tuple[str, str]] | None = None,
+                          transitive: bool = False) -> Credentials:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool, lambda: self.assume_role_sync(
-                role_arn, session_name, external_id=external_id, duration=duration, tags=tags))
+                role_arn, session_name, external_id=external_id, duration=duration, tags=tags,
+                transitive=transitive))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

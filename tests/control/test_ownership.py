@@ -605,3 +605,68 @@ def test_an_unchanged_view_only_moves_the_date_on(make_model, table, sink):
     m.apply_runtime(dataclasses.replace(first, started_ns=4_000))
     m.commit()
     assert lookup(table, "10.0.0.9") is None and table.verified_ns == 4_000
+
+
+def by_token(uri: str = "http://169.254.170.23/v1/credentials") -> list[dict]:
+    return [{"name": "AWS_CONTAINER_CREDENTIALS_FULL_URI", "value": uri},
+            {"name": "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "value": "/var/run/t/token"}]
+
+
+def with_containers(obj: dict, *envs: list[dict]) -> dict:
+    obj["spec"]["containers"] = [{"name": f"c{i}", "env": env} for i, env in enumerate(envs)]
+    return obj
+
+
+def test_a_pod_that_asks_by_token_is_refused_on_the_metadata_path(table, sink, clock):
+    from kiamfast.container_credentials.token_only import predicate
+    m = ownership.Ownership(
+        policy=ownership.RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
+        token_only=predicate([("169.254.170.23", 80), ("fd00:ec2::23", 80)]))
+    m.apply_pod(with_containers(pod("tok", ips=("10.0.0.1",), role="app"), by_token(),
+                                by_token("http://[fd00:ec2::23]:80/v1/credentials")))
+    # one container that does not ask here keeps the pod on the address contract
+    m.apply_pod(with_containers(pod("mixed", ips=("10.0.0.2",), role="app"), by_token(), []))
+    m.apply_pod(with_containers(pod("other", ips=("10.0.0.3",), role="app"),
+                                by_token("http://169.254.170.2/v1/credentials")))
+    m.apply_pod(with_containers(pod("plain", ips=("10.0.0.4",), role="app"), []))
+    m.commit()
+    assert lookup(table, "10.0.0.1") == ("tok", DENIED, -1)
+    for uid, ip in (("mixed", "10.0.0.2"), ("other", "10.0.0.3"), ("plain", "10.0.0.4")):
+        assert lookup(table, ip)[:2] == (uid, ROLE)
+    # its credentials are still fetched and kept: the token path answers from that slot
+    assert m.pods["tok"].cred_slot == sink.slot_for(BASE + "app") and "tok" in sink.holders
+    assert "tok" not in m.denials()   # not the namespace-denial text of kube2iam
+
+
+def test_without_a_listener_no_pod_is_token_only():
+    from kiamfast.container_credentials.token_only import predicate
+    spec = {"containers": [{"name": "c", "env": by_token()}]}
+    assert predicate([])(spec) is False
+    assert predicate([("169.254.170.23", 80)])(spec) is True
+    assert predicate([("0.0.0.0", 80)])(spec) is True       # every address, that port
+    assert predicate([("169.254.170.23", 8080)])(spec) is False
+    assert predicate([("169.254.170.23", 80)])({"containers": []}) is False
+    no_file = {"containers": [{"name": "c", "env": by_token()[:1]}]}
+    assert predicate([("169.254.170.23", 80)])(no_file) is False
+
+
+def test_a_host_network_pod_that_asks_by_token_is_decided_but_owns_no_address(table, sink,
+                                                                              clock):
+    from kiamfast.container_credentials.token_only import predicate
+    m = ownership.Ownership(
+        policy=ownership.RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
+        token_only=predicate([("169.254.170.23", 80)]))
+    m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app",
+                                    host_network=True), by_token()))
+    m.apply_pod(with_containers(pod("host-plain", ips=("10.9.9.9",), role="other",
+                                    host_network=True), []))
+    m.commit()
+    assert lookup(table, "10.9.9.9") is None          # the node's address: nobody's
+    tok, plain = m.pods["host-tok"], m.pods["host-plain"]
+    assert tok.identity.role_arn == BASE + "app" and tok.cred_slot >= 0
+    assert sink.requests["host-tok"].pod_ip is None   # never named after the node's address
+    assert plain.cred_slot == -1 and "host-plain" not in sink.holders
+    m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app", rv=2,
+                                    phase="Succeeded", host_network=True), by_token()))
+    m.commit()
+    assert m.pods["host-tok"].cred_slot == -1         # finished: its credentials go

@@ -39,7 +39,6 @@ def test_off_by_default_no_listener_and_no_token_reviews():
 
 
 def test_on_the_agent_serves_both_addresses_on_its_link(tmp_path):
-    # The comma list and the link flag are wip-linklocal's agent side, rendered exactly so.
     assert cc_args(render(values_file(tmp_path, ON))) == [
         "--container-credentials-addr=169.254.170.23:80,[fd00:ec2::23]:80",
         "--container-credentials-link=kiamfast0",
@@ -59,11 +58,14 @@ def test_the_values_set_the_flags(tmp_path, values, expected):
 
 
 def test_the_agents_parser_accepts_what_the_chart_renders(tmp_path):
-    # The one address with no link is what this branch's agent parses today; with the
-    # comma list and --container-credentials-link merged, the default render parses too.
-    cfg, args = agent_config(render(values_file(tmp_path, {"containerCredentials": {
+    cfg, _ = agent_config(render(values_file(tmp_path, ON)))
+    assert cfg.container_credentials_addr == "169.254.170.23:80,[fd00:ec2::23]:80"
+    assert cfg.container_credentials_link == "kiamfast0"
+    assert cfg.container_credentials_audience == "kiamfast.io/container-credentials"
+    cfg, _ = agent_config(render(values_file(tmp_path, {"containerCredentials": {
         "enabled": True, "ipv6": False, "link": "", "audience": "sts.example.com"}})))
     assert cfg.container_credentials_addr == "169.254.170.23:80"
+    assert cfg.container_credentials_link == ""
     assert cfg.container_credentials_audience == "sts.example.com"
 
 
@@ -102,6 +104,16 @@ def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_pa
     assert "169.254.170.23:80" in cfg["--container-credentials-addr"].split(",")
 
 
+def test_ipv6_only_pods_are_sent_to_the_ipv6_address(tmp_path):
+    objs = render(values_file(tmp_path, {"containerCredentials": {
+        "enabled": True, "webhook": {"enabled": True, "uriFamily": "ipv6"}}}))
+    deployment = next(o for o in objs if o["kind"] == "Deployment")
+    args = webhook.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
+        "args"][1:])
+    assert args.full_uri == "http://[fd00:ec2::23]/v1/credentials"
+    assert "[fd00:ec2::23]:80" in cc_args(objs)[0].split("=", 1)[1].split(",")
+
+
 def test_rbac_off_says_what_the_service_account_needs(tmp_path):
     text = notes(tmp_path, values_file(tmp_path, {"rbac": {"create": False}, **ON}))
     assert "and create on tokenreviews.authentication.k8s.io" in text
@@ -122,6 +134,11 @@ REFUSED = [
     ({**ON, "extraArgs": {"container-credentials-audience": "sts.example.com"}},
      "extraArgs.container-credentials-audience: the chart sets "
      "--container-credentials-audience from its own value (containerCredentials.audience)"),
+    ({"containerCredentials": {"enabled": True, "ipv6": False, "webhook": {
+        "enabled": True, "uriFamily": "ipv6"}}},
+     "containerCredentials.webhook.uriFamily ipv6 needs containerCredentials.ipv6"),
+    ({"containerCredentials": {"enabled": True, "webhook": {"uriFamily": "IPv6"}}},
+     "containerCredentials.webhook.uriFamily IPv6: ipv4 (http://169.254.170.23) or ipv6"),
     ({"containerCredentials": {"enabled": True, "audience": ""}},
      "containerCredentials.audience: empty: a projected token without an audience is one "
      "for the API server itself"),

@@ -10,14 +10,17 @@ BASE_ARN = "arn:aws:iam::123456789012:role/"
 
 
 def create_pod(admin, ns: str, name: str, *, node: str, sa: str, ip: str,
-               role: str | None = None, host_network: bool = False) -> str:
-    """A pod of ServiceAccount ``sa`` bound to ``node``, Running at ``ip``; its uid."""
+               role: str | None = None, host_network: bool = False,
+               env: dict[str, str] | None = None) -> str:
+    """A pod of ServiceAccount ``sa`` bound to ``node``, Running at ``ip``, its container's
+    ``env`` as given; its uid."""
     admin.call("POST", f"/api/v1/namespaces/{ns}/pods", {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name,
                      "annotations": {"iam.amazonaws.com/role": role} if role else {}},
         "spec": {"nodeName": node, "serviceAccountName": sa, "hostNetwork": host_network,
-                 "containers": [{"name": "app", "image": "app:test"}]}})
+                 "containers": [{"name": "app", "image": "app:test", "env": [
+                     {"name": k, "value": v} for k, v in (env or {}).items()]}]}})
     admin.set_pod_running(ns, name, ip)
     return admin.get_pod(ns, name)["metadata"]["uid"]
 

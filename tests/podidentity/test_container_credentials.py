@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from agent_process import Agent, free_port
+from agent_process import http as imds_http
 from needs import JS_DIR, need_js_sdk
 from sdk_clients import go_client, java_client, need_client
 from podid import (
@@ -37,7 +38,7 @@ ALLOWED = ["role-a", "role-b", "default-role"]
 class Node:
     """This module's node, namespace and agent (one start for every test here)."""
 
-    def __init__(self, cluster, peers, workdir, unique) -> None:
+    def __init__(self, cluster, peers, workdir, unique, extra: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
         self.admin = cluster.admin
         self.name, self.other = unique("node"), unique("node")
@@ -50,23 +51,32 @@ class Node:
         self.port = free_port()
         self.agent = Agent(peers, workdir, extra=[
             f"--node={self.name}", f"--container-credentials-addr=127.0.0.1:{self.port}",
-            "--namespace-restrictions", "--default-role=default-role"])
+            "--namespace-restrictions", "--default-role=default-role", *extra])
         self.agent.wait_ready()
         self.sts_url = peers.sts.url
         self._ips = iter(f"10.250.{i // 250}.{i % 250 + 1}" for i in range(10000))
+        # Where requests come from: each test stands for a pod of its own, with an address
+        # (and so a per-address TokenReview budget) of its own, as on a node.
+        self._sources = iter(f"127.0.{i // 250 + 1}.{i % 250 + 1}" for i in range(10000))
+        self.source = next(self._sources)
+
+    def next_source(self) -> None:
+        self.source = next(self._sources)
 
     def pod(self, name: str, *, role: str | None = None, node: str | None = None,
-            host_network: bool = False) -> str:
+            host_network: bool = False, ip: str | None = None,
+            env: dict[str, str] | None = None) -> str:
         return create_pod(self.admin, self.ns, name, node=node or self.name, sa="app",
-                          ip=next(self._ips), role=role, host_network=host_network)
+                          ip=ip or next(self._ips), role=role, host_network=host_network,
+                          env=env)
 
     def token(self, name: str, uid: str, **kw) -> str:
         return pod_token(self.admin, self.ns, "app", name, uid, **kw)
 
     def ask(self, token: str | None, *, path: str = "/v1/credentials", method: str = "GET",
-            source: str = "127.0.0.1") -> tuple[int, dict]:
+            source: str | None = None) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10,
-                                          source_address=(source, 0))
+                                          source_address=(source or self.source, 0))
         try:
             conn.request(method, path, headers={"Authorization": token} if token else {})
             resp = conn.getresponse()
@@ -93,6 +103,14 @@ def node(cluster, peers, tmp_path_factory):
              lambda prefix: f"{prefix}-{secrets.token_hex(3)}")
     yield n
     n.agent.stop()
+
+
+@pytest.fixture(autouse=True)
+def own_address(request):
+    """A test's requests come from an address no earlier test used (not the SDK runs: an
+    SDK connects from 127.0.0.1)."""
+    if "node" in request.fixturenames:
+        request.getfixturevalue("node").next_source()
 
 
 HERE = Path(__file__).resolve().parent
@@ -161,6 +179,62 @@ def test_default_role_and_namespace_policy_apply(node):
     host = node.pod("host", role="role-a", host_network=True)
     status, body = node.answered(node.token("host", host))
     assert (status, body["Code"]) == (403, "AccessDenied") and "host network" in body["Message"]
+
+
+def caller_arn(node: Node, creds: dict) -> str:
+    """STS's word on whose credentials these are."""
+    import botocore.session
+    sts = botocore.session.get_session().create_client(
+        "sts", region_name="us-east-1", endpoint_url=node.sts_url,
+        aws_access_key_id=creds["AccessKeyId"], aws_secret_access_key=creds["SecretAccessKey"],
+        aws_session_token=creds["Token"])
+    return sts.get_caller_identity()["Arn"]
+
+
+def imds_credentials(node: Node, source: str) -> tuple[int, bytes]:
+    """The metadata path's answer to a pod at ``source``: its role's credentials."""
+    deadline = time.monotonic() + 15
+    while True:
+        status, listing = imds_http(node.agent.port, "GET /latest/meta-data/iam/security-credentials/",
+                               source=source)
+        if status == 200:
+            return imds_http(node.agent.port, "GET /latest/meta-data/iam/security-credentials/"
+                        + listing.decode().strip(), source=source)
+        if status != 503 or time.monotonic() > deadline:
+            return status, listing
+        time.sleep(0.05)
+
+
+def test_a_pod_that_asks_by_token_is_refused_by_address(node):
+    """Both at once: a pod whose container asks this listener by token gets nothing on the
+    metadata path (an SDK falling back to IMDS, as Java's chain does, would otherwise be
+    identified by its address again); a pod without the variables keeps kube2iam's
+    contract."""
+    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
+           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
+    by_token = node.pod("by-token", role="role-a", ip="127.0.250.1", env=env)
+    node.pod("by-address", role="role-b", ip="127.0.250.2")
+    status, body = node.answered(node.token("by-token", by_token))
+    assert status == 200, body
+    assert "assumed-role/role-a/" in caller_arn(node, body)
+    status, body = imds_credentials(node, "127.0.250.1")
+    assert status == 404 and b"AccessKeyId" not in body, body
+    status, body = imds_credentials(node, "127.0.250.2")
+    assert status == 200, body
+    assert "assumed-role/role-b/" in caller_arn(node, json.loads(body))
+
+
+def test_a_host_network_pod_that_asks_by_token_gets_its_own_role(node):
+    """The node's address is not a hostNetwork pod's own, so no address path can tell such
+    pods apart; their tokens can."""
+    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
+           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
+    uid_a = node.pod("host-a", role="role-a", host_network=True, env=env)
+    uid_b = node.pod("host-b", role="role-b", host_network=True, env=env)
+    for name, uid, role in (("host-a", uid_a, "role-a"), ("host-b", uid_b, "role-b")):
+        status, body = node.answered(node.token(name, uid))
+        assert status == 200, body
+        assert f"assumed-role/{role}/" in caller_arn(node, body)
 
 
 def test_a_token_is_the_identity_wherever_it_is_sent_from(node):

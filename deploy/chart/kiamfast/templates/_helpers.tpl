@@ -134,7 +134,8 @@ kiamfast's own flags come last.
 
 {{/*
 Where the agent serves container credentials: the EKS Pod Identity addresses the SDKs accept
-for http://, port 80. The webhook's injected URI names the IPv4 one (every SDK takes it).
+for http://, port 80. The webhook's injected URI names the IPv4 one (every SDK takes it), or
+the IPv6 one for IPv6-only pods (webhook.uriFamily).
 */}}
 {{- define "kiamfast.containerCredentialsIP" -}}
 169.254.170.23
@@ -146,7 +147,11 @@ for http://, port 80. The webhook's injected URI names the IPv4 one (every SDK t
 {{- end -}}
 
 {{- define "kiamfast.containerCredentialsURI" -}}
+{{- if eq .Values.containerCredentials.webhook.uriFamily "ipv6" -}}
+http://[fd00:ec2::23]/v1/credentials
+{{- else -}}
 http://{{ include "kiamfast.containerCredentialsIP" . }}/v1/credentials
+{{- end -}}
 {{- end -}}
 
 {{/* The default resources, from the measured RSS (values.yaml, resources). */}}

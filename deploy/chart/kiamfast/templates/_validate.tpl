@@ -23,7 +23,8 @@ imdsv2 token-key-file cri-endpoint kubelet-url sts-endpoint sts-region sts-qps s
 session-duration min-credential-lifetime session-name-policy node-startup-taint
 iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
-sts-fleet-nodes container-credentials-addr container-credentials-audience
+sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
+cluster-name container-credentials-link
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
@@ -115,6 +116,12 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- $cc := .Values.containerCredentials -}}
 {{- if and $cc.webhook.enabled (not $cc.enabled) -}}
 {{- fail "containerCredentials.webhook.enabled needs containerCredentials.enabled: injected pods would send their SDK to 169.254.170.23, which no agent would serve, and the SDKs do not fall back to IMDS" -}}
+{{- end -}}
+{{- if not (has $cc.webhook.uriFamily (list "ipv4" "ipv6")) -}}
+{{- fail (printf "containerCredentials.webhook.uriFamily %v: ipv4 (http://169.254.170.23) or ipv6 (http://[fd00:ec2::23], for IPv6-only pods)" $cc.webhook.uriFamily) -}}
+{{- end -}}
+{{- if and $cc.webhook.enabled (eq $cc.webhook.uriFamily "ipv6") (not $cc.ipv6) -}}
+{{- fail "containerCredentials.webhook.uriFamily ipv6 needs containerCredentials.ipv6: injected pods would ask [fd00:ec2::23], where no agent would listen" -}}
 {{- end -}}
 {{- if and $cc.enabled (not $cc.audience) -}}
 {{- fail "containerCredentials.audience: empty: a projected token without an audience is one for the API server itself; name kiamfast's (default kiamfast.io/container-credentials)" -}}
