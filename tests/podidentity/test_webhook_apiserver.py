@@ -206,19 +206,3 @@ def test_with_the_webhook_down_pods_are_still_created_untouched(scoped_webhook):
     assert not injected(pod)
     assert "env" not in pod["spec"]["containers"][0]
 
-
-def test_the_charts_webhook_objects_are_accepted_by_the_api_server(cluster, tmp_path):
-    """Server-side dry run (validation and admission, nothing stored: the configuration
-    never reaches the session's other tests)."""
-    from test_chart import NAMESPACE, render, values_file
-    values = values_file(tmp_path, {"containerCredentials": {"enabled": True,
-                                                         "webhook": {"enabled": True}}})
-    docs = [d for d in render(values) if d["metadata"]["name"].endswith("-webhook")]
-    paths = {"Secret": f"/api/v1/namespaces/{NAMESPACE}/secrets",
-             "Service": f"/api/v1/namespaces/{NAMESPACE}/services",
-             "Deployment": f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments",
-             "MutatingWebhookConfiguration": CONFIGS}
-    assert sorted(d["kind"] for d in docs) == sorted(paths)
-    for doc in docs:
-        status, body = cluster.admin.request("POST", paths[doc["kind"]] + "?dryRun=All", doc)
-        assert status == 201, f"{doc['kind']}: {status} {body}"
