@@ -43,7 +43,7 @@ What the control plane needs for the webhook, checked against the real component
   webhook pod's own address (an endpoint of the Service), not the ClusterIP, which no
   kube-proxy serves here.
 * A route from the host's network namespace, where the API servers run, to the node's pod
-  network (10.89.0.0/24, a subnet no other test node uses) through a veth pair into the
+  network (10.87.0.0/24, a subnet no other test node uses) through a veth pair into the
   node's namespace, with forwarding on there: how a real control plane reaches pods. It is
   the only change to the host's network; the pair, and the route with it, go at the end.
 * The webhook's ``namespaceSelector`` picks the node's namespace alone and its pods are
@@ -102,7 +102,7 @@ def control(kube_cluster, kubelet_available, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(kube_cluster, control, tmp_path_factory):
-    with chart_node(kube_cluster, tmp_path_factory.mktemp("cc-node"), subnet="10.89.0.0/24",
+    with chart_node(kube_cluster, tmp_path_factory.mktemp("cc-node"), subnet="10.87.0.0/24",
                     kubelet_args=["--sync-frequency=10s"]) as chart:
         chart.admin = control.admin   # pods are created through the chart's API server
         # ServiceAccount admission wants the pods' account; its controller makes it.
