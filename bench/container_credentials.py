@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from benchutil import ROOT, cpu_seconds, median, summarize_us
+from benchutil import ROOT, child_env, cpu_seconds, summarize_us
 
 for _sub in ("tests", "tests/k8s", "tests/podidentity"):
     if str(ROOT / _sub) not in sys.path:
@@ -80,6 +80,7 @@ class Phase:
     flood_requests: int = 0        # refused answers the flood received
     flood_rps: float = 0.0
     flood_bad: int = 0             # flood answers that were not the expected refusal
+    flood_connects: float = 0.0    # connections the flood opened, per second
     control_cpu: float = 0.0       # control process CPU seconds per second
 
 
@@ -124,7 +125,8 @@ class Bench:
         create_service_account(self.admin, "bench", "app")
         self.cc_port = free_port()
         self.agent = Agent(peers, work / "agent", extra=[
-            "--node=n1", f"--container-credentials-addr=127.0.0.1:{self.cc_port}"])
+            "--node=n1", f"--container-credentials-addr=127.0.0.1:{self.cc_port}"],
+            env=child_env())     # this checkout's kiamfast in every process of the agent
         stack.callback(self.agent.stop)
         self.agent.wait_ready()
         self.imds_port = self.agent.port
@@ -301,6 +303,7 @@ def phase(b: Bench, opts: Options, label: str, token: str, flood: Flood | None =
         if r is not None:
             ph.flood_requests, ph.flood_bad = r.count, r.errors
             ph.flood_rps = r.rps
+            ph.flood_connects = _div(r.connects, r.elapsed)
     return ph
 
 
@@ -414,6 +417,8 @@ def markdown(res: Result) -> str:
                 ("another pod's token calls failed", lambda p: str(p.victim_failed), None),
                 ("refused requests answered to the flood, per second (not as expected)",
                  lambda p: f"{p.flood_rps:,.0f} ({p.flood_bad:,})", None),
+                ("connections the flood opened, per second",
+                 lambda p: f"{p.flood_connects:,.0f}", None),
                 ("control process CPU, s per s", lambda p: f"{p.control_cpu:.2f}", None)]
         for what, cell, ratio in rows:
             cells = [cell(idle)] + [cell(p) + (f" (× {r[f'{k}/{ratio}']:.2f})" if ratio else "")

@@ -544,6 +544,7 @@ def section_container_credentials(quick: bool, out: Path, log) -> Section:
                               "victim": summarize_us(np.array(p.victim_ms) * 1e3),
                               "victim_failed": p.victim_failed, "flood_rps": p.flood_rps,
                               "flood_requests": p.flood_requests, "flood_bad": p.flood_bad,
+                              "flood_connects": p.flood_connects,
                               "control_cpu": p.control_cpu}
                           for k, p in res.phases.items()}}
     return sec
