@@ -5,8 +5,9 @@ the pod view, the role decisions and the credential slots it answers from live t
 keeps a hostile pod from slowing the table's writer: a bounded request head, a bound on
 connections per address and in all, TokenReview calls on their own few threads, and a
 per-address budget of reviews (a cached verdict costs none), and a per-address budget of
-refusals: past it, that address's connections are closed unread for a cool-down, so a flood
-of bad tokens costs an accept and a close, not a parse, a claims check and an answer.
+refusals: past it, that address's requests are closed unread and its new connections reset
+as they are accepted, for a cool-down, so a flood of bad tokens costs an accept and a reset,
+not a parse, a claims check, an answer and a log line.
 
 Order of checks, each refusing with the protocol's JSON ``{"Code", "Message"}``:
 the token's own claims (400: not a JWT, wrong audience, expired, not bound to a pod) → the
