@@ -15,7 +15,10 @@ runtime_polling.py: the container runtime's path, on a real containerd when root
 call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries),
 ``fleet`` (bench/fleet_sim.py: many nodes' credential managers against one STS budget),
 ``kube2iam`` (bench/kube2iam_speed.py: the real kube2iam beside kiamfast in the same run:
-hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers).
+hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers),
+``container-credentials`` (bench/container_credentials.py: the token path beside the same
+agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's cost to
+the others).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -40,7 +43,8 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam")
+SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
+            "container-credentials")
 
 
 @dataclass
@@ -525,9 +529,31 @@ def section_kube2iam(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_container_credentials(quick: bool, out: Path, log) -> Section:
+    import container_credentials as cc
+    res = cc.run(cc.QUICK if quick else cc.Options(), log=log)
+    sec = Section("Container credentials: the token path beside the metadata path, and a flood")
+    sec.body = cc.markdown(res)
+    sec.headline = cc.headline(res)
+    sec.raw = {"options": res.options, "load": res.load, "keepalive": res.keepalive,
+               "ratios": cc.ratios(res),
+               "fresh": {k: summarize_us(np.array(v) * 1e3) for k, v in res.fresh.items()},
+               "first_call": summarize_us(np.array(res.first_ms) * 1e3),
+               "bare_review": summarize_us(np.array(res.bare_review_ms) * 1e3),
+               "phases": {k: {"event": summarize_us(np.array(p.event_ms) * 1e3),
+                              "victim": summarize_us(np.array(p.victim_ms) * 1e3),
+                              "victim_failed": p.victim_failed, "flood_rps": p.flood_rps,
+                              "flood_requests": p.flood_requests, "flood_bad": p.flood_bad,
+                              "flood_connects": p.flood_connects,
+                              "control_cpu": p.control_cpu}
+                          for k, p in res.phases.items()}}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
-           "fleet": section_fleet, "kube2iam": section_kube2iam}
+           "fleet": section_fleet, "kube2iam": section_kube2iam,
+           "container-credentials": section_container_credentials}
 
 
 # ---- the report ------------------------------------------------------------------------------

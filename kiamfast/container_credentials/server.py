@@ -4,7 +4,10 @@ Runs as a coroutine of the control process (docs/architecture.md, "Container cre
 the pod view, the role decisions and the credential slots it answers from live there.  What
 keeps a hostile pod from slowing the table's writer: a bounded request head, a bound on
 connections per address and in all, TokenReview calls on their own few threads, and a
-per-address budget of reviews (a cached verdict costs none).
+per-address budget of reviews (a cached verdict costs none), and a per-address budget of
+refusals: past it, that address's requests are closed unread and its new connections reset
+as they are accepted, for a cool-down, so a flood of bad tokens costs an accept and a reset,
+not a parse, a claims check, an answer and a log line.
 
 Order of checks, each refusing with the protocol's JSON ``{"Code", "Message"}``:
 the token's own claims (400: not a JWT, wrong audience, expired, not bound to a pod) → the
@@ -48,7 +51,10 @@ MAX_CONNECTIONS_PER_ADDRESS = 16
 REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
 REVIEW_BURST = 10
 MAX_PENDING_REVIEWS = 64
-BUCKETS = 4096                  # addresses whose review budget is remembered
+REFUSAL_RATE = 10.0             # refused requests per second and address, after a burst of ...
+REFUSAL_BURST = 50
+COOL_DOWN = 2.0                 # past that: the address's connections closed unread this long
+BUCKETS = 4096                  # addresses whose budgets are remembered
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
 
 
@@ -144,7 +150,8 @@ class OwnershipView:
 
 
 class AddressLimits:
-    """Connections held, and a token bucket of TokenReviews, per client address."""
+    """Connections held, a token bucket of TokenReviews and one of refusals, per client
+    address; an address past its refusals is cooling down (its connections closed at once)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -152,11 +159,15 @@ class AddressLimits:
         self.total = 0
         # Kept across connections (a new connection must not bring a full bucket), the
         # addresses seen longest ago forgotten first.
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._reviews: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._cooling: dict[str, float] = {}      # address -> until (clock)
+        self.cooled = 0                           # connections and requests closed unread
 
     def open(self, address: str) -> bool:
         held = self.connections.get(address, 0)
-        if held >= MAX_CONNECTIONS_PER_ADDRESS or self.total >= MAX_CONNECTIONS:
+        if (held >= MAX_CONNECTIONS_PER_ADDRESS or self.total >= MAX_CONNECTIONS
+                or self.cooling(address)):
             return False
         self.connections[address] = held + 1
         self.total += 1
@@ -169,15 +180,57 @@ class AddressLimits:
             self.connections[address] = held
 
     def allow_review(self, address: str) -> bool:
+        return _take(self._reviews, address, self.clock(), REVIEW_RATE, REVIEW_BURST)
+
+    def refused(self, address: str) -> bool:
+        """Count one refusal; True when it used up the budget and the cool-down begins."""
         now = self.clock()
-        tokens, last = self._buckets.get(address, (float(REVIEW_BURST), now))
-        tokens = min(float(REVIEW_BURST), tokens + (now - last) * REVIEW_RATE)
-        allowed = tokens >= 1.0
-        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
-        self._buckets.move_to_end(address)
-        while len(self._buckets) > BUCKETS:
-            self._buckets.popitem(last=False)
-        return allowed
+        if _take(self._refusals, address, now, REFUSAL_RATE, REFUSAL_BURST):
+            return False
+        self._cooling[address] = now + COOL_DOWN
+        if len(self._cooling) > BUCKETS:      # only addresses still refusing stay
+            self._cooling = {a: t for a, t in self._cooling.items() if t > now}
+        return True
+
+    def cooling(self, address: str) -> bool:
+        until = self._cooling.get(address)
+        if until is None:
+            return False
+        if until > self.clock():
+            self.cooled += 1
+            return True
+        del self._cooling[address]
+        return False
+
+
+def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: float,
+          rate: float, burst: int) -> bool:
+    """One token from ``address``'s bucket, if it has one (LRU beyond BUCKETS addresses)."""
+    tokens, last = buckets.get(address, (float(burst), now))
+    tokens = min(float(burst), tokens + (now - last) * rate)
+    allowed = tokens >= 1.0
+    buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+    buckets.move_to_end(address)
+    while len(buckets) > BUCKETS:
+        buckets.popitem(last=False)
+    return allowed
+
+
+class _Gate(asyncio.StreamReaderProtocol):
+    """`asyncio.start_server`'s protocol, but a connection from an address cooling down is
+    reset before any reader, writer or task is made for it: a flood of reconnects then costs
+    an accept and a reset (no TIME_WAIT left on the node), not a coroutine each."""
+
+    def __init__(self, limits: AddressLimits, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._limits = limits
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        if peer and self._limits.cooling(str(peer[0])):
+            transport.abort()
+            return
+        super().connection_made(transport)
 
 
 class BadRequest(Exception):
@@ -269,8 +322,13 @@ class ContainerCredentialsServer:
     # ---- connections -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        servers = [await asyncio.start_server(self._connection, sock=sock, limit=MAX_HEAD)
-                   for sock in self.socks]
+        loop = asyncio.get_running_loop()
+
+        def gate() -> _Gate:
+            return _Gate(self.limits, asyncio.StreamReader(limit=MAX_HEAD, loop=loop),
+                         self._connection, loop=loop)
+
+        servers = [await loop.create_server(gate, sock=sock) for sock in self.socks]
         try:
             await asyncio.gather(*(server.serve_forever() for server in servers))
         finally:
@@ -296,6 +354,8 @@ class ContainerCredentialsServer:
         while True:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
+                if self.limits.cooling(address):
+                    return                      # closed unread, unanswered, unlogged
             except asyncio.LimitOverrunError:
                 writer.write(self._error(address, 431, "HeadersTooLarge",
                                          "request head too large", keep_alive=False))
@@ -377,6 +437,13 @@ class ContainerCredentialsServer:
                extra: tuple[tuple[str, str], ...] = ()) -> bytes:
         self.answers[status] = self.answers.get(status, 0) + 1
         now = time.monotonic()
+        # A pod waiting for its credentials (503) is not refused; anything else counts.
+        if status != 503 and self.limits.refused(address):
+            if now - self._logged.get((0, "cooling"), -LOG_EVERY) >= LOG_EVERY:
+                self._logged[(0, "cooling")] = now
+                log.info("container credentials: %s sent more than %d refused requests in a "
+                         "burst (%g/s after); its connections are closed unread for %g s",
+                         address, REFUSAL_BURST, REFUSAL_RATE, COOL_DOWN)
         if now - self._logged.get((status, code), -LOG_EVERY) >= LOG_EVERY:
             self._logged[(status, code)] = now
             log.info("container credentials refused to %s: %d %s: %s", address, status, code,
@@ -398,6 +465,10 @@ class ContainerCredentialsServer:
                  "# TYPE kiamfast_container_credentials_total counter"]
         lines += [f'kiamfast_container_credentials_total{{code="{code}"}} {n}'
                   for code, n in sorted(self.answers.items())]
+        lines += ["# HELP kiamfast_container_credentials_cooled_total Connections and "
+                  "requests closed unread: their address was past its refusals.",
+                  "# TYPE kiamfast_container_credentials_cooled_total counter",
+                  f"kiamfast_container_credentials_cooled_total {self.limits.cooled}"]
         lines += ["# HELP kiamfast_token_reviews_total TokenReview activity by kind.",
                   "# TYPE kiamfast_token_reviews_total counter"]
         lines += [f'kiamfast_token_reviews_total{{kind="{k}"}} {v}'

@@ -174,3 +174,55 @@ def test_an_api_server_outage_is_503_and_shows_in_health():
         assert (await ls.ask(token()))[0] == 200           # an outage is not cached
         assert ls.server.health() == "ok"
     serving(body)
+
+
+def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_are_served():
+    async def body(ls):
+        flood = "127.0.0.20"
+        # A flood over one keep-alive connection: answered until the budget is used, then
+        # closed unread (the request after the one that used the budget gets no answer).
+        reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
+                                                       local_addr=(flood, 0))
+        answered = 0
+        for _ in range(srv.REFUSAL_BURST + 5):
+            writer.write(b"GET /v1/credentials HTTP/1.1\r\nAuthorization: not-a-jwt\r\n\r\n")
+            head = await asyncio.wait_for(reader.read(4096), 5)
+            if not head:
+                break
+            assert head.startswith(b"HTTP/1.1 400 ")
+            answered += 1
+        writer.close()
+        assert answered == srv.REFUSAL_BURST + 1
+        # New connections from it are closed at once, even with a good token ...
+        try:                                          # closed unanswered (or reset)
+            out = await ls.raw(b"GET /v1/credentials HTTP/1.1\r\nAuthorization: " +
+                               token().encode() + b"\r\n\r\n", source=flood)
+        except ConnectionResetError:
+            out = b""
+        assert out == b""
+        # ... while another address is answered, good and bad tokens alike.
+        assert (await ls.ask(token(uid="uid-other"), source="127.0.0.21"))[0] == 200
+        assert (await ls.ask("not-a-jwt", source="127.0.0.21"))[0] == 400
+        assert ls.server.limits.cooled >= 2
+        assert "kiamfast_container_credentials_cooled_total" in "\n".join(ls.server.metrics())
+        assert ls.api.calls == 1                      # the flood cost no review
+    serving(body)
+
+
+def test_the_cool_down_ends_and_a_pod_waiting_for_its_credentials_is_never_cooled():
+    limits = srv.AddressLimits(clock=lambda: now[0])
+    now = [0.0]
+    for _ in range(srv.REFUSAL_BURST):
+        assert not limits.refused("10.0.0.1")
+    assert limits.refused("10.0.0.1") and not limits.open("10.0.0.1")
+    assert limits.open("10.0.0.2")                        # another address: untouched
+    now[0] += srv.COOL_DOWN + 0.01
+    assert limits.open("10.0.0.1")                        # the cool-down is over
+
+    async def body(ls):
+        # 503 "not fetched yet", asked again and again by a pod's SDK, is not a refusal.
+        ls.view.resolve = lambda pod, now: srv.Wait(srv.unavailable("not yet"))
+        for _ in range(srv.REFUSAL_BURST + 5):
+            assert (await ls.ask(token(), source="127.0.0.22"))[0] == 503
+        assert not ls.server.limits.cooling("127.0.0.22")
+    serving(body)
