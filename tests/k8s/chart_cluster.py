@@ -12,24 +12,41 @@
   chart tests: started per module, stopped after it.
 * :func:`helm`: the tests' real helm (tests/tools/build_helm.sh) against that server.
 * :func:`built_image`: the image deploy/image/build.sh builds (cached under $KIAMFAST_TOOLS),
-  as the OCI archive ``ctr images import`` takes.
+  as the OCI archive ``ctr images import`` takes; :func:`chart_node` a :class:`ChartNode`
+  with it imported.
+* what the chart modules share about the user's side: :func:`values_file` (a kube2iam
+  user's values plus the node's particulars), :func:`ready_agent_pod`,
+  :func:`removal_commands` (deploy/README.md's, for what an uninstall leaves on a node).
 
 All of it listens on loopback only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kube
+import yaml
 from kubelet_node import KubeletNode
 from needs import missing_tool
 
+from e2e_cluster import BASE_ARN
+from runtime_node import wait_until
+
 HELM_VERSION = "v3.19.5"   # tests/tools/build_helm.sh
 IMAGE_BUILD = kube.REPO / "deploy" / "image" / "build.sh"
+CHART = kube.REPO / "deploy" / "chart" / "kiamfast"
+DEPLOY_README = kube.REPO / "deploy" / "README.md"
+IMAGE_REPO = "localhost/kiamfast/kiamfast"
+NAMESPACE = "kube-system"   # where the tests install the chart
+HOST_STATE_DIR = "/run/kiamfast"   # the chart's stateDir default
 AGENT_CONTAINER = "kiamfast"   # the chart's container name
 CONTROLLERS = ("daemonset-controller", "garbage-collector-controller",
                "node-lifecycle-controller", "root-ca-certificate-publisher-controller")
@@ -61,14 +78,18 @@ class ChartControlPlane:
     """The session cluster's second API server with ServiceAccount admission, and the real
     controller-manager and scheduler against it; :meth:`stop` ends all three."""
 
-    def __init__(self, cluster: kube.Cluster, directory: Path) -> None:
+    def __init__(self, cluster: kube.Cluster, directory: Path, *,
+                 controllers: tuple[str, ...] = CONTROLLERS,
+                 apiserver_args: tuple[str, ...] = ()) -> None:
+        """``controllers``: kube-controller-manager's ``--controllers``; ``apiserver_args``:
+        more flags of the API server."""
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.processes: list[kube.Process] = []
         self.apiserver = kube.ApiServer(
             directory=directory, etcd=cluster.etcd, pki=cluster.pki,
             admin_token=cluster.admin.token, name="kube-apiserver-chart",
-            service_account_admission=True)
+            service_account_admission=True, extra_args=apiserver_args)
         self.processes.append(self.apiserver.process)
         try:
             self.apiserver.wait_ready(60)
@@ -76,7 +97,7 @@ class ChartControlPlane:
                 directory / "admin.kubeconfig", server=self.apiserver.url,
                 ca=self.apiserver.ca, token=cluster.admin.token)
             self._start("kube-controller-manager", [
-                f"--controllers={','.join(CONTROLLERS)}",
+                f"--controllers={','.join(controllers)}",
                 f"--root-ca-file={cluster.pki['ca']}",
                 "--use-service-account-credentials=false"])
             self._start("kube-scheduler", [])
@@ -98,6 +119,11 @@ class ChartControlPlane:
 
     def logs(self) -> list[tuple[str, str]]:
         return [(p.name, p.log_tail(40)) for p in self.processes]
+
+    @property
+    def admin(self) -> kube.Client:
+        """The test's admin identity at this server (its admission, its webhooks)."""
+        return self.apiserver.admin
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -142,3 +168,143 @@ class ChartNode(KubeletNode):
 
     def failure_report(self) -> list[tuple[str, str]]:
         return [*super().failure_report(), ("agent pods' logs", self.agent_logs())]
+
+    def labelled_metric(self, name: str, **labels: str) -> float:
+        """The agent's /metrics sample ``name{labels}`` (exactly those labels); 0 if absent,
+        as a counter that never counted."""
+        _, body = self.http("GET", "/metrics", timeout=5.0)
+        wanted = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+        for line in body.decode().splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample == name + wanted:
+                return float(value)
+        return 0.0
+
+
+@contextlib.contextmanager
+def chart_node(cluster: kube.Cluster, directory: Path, **node_args: Any) -> Iterator[ChartNode]:
+    """A :class:`ChartNode` (``node_args`` as :class:`KubeletNode` takes them) with the
+    image of this checkout imported as ``IMAGE_REPO:test``; closed on exit."""
+    archive = built_image(f"{IMAGE_REPO}:test")
+    node = ChartNode(directory, cluster, **node_args)
+    node.agent_namespace = NAMESPACE
+    try:
+        node.containerd.import_image(archive)
+        yield node
+    finally:
+        node.close()
+
+
+def print_failure_report(node: ChartNode, control: ChartControlPlane) -> None:
+    """The node's logs (kubelet, containerd, agent pods) and the controllers'."""
+    for title, text in [*node.failure_report(), *control.logs()]:
+        sys.stdout.write(f"\n===== {title} =====\n{text}\n")
+
+
+class PodNetworkRoute:
+    """``with PodNetworkRoute(node):`` the host's network namespace, where the API servers
+    run, reaches the node's pods, as a real control plane does (a webhook's pod, say): a
+    veth pair from the host into the node's namespace (``HOST``/30 and ``NODE``/30),
+    forwarding on in the node's namespace, and a host route for the pods' subnet via the
+    node's end. The one change the tests make to the host's own network, so on leaving the
+    pair goes, and the route with it (also when the node's namespace is deleted: a veth
+    pair dies with either end)."""
+
+    HOST, NODE = "10.79.255.1", "10.79.255.2"
+
+    def __init__(self, node: ChartNode) -> None:
+        self.node = node
+        self.link = f"kfcp{secrets.token_hex(3)}"   # host end; the node's end adds "n"
+
+    def __enter__(self) -> "PodNetworkRoute":
+        ns, peer = self.node.net.ns, f"{self.link}n"
+        self._ip("link", "add", self.link, "type", "veth", "peer", "name", peer, "netns",
+                 ns.name)
+        try:
+            self._ip("addr", "add", f"{self.HOST}/30", "dev", self.link)
+            self._ip("link", "set", self.link, "up")
+            for argv in (["ip", "addr", "add", f"{self.NODE}/30", "dev", peer],
+                         ["ip", "link", "set", peer, "up"],
+                         ["sysctl", "-qw", "net.ipv4.ip_forward=1"]):
+                ns.run(argv, check=True)
+            self._ip("route", "add", str(self.node.containerd.subnet), "via", self.NODE,
+                     "dev", self.link)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        subprocess.run(["ip", "link", "del", self.link], capture_output=True, timeout=20)
+
+    @staticmethod
+    def _ip(*argv: str) -> None:
+        subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=20)
+
+
+# ---- the user's side -------------------------------------------------------------------
+
+def state_dir(node: ChartNode) -> Path:
+    """The node directory the values give as ``stateDir``."""
+    return node.workdir / "kiamfast-state"
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra``'s keys set, nested dicts merged key by key."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = deep_merge(out[key], value)
+        out[key] = value
+    return out
+
+
+def values_file(node: ChartNode, extra: dict[str, Any] | None = None) -> Path:
+    """A kube2iam user's values (kube2iam's chart's names) plus this node's particulars,
+    with ``extra`` merged in."""
+    assert node.api_proxy is not None
+    values = {
+        "extraArgs": {"base-role-arn": BASE_ARN, "sts-endpoint": node.sts.endpoint},
+        "host": {"iptables": True, "interface": node.host_interface},
+        "aws": {"access_key": "testing", "secret_key": "testing", "region": "us-east-1"},
+        "image": {"repository": IMAGE_REPO, "tag": "test", "pullPolicy": "Never"},
+        "extraEnv": {"KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                     "KUBERNETES_SERVICE_PORT": str(node.api_proxy.port)},
+        # kiamfast's own values
+        "cri": {"socketPath": str(node.containerd.socket)},
+        "stateDir": str(state_dir(node)),
+    }
+    path = node.workdir / "values.yaml"
+    path.write_text(yaml.safe_dump(deep_merge(values, extra or {})))
+    return path
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    """The pod is Ready and not being deleted."""
+    conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+    return conditions.get("Ready") == "True" and "deletionTimestamp" not in pod["metadata"]
+
+
+def ready_agent_pod(node: ChartNode, *, image: str | None = None,
+                    timeout: float = 180.0) -> dict[str, Any]:
+    """The node's agent pod once it is Ready (and runs ``image``, if given)."""
+    def found() -> dict[str, Any] | None:
+        for pod in node.agent_pods():
+            if ready(pod) and image in (None, pod["spec"]["containers"][0]["image"]):
+                return pod
+        return None
+    return wait_until(found, timeout=timeout, interval=0.5, what="the agent pod Ready")
+
+
+def metadata_dnat(node: ChartNode) -> list[str]:
+    return [r for r in node.dnat_rules() if "169.254.169.254" in r]
+
+
+def removal_commands(directory: Path) -> list[str]:
+    """deploy/README.md's commands for what an uninstall leaves on a node, each ``sh``
+    block of its section in order (the DNAT rule and the state directory first, with this
+    node's state directory for the chart's default; then the container-credentials link)."""
+    section = DEPLOY_README.read_text().split("## Uninstalling", 1)[1].split("\n## ", 1)[0]
+    blocks = [part.split("```", 1)[0] for part in section.split("```sh\n")[1:]]
+    assert blocks and HOST_STATE_DIR in blocks[0], section
+    return [block.replace(HOST_STATE_DIR, str(directory)) for block in blocks]

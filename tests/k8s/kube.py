@@ -221,9 +221,11 @@ class ApiServer:
 
     def __init__(self, *, directory: Path, etcd: Etcd, pki: dict[str, Path], admin_token: str,
                  name: str = "kube-apiserver", watch_cache: bool = True,
-                 service_account_admission: bool = False) -> None:
+                 service_account_admission: bool = False,
+                 extra_args: tuple[str, ...] = ()) -> None:
         """``service_account_admission``: pods created through this server get their
-        ServiceAccount's token volume (the controllers that admission needs must run)."""
+        ServiceAccount's token volume (the controllers that admission needs must run).
+        ``extra_args``: more kube-apiserver flags."""
         directory.mkdir(parents=True, exist_ok=True)
         tokens = directory / "tokens.csv"
         tokens.write_text(f'{admin_token},test-admin,test-admin-uid,"system:masters"\n')
@@ -248,7 +250,7 @@ class ApiServer:
             "--etcd-compaction-interval=0",   # the tests compact, when they mean to
             "--enable-priority-and-fairness=false", "--profiling=false",
             f"--watch-cache={'true' if watch_cache else 'false'}",
-            "--v=1",
+            "--v=1", *extra_args,
         ]
         self.process = Process(name=name, argv=argv, log_path=directory / f"{name}.log")
         self.admin = Client(url=self.url, ca=self.ca, token=admin_token)

@@ -23,28 +23,22 @@ keys are static (``aws.*``), so the node's metadata service sees no credential r
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import yaml
-from chart_cluster import ChartControlPlane, ChartNode, built_image, helm, missing_reason
+from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, ChartControlPlane, ChartNode, chart_node,
+                           helm, metadata_dnat, missing_reason, print_failure_report,
+                           ready_agent_pod, removal_commands, state_dir, values_file)
 from cri_api.v1 import api_pb2 as cri
 from kubelet_node import KubePod, go_time, wait_untainted
 
-from e2e_cluster import BASE_ARN, POD_SCRIPTS, STARTUP_TAINT, assert_own_role
+from e2e_cluster import POD_SCRIPTS, STARTUP_TAINT, assert_own_role
 from runtime_node import wait_until
 
 pytestmark = [pytest.mark.kubelet, pytest.mark.kube_apiserver, pytest.mark.root,
               pytest.mark.slow, pytest.mark.timeout(2400)]
 
-CHART = Path(__file__).resolve().parents[2] / "deploy" / "chart" / "kiamfast"
-IMAGE_REPO = "localhost/kiamfast/kiamfast"
 RELEASE = "kf-chart"
-NAMESPACE = "kube-system"
-DEPLOY_README = CHART.parents[1] / "README.md"
-HOST_STATE_DIR = "/run/kiamfast"   # the chart's stateDir default
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +53,8 @@ def control(kube_cluster, kubelet_available, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def node(kube_cluster, control, tmp_path_factory):
-    archive = built_image(f"{IMAGE_REPO}:test")
-    chart_node = ChartNode(tmp_path_factory.mktemp("chart-node"), kube_cluster)
-    chart_node.agent_namespace = NAMESPACE
-    try:
-        chart_node.containerd.import_image(archive)
-        yield chart_node
-    finally:
-        chart_node.close()
+    with chart_node(kube_cluster, tmp_path_factory.mktemp("chart-node")) as chart:
+        yield chart
 
 
 @pytest.fixture
@@ -74,59 +62,7 @@ def reported(node, control, test_failed):
     """The node; its logs (kubelet, containerd, agent pods, controllers) if the test failed."""
     yield node
     if test_failed():
-        for title, text in [*node.failure_report(), *control.logs()]:
-            sys.stdout.write(f"\n===== {title} =====\n{text}\n")
-
-
-def state_dir(node: ChartNode) -> Path:
-    """The node directory the values give as ``stateDir``."""
-    return node.workdir / "kiamfast-state"
-
-
-def values_file(node: ChartNode) -> Path:
-    """A kube2iam user's values (kube2iam's chart's names) plus this node's particulars."""
-    assert node.api_proxy is not None
-    values = {
-        "extraArgs": {"base-role-arn": BASE_ARN, "sts-endpoint": node.sts.endpoint},
-        "host": {"iptables": True, "interface": node.host_interface},
-        "aws": {"access_key": "testing", "secret_key": "testing", "region": "us-east-1"},
-        "image": {"repository": IMAGE_REPO, "tag": "test", "pullPolicy": "Never"},
-        "extraEnv": {"KUBERNETES_SERVICE_HOST": "127.0.0.1",
-                     "KUBERNETES_SERVICE_PORT": str(node.api_proxy.port)},
-        # kiamfast's own values
-        "cri": {"socketPath": str(node.containerd.socket)},
-        "stateDir": str(state_dir(node)),
-    }
-    path = node.workdir / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def ready_agent_pod(node: ChartNode, *, image: str | None = None,
-                    timeout: float = 180.0) -> dict:
-    """The node's agent pod once it is Ready (and runs ``image``, if given)."""
-    def ready() -> dict | None:
-        for pod in node.agent_pods():
-            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
-            running = pod["spec"]["containers"][0]["image"]
-            if (conditions.get("Ready") == "True" and "deletionTimestamp" not in pod["metadata"]
-                    and image in (None, running)):
-                return pod
-        return None
-    return wait_until(ready, timeout=timeout, interval=0.5, what="the agent pod Ready")
-
-
-def metadata_dnat(node: ChartNode) -> list[str]:
-    return [r for r in node.dnat_rules() if "169.254.169.254" in r]
-
-
-def removal_commands(directory: Path) -> str:
-    """deploy/README.md's commands for what an uninstall leaves on a node, with this node's
-    state directory for the chart's default."""
-    section = DEPLOY_README.read_text().split("## Uninstalling", 1)[1]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
-    assert HOST_STATE_DIR in block, block
-    return block.replace(HOST_STATE_DIR, str(directory))
+        print_failure_report(node, control)
 
 
 def agent_container_id(pod: dict) -> str:
@@ -371,7 +307,7 @@ def test_helm_uninstall_leaves_the_dnat_rule_so_pods_fail_closed_until_it_is_rem
     assert node.imds_credential_requests() == []
     state = state_dir(node)
     assert (state / "table").exists()   # kept for a reinstall to adopt
-    # deploy/README.md's removal commands, run on the node.
-    node.net.ns.run(["sh", "-ec", removal_commands(state)], check=True)
+    # deploy/README.md's removal commands for the rule and the state, run on the node.
+    node.net.ns.run(["sh", "-ec", removal_commands(state)[0]], check=True)
     assert metadata_dnat(node) == [], node.dnat_rules()
     assert not state.exists()
