@@ -21,6 +21,7 @@ import base64
 import json
 import logging
 import os
+import signal
 import ssl
 import sys
 import threading
@@ -332,6 +333,10 @@ def main(argv: Sequence[str]) -> int:
     server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key, settings={
         "role_key": args.iam_role_key, "audience": args.audience,
         "expiration": args.token_expiration, "full_uri": args.full_uri})
+    # As a container's PID 1 it gets no default action for SIGTERM: without a handler the
+    # kubelet waits out the whole grace period on every rollout and scale-down.
+    signal.signal(signal.SIGTERM, lambda signum, frame: threading.Thread(
+        target=server.shutdown, daemon=True).start())
     log.info("serving the injection webhook on https://%s:%d/mutate", *args.listen)
     try:
         server.serve_forever()
@@ -339,6 +344,7 @@ def main(argv: Sequence[str]) -> int:
         pass
     finally:
         server.server_close()
+    log.info("the injection webhook stopped")
     return 0
 
 

@@ -98,3 +98,35 @@ def test_an_empty_audience_is_refused_at_start(capsys):
     with pytest.raises(SystemExit):
         webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
     assert "--audience: must not be empty" in capsys.readouterr().err
+
+
+def test_sigterm_stops_the_process_at_once_and_cleanly(tmp_path):
+    """The kubelet stops a pod with SIGTERM; as a container's PID 1 the webhook gets no
+    default action for it, so without its own handler every rollout would wait out the
+    grace period. A process stopped by the signal's default action exits -15, not 0."""
+    import subprocess
+    import sys
+    from agent_process import free_port
+    pki = kube.make_pki(tmp_path / "pki")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kiamfast", "webhook",
+                             f"--tls-cert={pki['cert']}", f"--tls-key={pki['key']}",
+                             f"--listen=127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.05)
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(5) == 0, proc.stdout.read()
+        assert time.monotonic() - started < 3
+        assert "the injection webhook stopped" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
