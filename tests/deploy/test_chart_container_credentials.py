@@ -166,3 +166,50 @@ def test_on_lints_clean(tmp_path):
                   str(values_file(tmp_path, {"containerCredentials": {
                       "enabled": True, "webhook": {"enabled": True}}})))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# containerCredentials as the chart's values.yaml first had it (the webhook alone).
+FIRST_SHAPE = {"webhook": ("enabled", "replicas", "port", "tokenExpirationSeconds",
+                           "namespaceSelector", "resources")}
+
+
+def chart_with_first_values(tmp_path) -> object:
+    """A copy of the chart whose values.yaml lacks every containerCredentials key added
+    since its first shape: what `helm upgrade --reuse-values` renders with for a release
+    installed then (helm keeps the installed chart's values.yaml; the new defaults are not
+    read)."""
+    import shutil
+    import yaml
+    chart = tmp_path / "chart-first-values"
+    shutil.copytree(CHART, chart)
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    cc = values["containerCredentials"]
+    values["containerCredentials"] = {
+        "webhook": {k: cc["webhook"][k] for k in FIRST_SHAPE["webhook"]}}
+    (chart / "values.yaml").write_text(yaml.safe_dump(values))
+    return chart
+
+
+def essentials(objs: list[dict]) -> dict:
+    """What a render decides, without what is generated anew each time (certificates)."""
+    out = {"kinds": sorted((o["kind"], o["metadata"]["name"]) for o in objs),
+           "agent": container(objs)["args"], "rules": sorted(granted(objs))}
+    for o in objs:
+        if o["kind"] == "Deployment":
+            out["webhook"] = o["spec"]["template"]["spec"]["containers"][0]["args"]
+        if o["kind"] == "MutatingWebhookConfiguration":
+            out["annotations"] = o["metadata"].get("annotations")
+    return out
+
+
+@pytest.mark.parametrize("values", [{}, {"containerCredentials": {"enabled": True}},
+                                    {"containerCredentials": {"enabled": True, "webhook": {
+                                        "enabled": True}}},
+                                    {"containerCredentials": {"enabled": True, "webhook": {
+                                        "enabled": True, "certManager": {"enabled": True}}}}],
+                         ids=["off", "on", "webhook", "cert-manager"])
+def test_an_upgrade_reusing_an_older_releases_values_renders_as_a_new_install(tmp_path,
+                                                                              values):
+    older = chart_with_first_values(tmp_path)
+    given = values_file(tmp_path, values)
+    assert essentials(render(given, chart=older)) == essentials(render(given))

@@ -133,6 +133,24 @@ kiamfast's own flags come last.
 {{- end -}}
 
 {{/*
+containerCredentials keys added after the chart first had containerCredentials.webhook.
+`helm upgrade --reuse-values` renders with the installed release's values.yaml, not this
+one, so a key added since is missing there: it is set here, to the default values.yaml
+gives it (tests/deploy/test_chart_container_credentials.py checks the two agree). Run first
+by kiamfast.validate, which every template includes first; it is idempotent.
+*/}}
+{{- define "kiamfast.containerCredentialsDefaults" -}}
+{{- $cc := .Values.containerCredentials -}}
+{{- range $key, $value := dict "enabled" false "ipv6" true "link" "kiamfast0" "audience" "kiamfast.io/container-credentials" -}}
+{{- if not (hasKey $cc $key) }}{{ $_ := set $cc $key $value }}{{ end -}}
+{{- end -}}
+{{- $webhook := $cc.webhook -}}
+{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) -}}
+{{- if not (hasKey $webhook $key) }}{{ $_ := set $webhook $key $value }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Where the agent serves container credentials: the EKS Pod Identity addresses the SDKs accept
 for http://, port 80. The webhook's injected URI names the IPv4 one (every SDK takes it), or
 the IPv6 one for IPv6-only pods (webhook.uriFamily).

@@ -43,6 +43,7 @@ cluster-name container-credentials-link
 Every value kiamfast cannot mean the way kube2iam's chart did fails here, with the reason.
 */}}
 {{- define "kiamfast.validate" -}}
+{{- include "kiamfast.containerCredentialsDefaults" . -}}
 {{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "global" -}}
 {{- range $key, $_ := .Values -}}
 {{- if eq $key "probe" -}}
