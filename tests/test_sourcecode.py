@@ -45,3 +45,14 @@ def test_worker_side_never_imports_the_control_side():
                                                   if n.startswith(FORBIDDEN_FOR_WORKERS))
                  for f in files}
     assert {f: n for f, n in offenders.items() if n} == {}
+
+
+def test_no_two_test_modules_share_a_name():
+    # pytest imports test files by basename (no packages under tests/): two of one name
+    # stop the whole run at collection.
+    seen: dict[str, Path] = {}
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        if "node_modules" in path.parts or not path.name.startswith("test_"):
+            continue
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path
