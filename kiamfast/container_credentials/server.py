@@ -286,10 +286,10 @@ class ContainerCredentialsServer:
     """The listeners: one coroutine per connection, answers in request order.  Every socket
     (169.254.170.23 and [fd00:ec2::23], say) shares one reviewer, cache and set of limits."""
 
-    def __init__(self, socks: socket.socket | Sequence[socket.socket], *,
+    def __init__(self, socks: Sequence[socket.socket], *,
                  reviewer: TokenReviewer, view: PodView, wait_budget: float,
                  clock: Callable[[], float] = time.time) -> None:
-        self.socks = [socks] if isinstance(socks, socket.socket) else list(socks)
+        self.socks = list(socks)
         self.reviewer = reviewer
         self.view = view
         self.wait_budget = wait_budget

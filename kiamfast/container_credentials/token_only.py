@@ -46,6 +46,8 @@ def predicate(listen: Iterable[tuple[str, int]]) -> Callable[[Mapping[str, Any]]
     """`spec -> bool`: does every container of the pod ask this agent's listener by token?
     Without a listener, nothing is token-only."""
     served = {(str(ipaddress.ip_address(host)), port) for host, port in listen}
+    if not served:          # every pod event asks: answer without looking at its spec
+        return lambda spec: False
     # A listener on every address (0.0.0.0, ::) is asked at any address with its port.
     any_address = {port for host, port in served if ipaddress.ip_address(host).is_unspecified}
 
@@ -55,7 +57,7 @@ def predicate(listen: Iterable[tuple[str, int]]) -> Callable[[Mapping[str, Any]]
 
     def token_only(spec: Mapping[str, Any]) -> bool:
         containers = [*(spec.get("initContainers") or ()), *(spec.get("containers") or ())]
-        if not served or not containers:
+        if not containers:
             return False
         for container in containers:
             env = _env(container)

@@ -356,7 +356,7 @@ class Ownership:
         spec = obj.get("spec") or {}
         status = obj.get("status") or {}
         annotations = meta.get("annotations") or {}
-        was_live, was_decided = pod.live, pod.decided
+        was_decided = pod.decided
         old_ann = (pod.annotations.get(self.policy.role_key),
                    pod.annotations.get(self.policy.external_id_key))
         was_token_only = pod.token_only
@@ -374,8 +374,8 @@ class Ownership:
         pod.api_ips = pod_ips(obj)
         new_ann = (annotations.get(self.policy.role_key),
                    annotations.get(self.policy.external_id_key))
-        if (pod.identity is None or was_live != pod.live or was_decided != pod.decided
-                or old_ann != new_ann or was_token_only != pod.token_only):
+        if (pod.identity is None or was_decided != pod.decided or old_ann != new_ann
+                or was_token_only != pod.token_only):
             self._dirty_pods.add(uid)
         self._set_claims(pod, seen=rv if seen is None else seen)
 

@@ -70,6 +70,12 @@ class Node:
                           ip=ip or next(self._ips), role=role, host_network=host_network,
                           env=env)
 
+    def by_token(self) -> dict[str, str]:
+        """A container's variables that send its SDK to this listener (the webhook's)."""
+        return {"AWS_CONTAINER_CREDENTIALS_FULL_URI":
+                f"http://127.0.0.1:{self.port}/v1/credentials",
+                "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
+
     def token(self, name: str, uid: str, **kw) -> str:
         return pod_token(self.admin, self.ns, "app", name, uid, **kw)
 
@@ -210,9 +216,7 @@ def test_a_pod_that_asks_by_token_is_refused_by_address(node):
     metadata path (an SDK falling back to IMDS, as Java's chain does, would otherwise be
     identified by its address again); a pod without the variables keeps kube2iam's
     contract."""
-    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
-           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
-    by_token = node.pod("by-token", role="role-a", ip="127.0.250.1", env=env)
+    by_token = node.pod("by-token", role="role-a", ip="127.0.250.1", env=node.by_token())
     node.pod("by-address", role="role-b", ip="127.0.250.2")
     status, body = node.answered(node.token("by-token", by_token))
     assert status == 200, body
@@ -227,10 +231,8 @@ def test_a_pod_that_asks_by_token_is_refused_by_address(node):
 def test_a_host_network_pod_that_asks_by_token_gets_its_own_role(node):
     """The node's address is not a hostNetwork pod's own, so no address path can tell such
     pods apart; their tokens can."""
-    env = {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{node.port}/v1/credentials",
-           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/kiamfast.io/token"}
-    uid_a = node.pod("host-a", role="role-a", host_network=True, env=env)
-    uid_b = node.pod("host-b", role="role-b", host_network=True, env=env)
+    uid_a = node.pod("host-a", role="role-a", host_network=True, env=node.by_token())
+    uid_b = node.pod("host-b", role="role-b", host_network=True, env=node.by_token())
     for name, uid, role in (("host-a", uid_a, "role-a"), ("host-b", uid_b, "role-b")):
         status, body = node.answered(node.token(name, uid))
         assert status == 200, body

@@ -75,7 +75,7 @@ class Listener:
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
         self.server = srv.ContainerCredentialsServer(
-            self.sock, reviewer=TokenReviewer(self.api, audience=AUDIENCE), view=self.view,
+            [self.sock], reviewer=TokenReviewer(self.api, audience=AUDIENCE), view=self.view,
             wait_budget=0.05)
 
     async def raw(self, data: bytes, source: str = "127.0.0.1") -> bytes:

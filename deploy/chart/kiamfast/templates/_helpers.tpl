@@ -40,6 +40,11 @@ app.kubernetes.io/part-of: kiamfast
 {{- printf "%s-webhook" (include "kiamfast.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The pod annotation naming the role (the agent's --iam-role-key): the webhook's opt-in. */}}
+{{- define "kiamfast.iamRoleKey" -}}
+{{- index (.Values.extraArgs | default dict) "iam-role-key" | default "iam.amazonaws.com/role" -}}
+{{- end -}}
+
 {{/* The Secret cert-manager writes the webhook's certificate into (not the chart's own). */}}
 {{- define "kiamfast.webhookCertManagerSecret" -}}
 {{- include "kiamfast.webhookName" . }}-tls

@@ -44,7 +44,7 @@ and create on tokenreviews.authentication.k8s.io (for container credentials){{ e
 
 Container credentials: the agents serve {{ include "kiamfast.containerCredentialsURI" $ }}.
 {{- if .webhook.enabled }} A pod opts in with
-the annotations {{ index ($.Values.extraArgs | default dict) "iam-role-key" | default "iam.amazonaws.com/role" }}=<role> and kiamfast.io/container-credentials="true"
+the annotations {{ include "kiamfast.iamRoleKey" $ }}=<role> and kiamfast.io/container-credentials="true"
 (pods created while the webhook is down are not injected and use IMDS by address).
 {{- if .webhook.certManager.enabled }}
 Its certificate comes from cert-manager, which must be installed: the webhook's pods start once
