@@ -18,6 +18,13 @@ from pathlib import Path
 
 import pytest
 
+# The suite forks while this process holds gRPC channels (the CRI tests' clients): a child
+# started with preexec_fn (tests/k8s/kube.py) or a multiprocessing fork. gRPC's fork handlers
+# then restart its pollers in the child, where closing inherited descriptors breaks them, and
+# about one child in thirty dies (SIGSEGV or SIGABRT) before it runs: CI once lost the whole
+# real-API-server tier that way. No child here uses gRPC, so the handlers are switched off.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")

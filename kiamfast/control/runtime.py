@@ -52,7 +52,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import grpc
+# The control process starts iptables and ip while its channels are open. gRPC's fork
+# handlers, if a child were ever forked rather than vforked, would restart gRPC's pollers in
+# it and can kill it before exec (seen in the test suite). No child uses gRPC.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402  (after the setting above, which gRPC reads when it starts)
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
