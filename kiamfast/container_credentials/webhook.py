@@ -2,7 +2,16 @@
 variables and the token volume of the container-credentials protocol.
 
 A pod opts in with its role annotation (``--iam-role-key``) and ``kiamfast.io/container-
-credentials: "true"``.  Every container and initContainer then gets
+credentials: "true"``, on the pod or, with ``--service-account-opt-in``, on its
+ServiceAccount: a ServiceAccount carrying both opts in every pod that runs as it.  The pod
+is more specific, so each of the two annotations is the pod's own if it has it, else its
+ServiceAccount's: a pod's own role wins over the account's, and a pod's own
+``kiamfast.io/container-credentials: "false"`` opts it out of an opted-in account.  A pod
+that gets its role from its account gets the role annotation added (the account's value):
+the agent reads the role from the pod, as ever, and applies the same policy to it (namespace
+restrictions, ``--default-role``).  The account is read from the API server only when the
+pod's own annotations do not decide (``accounts``: bounded, cached ~15 s); a read that fails
+admits the pod as if its account had no annotations.  Every container and initContainer then gets
 ``AWS_CONTAINER_CREDENTIALS_FULL_URI`` and ``AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE`` and a
 read-only mount of a projected service-account token with kiamfast's audience.  A container
 that already sets any container-provider variable is left alone: adding only some of them
@@ -30,6 +39,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kiamfast.config import FLAGS_BY_NAME
+from kiamfast.container_credentials.accounts import (
+    AccountAnnotations,
+    api_client_without_retries,
+    service_account_read,
+)
 
 log = logging.getLogger("kiamfast.webhook")
 
@@ -53,11 +67,35 @@ class MalformedReview(ValueError):
     """The request is not an AdmissionReview v1 for a pod we can read."""
 
 
-def opts_in(pod: dict[str, Any], *, role_key: str) -> bool:
+def _annotations(pod: dict[str, Any]) -> dict[str, Any]:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if not isinstance(annotations, dict):
         raise MalformedReview("metadata.annotations is not an object")
-    return bool(annotations.get(role_key)) and annotations.get(OPT_IN_ANNOTATION) == "true"
+    return annotations
+
+
+def decided_by_pod(pod: dict[str, Any], *, role_key: str) -> bool:
+    """Whether the pod's own annotations settle its opt-in (its account need not be read):
+    it opts out, or it has both the role and the opt-in."""
+    annotations = _annotations(pod)
+    opt_in = annotations.get(OPT_IN_ANNOTATION)
+    return opt_in == "false" or (opt_in is not None and bool(annotations.get(role_key)))
+
+
+def effective_role(pod: dict[str, Any], *, role_key: str,
+                   account: dict[str, str] | None = None) -> str | None:
+    """The role the pod opts in with, None if it does not: each of the two annotations is
+    the pod's own if it has it, else its ServiceAccount's (``account``)."""
+    own, inherited = _annotations(pod), account or {}
+    opt_in = own[OPT_IN_ANNOTATION] if OPT_IN_ANNOTATION in own \
+        else inherited.get(OPT_IN_ANNOTATION)
+    role = own.get(role_key) if role_key in own else inherited.get(role_key)
+    return role if opt_in == "true" and role and isinstance(role, str) else None
+
+
+def opts_in(pod: dict[str, Any], *, role_key: str,
+            account: dict[str, str] | None = None) -> bool:
+    return effective_role(pod, role_key=role_key, account=account) is not None
 
 
 def _token_volume(audience: str, expiration: int) -> dict[str, Any]:
@@ -92,10 +130,24 @@ def _append(path: str, current: list[Any], items: list[Any]) -> list[dict]:
     return [{"op": "add", "path": f"{path}/-", "value": item} for item in items]
 
 
+def _role_annotation(pod: dict[str, Any], role_key: str, role: str) -> list[dict]:
+    """The role annotation, unless the pod has it: the account's role, written on the pod
+    for the agent (which reads only pods)."""
+    annotations = _annotations(pod)
+    if annotations.get(role_key) == role:
+        return []
+    if not annotations:
+        return [{"op": "add", "path": "/metadata/annotations", "value": {role_key: role}}]
+    key = role_key.replace("~", "~0").replace("/", "~1")       # RFC 6901
+    return [{"op": "add", "path": f"/metadata/annotations/{key}", "value": role}]
+
+
 def pod_patch(pod: dict[str, Any], *, role_key: str, audience: str, expiration: int,
-              full_uri: str = FULL_URI) -> list[dict]:
-    """The JSONPatch for ``pod``; empty if it does not opt in or nothing needs adding."""
-    if not opts_in(pod, role_key=role_key):
+              full_uri: str = FULL_URI, account: dict[str, str] | None = None) -> list[dict]:
+    """The JSONPatch for ``pod``, whose ServiceAccount has the annotations ``account`` (None:
+    not read, or not readable); empty if it does not opt in or nothing needs adding."""
+    role = effective_role(pod, role_key=role_key, account=account)
+    if role is None:
         return []
     spec = pod.get("spec")
     if not isinstance(spec, dict):
@@ -121,6 +173,10 @@ def pod_patch(pod: dict[str, Any], *, role_key: str, audience: str, expiration: 
     has_volume = any(isinstance(v, dict) and v.get("name") == VOLUME for v in volumes)
     if ops and not has_volume:
         ops += _append("/spec/volumes", volumes, [_token_volume(audience, expiration)])
+    if ops:
+        # A pod none of whose containers takes the variables keeps IMDS by address: it
+        # gets no role it did not ask for itself.
+        ops = _role_annotation(pod, role_key, role) + ops
     return ops
 
 
@@ -133,9 +189,25 @@ def _answer(uid: str, ops: list[dict]) -> dict[str, Any]:
             "response": response}
 
 
-def review_answer(body: bytes, **settings: Any) -> dict[str, Any]:
+def _account(request: dict[str, Any], pod: dict[str, Any], role_key: str,
+             accounts: AccountAnnotations | None) -> dict[str, str] | None:
+    """The annotations of the pod's ServiceAccount when they may decide its opt-in; None
+    when not needed, not enabled or not readable.  The namespace is the request's: a pod's
+    own metadata.namespace may be empty at creation."""
+    name = (pod.get("spec") or {}).get("serviceAccountName")
+    namespace = request.get("namespace")
+    if accounts is None or decided_by_pod(pod, role_key=role_key) \
+            or not isinstance(name, str) or not name or not isinstance(namespace, str) \
+            or not namespace:
+        return None
+    return accounts.get(namespace, name)
+
+
+def review_answer(body: bytes, *, accounts: AccountAnnotations | None = None,
+                  **settings: Any) -> dict[str, Any]:
     """The AdmissionReview answer to the request ``body``: always allowed; patched only for
-    a pod creation that opts in; a review it cannot read is logged and left unpatched."""
+    a pod creation that opts in (``accounts``: where its ServiceAccount's annotations are
+    read, None to read none); a review it cannot read is logged and left unpatched."""
     uid = ""
     try:
         review = json.loads(body)
@@ -150,7 +222,8 @@ def review_answer(body: bytes, **settings: Any) -> dict[str, Any]:
         pod = request.get("object")
         if not isinstance(pod, dict):
             raise MalformedReview("no request.object")
-        ops = pod_patch(pod, **settings)
+        account = _account(request, pod, settings["role_key"], accounts)
+        ops = pod_patch(pod, account=account, **settings)
     except Exception as e:   # whatever the shape: admit unchanged, never fail the pod
         log.warning("admission review %r not understood, pod admitted unchanged: %s", uid, e)
         return _answer(uid, [])
@@ -322,6 +395,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="pod annotation holding the role (the agent's --iam-role-key)")
     p.add_argument("--full-uri", default=FULL_URI,
                    help=f"AWS_CONTAINER_CREDENTIALS_FULL_URI to inject (default {FULL_URI})")
+    p.add_argument("--service-account-opt-in", action="store_true",
+                   help="also opt in the pods of a ServiceAccount annotated with the role and "
+                        f"{OPT_IN_ANNOTATION}: \"true\" (reads ServiceAccounts: needs RBAC "
+                        "get on serviceaccounts)")
+    p.add_argument("--kubeconfig", default="",
+                   help="kubeconfig to read ServiceAccounts with (default: in-cluster)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -330,9 +409,19 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     from kiamfast import logs
     logs.setup(level=args.log_level, process="webhook")
+    accounts = None
+    if args.service_account_opt_in:
+        try:
+            api_client = api_client_without_retries(kubeconfig=args.kubeconfig)
+        except Exception as e:      # no in-cluster credentials, a bad kubeconfig
+            print(f"kiamfast webhook: --service-account-opt-in: cannot configure the API "
+                  f"client: {e}", file=sys.stderr)
+            return 2
+        accounts = AccountAnnotations(service_account_read(api_client))
     server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key, settings={
         "role_key": args.iam_role_key, "audience": args.audience,
-        "expiration": args.token_expiration, "full_uri": args.full_uri})
+        "expiration": args.token_expiration, "full_uri": args.full_uri,
+        "accounts": accounts})
     # As a container's PID 1 it gets no default action for SIGTERM: without a handler the
     # kubelet waits out the whole grace period on every rollout and scale-down.
     signal.signal(signal.SIGTERM, lambda signum, frame: threading.Thread(

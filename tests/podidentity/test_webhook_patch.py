@@ -141,3 +141,119 @@ def test_token_expiration_below_the_api_minimum_is_refused(capsys):
         webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--token-expiration", "599"])
     assert e.value.code == 2
     assert "at least 600" in capsys.readouterr().err
+
+
+# ---- --service-account-opt-in: the pod's ServiceAccount opts it in -----------------------
+
+class Accounts:
+    """What ``AccountAnnotations.get`` answers, by (namespace, name); records the asks."""
+
+    def __init__(self, annotations=None):
+        self.annotations = annotations        # None: the read failed
+        self.asked = []
+
+    def get(self, namespace, name):
+        self.asked.append((namespace, name))
+        return self.annotations
+
+
+def admitted_with(obj, accounts):
+    answer = webhook.review_answer(review(obj), accounts=accounts, **SETTINGS)
+    assert answer["response"]["allowed"] is True
+    if "patch" not in answer["response"]:
+        return obj
+    return jsonpatch.apply_patch(copy.deepcopy(obj),
+                                 json.loads(base64.b64decode(answer["response"]["patch"])))
+
+
+def injected(obj):
+    return any(v["name"] == webhook.VOLUME for v in obj["spec"].get("volumes") or [])
+
+
+@pytest.mark.parametrize("annotations", [None, {}, {"other": "x"}])
+def test_a_pod_of_an_opted_in_account_gets_the_accounts_role_and_the_injection(annotations):
+    accounts = Accounts(OPTED_IN)
+    original = pod(annotations, serviceAccountName="app")
+    if annotations is None:
+        del original["metadata"]["annotations"]
+    out = admitted_with(original, accounts)
+    assert accounts.asked == [("ns", "app")]      # the request's namespace, the pod's account
+    assert out["metadata"]["annotations"] == {**(annotations or {}), ROLE_KEY: "role-a"}
+    assert webhook.OPT_IN_ANNOTATION not in out["metadata"]["annotations"]
+    assert env_of(out["spec"]["containers"][0])["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] \
+        == TOKEN_PATH
+    assert injected(out)
+
+
+def test_a_role_key_with_a_slash_is_escaped_in_the_patch():
+    settings = {**SETTINGS, "role_key": "example.com/role~x"}
+    accounts = Accounts({"example.com/role~x": "role-b", webhook.OPT_IN_ANNOTATION: "true"})
+    original = pod({"keep": "1"})
+    answer = webhook.review_answer(review(original), accounts=accounts, **settings)
+    out = jsonpatch.apply_patch(original, json.loads(base64.b64decode(
+        answer["response"]["patch"])))
+    assert out["metadata"]["annotations"] == {"keep": "1", "example.com/role~x": "role-b"}
+
+
+@pytest.mark.parametrize("own, account, role", [
+    ({ROLE_KEY: "own-role"}, OPTED_IN, "own-role"),                  # the pod's role wins
+    ({webhook.OPT_IN_ANNOTATION: "true"}, {ROLE_KEY: "role-a"}, "role-a"),
+    ({ROLE_KEY: "own-role"}, {webhook.OPT_IN_ANNOTATION: "true"}, "own-role"),
+    ({webhook.OPT_IN_ANNOTATION: "false"}, OPTED_IN, None),           # the pod opts out
+    ({webhook.OPT_IN_ANNOTATION: "no"}, OPTED_IN, None),              # only "true" opts in
+    ({ROLE_KEY: ""}, OPTED_IN, None),                                 # its own empty role
+    ({}, {ROLE_KEY: "role-a"}, None),                                 # the account: no opt-in
+    ({}, {webhook.OPT_IN_ANNOTATION: "true"}, None),                  # ... no role
+    ({}, {ROLE_KEY: "role-a", webhook.OPT_IN_ANNOTATION: "True"}, None)])
+def test_the_pods_own_annotations_win_over_its_accounts(own, account, role):
+    out = admitted_with(pod(own), Accounts(account))
+    assert injected(out) == (role is not None)
+    assert out["metadata"]["annotations"].get(ROLE_KEY) == (role or own.get(ROLE_KEY))
+
+
+@pytest.mark.parametrize("own", [OPTED_IN, {webhook.OPT_IN_ANNOTATION: "false"},
+                                 {ROLE_KEY: "r", webhook.OPT_IN_ANNOTATION: "false"}])
+def test_the_account_is_not_read_when_the_pod_decides(own):
+    accounts = Accounts(OPTED_IN)
+    admitted_with(pod(own), accounts)
+    assert accounts.asked == []
+
+
+def test_an_account_that_cannot_be_read_opts_nobody_in():
+    original = pod({ROLE_KEY: "role-a"})
+    assert admitted_with(original, Accounts(None)) == original
+    assert admitted_with(pod(OPTED_IN), Accounts(None))["spec"]["volumes"]   # its own opt-in
+
+
+def test_without_the_flag_no_account_is_read_and_the_pod_annotation_alone_opts_in():
+    original = pod({}, serviceAccountName="app")
+    assert admitted(original) == original       # review_answer without accounts
+
+
+def test_a_pod_whose_containers_all_bring_their_own_settings_gets_no_role_either():
+    own = {"name": "own", "image": "o",
+           "env": [{"name": "AWS_CONTAINER_CREDENTIALS_FULL_URI", "value": "http://elsewhere"}]}
+    original = pod({}, containers=[own])
+    assert admitted_with(original, Accounts(OPTED_IN)) == original
+
+
+def test_reinvoked_after_injection_nothing_changes_again():
+    accounts = Accounts(OPTED_IN)
+    once = admitted_with(pod({}), accounts)
+    assert admitted_with(once, accounts) == once
+
+
+def test_the_flags_parse():
+    args = webhook.parse_args(["--tls-cert", "c", "--tls-key", "k"])
+    assert args.service_account_opt_in is False and args.kubeconfig == ""
+    args = webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
+                               "--kubeconfig", "/k"])
+    assert args.service_account_opt_in is True and args.kubeconfig == "/k"
+
+
+def test_without_api_credentials_the_flag_is_a_one_line_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert webhook.main(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
+                         "--kubeconfig", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--service-account-opt-in" in err
