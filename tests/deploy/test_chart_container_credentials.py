@@ -26,8 +26,11 @@ def cc_args(objs: list[dict]) -> list[str]:
     return [a for a in container(objs)["args"] if a.startswith(FLAGS)]
 
 
-def granted(objs: list[dict]) -> set[tuple[str, str, str]]:
-    return {(g, res, v) for r in one(objs, "ClusterRole")["rules"] for g in r["apiGroups"]
+def granted(objs: list[dict], *, webhook_role: bool = False) -> set[tuple[str, str, str]]:
+    """What the agent's ClusterRole grants (or the webhook's: ``webhook_role``)."""
+    (role,) = [o for o in objs if o["kind"] == "ClusterRole"
+               and o["metadata"]["name"].endswith("-webhook") == webhook_role]
+    return {(g, res, v) for r in role["rules"] for g in r["apiGroups"]
             for res in r["resources"] for v in r["verbs"]}
 
 
@@ -124,6 +127,74 @@ def test_rbac_off_says_what_the_service_account_needs(tmp_path):
     assert "tokenreviews" not in notes(other, values_file(other, {"rbac": {"create": False}}))
 
 
+WEBHOOK = {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}
+NO_SA_OPT_IN = {"containerCredentials": {"enabled": True, "webhook": {
+    "enabled": True, "serviceAccountOptIn": False}}}
+
+
+def webhook_pod(objs: list[dict]) -> dict:
+    return next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+
+
+def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
+    objs = render(values_file(tmp_path, WEBHOOK))
+    pod = webhook_pod(objs)
+    args = webhook.parse_args(pod["containers"][0]["args"][1:])
+    assert args.service_account_opt_in is True
+    assert args.kubeconfig == ""                                   # in-cluster
+    assert "automountServiceAccountToken" not in pod               # it needs its token
+    (account,) = [o for o in objs if o["kind"] == "ServiceAccount"
+                  and o["metadata"]["name"] == pod["serviceAccountName"]]
+    assert account["metadata"]["namespace"] == NAMESPACE
+    assert granted(objs, webhook_role=True) == {("", "serviceaccounts", "get")}
+    (binding,) = [o for o in objs if o["kind"] == "ClusterRoleBinding"
+                  and o["metadata"]["name"].endswith("-webhook")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                  "kind": "ClusterRole", "name": binding["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod[
+        "serviceAccountName"], "namespace": NAMESPACE}]
+    # The agent's own role gains nothing from it.
+    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+
+
+def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_path):
+    from kiamfast.container_credentials import accounts
+    config = next(o for o in render(values_file(tmp_path, WEBHOOK))
+                  if o["kind"] == "MutatingWebhookConfiguration")
+    assert config["webhooks"][0]["timeoutSeconds"] > accounts.READ_TIMEOUT + 1
+
+
+def test_without_the_service_account_opt_in_the_webhook_calls_no_api(tmp_path):
+    objs = render(values_file(tmp_path, NO_SA_OPT_IN))
+    pod = webhook_pod(objs)
+    assert webhook.parse_args(pod["containers"][0]["args"][1:]).service_account_opt_in is False
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-webhook")
+                and o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+
+
+def test_with_rbac_off_the_webhook_runs_as_the_given_account_and_the_chart_grants_nothing(
+        tmp_path):
+    objs = render(values_file(tmp_path, {**WEBHOOK, "rbac": {
+        "create": False, "serviceAccountName": "kiam-sa"}}))
+    assert webhook_pod(objs)["serviceAccountName"] == "kiam-sa"
+    assert not [o for o in objs if o["kind"] in ("ServiceAccount", "ClusterRole",
+                                                  "ClusterRoleBinding")]
+
+
+def test_notes_say_how_to_opt_in_and_what_rbac_off_needs(tmp_path):
+    text = " ".join(notes(tmp_path, values_file(tmp_path, {**WEBHOOK, "rbac": {
+        "create": False}})).split())
+    assert 'kiamfast.io/container-credentials="true" on itself or on its ServiceAccount ' \
+           '(the pod\'s own annotations win; "false" on a pod opts it out)' in text
+    assert "the injection webhook runs as it too and needs get on serviceaccounts" in text
+    other = tmp_path / "no-sa"
+    other.mkdir()
+    text = notes(other, values_file(other, {**NO_SA_OPT_IN, "rbac": {"create": False}}))
+    assert "ServiceAccount (the pod" not in text and "serviceaccounts" not in text
+
+
 REFUSED = [
     ({"containerCredentials": {"webhook": {"enabled": True}}},
      "containerCredentials.webhook.enabled needs containerCredentials.enabled: injected pods "
@@ -145,6 +216,10 @@ REFUSED = [
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "tokenExpirationSeconds": 599}}},
      "containerCredentials.webhook.tokenExpirationSeconds 599: at least 600"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "serviceAccountOptIn": "false"}}},
+     "containerCredentials.webhook.serviceAccountOptIn false: true or false (a string such "
+     "as \"false\" would read as on)"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": "my-ca"}}}},
      "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA "
@@ -194,6 +269,9 @@ def essentials(objs: list[dict]) -> dict:
     """What a render decides, without what is generated anew each time (certificates)."""
     out = {"kinds": sorted((o["kind"], o["metadata"]["name"]) for o in objs),
            "agent": container(objs)["args"], "rules": sorted(granted(objs))}
+    if any(o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("-webhook")
+           for o in objs):
+        out["webhook_rules"] = sorted(granted(objs, webhook_role=True))
     for o in objs:
         if o["kind"] == "Deployment":
             out["webhook"] = o["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -206,8 +284,9 @@ def essentials(objs: list[dict]) -> dict:
                                     {"containerCredentials": {"enabled": True, "webhook": {
                                         "enabled": True}}},
                                     {"containerCredentials": {"enabled": True, "webhook": {
-                                        "enabled": True, "certManager": {"enabled": True}}}}],
-                         ids=["off", "on", "webhook", "cert-manager"])
+                                        "enabled": True, "certManager": {"enabled": True}}}},
+                                    NO_SA_OPT_IN],
+                         ids=["off", "on", "webhook", "cert-manager", "no-sa-opt-in"])
 def test_an_upgrade_reusing_an_older_releases_values_renders_as_a_new_install(tmp_path,
                                                                               values):
     older = chart_with_first_values(tmp_path)

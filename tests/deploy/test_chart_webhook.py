@@ -22,8 +22,11 @@ from kiamfast.container_credentials import webhook
 ENABLED = {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}
 CERT_MANAGER = {"containerCredentials": {"enabled": True, "webhook": {
     "enabled": True, "certManager": {"enabled": True}}}}
-KINDS = {"Secret", "Deployment", "Service", "MutatingWebhookConfiguration"}
-CERT_MANAGER_KINDS = {"Certificate", "Deployment", "Service", "MutatingWebhookConfiguration"}
+# With serviceAccountOptIn (on by default) the webhook has an identity of its own.
+IDENTITY = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+KINDS = {"Secret", "Deployment", "Service", "MutatingWebhookConfiguration"} | IDENTITY
+CERT_MANAGER_KINDS = {"Certificate", "Deployment", "Service",
+                      "MutatingWebhookConfiguration"} | IDENTITY
 
 
 def webhook_objects(objs: list[dict], kinds: set[str] = KINDS) -> dict[str, dict]:

@@ -45,6 +45,16 @@ app.kubernetes.io/part-of: kiamfast
 {{- index (.Values.extraArgs | default dict) "iam-role-key" | default "iam.amazonaws.com/role" -}}
 {{- end -}}
 
+{{/* The ServiceAccount the webhook runs as when it reads ServiceAccounts: its own with
+rbac.create (webhook-rbac.yaml), else the one the user grants (rbac.serviceAccountName). */}}
+{{- define "kiamfast.webhookServiceAccountName" -}}
+{{- if .Values.rbac.create -}}
+{{- include "kiamfast.webhookName" . -}}
+{{- else -}}
+{{- .Values.rbac.serviceAccountName -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The Secret cert-manager writes the webhook's certificate into (not the chart's own). */}}
 {{- define "kiamfast.webhookCertManagerSecret" -}}
 {{- include "kiamfast.webhookName" . }}-tls
@@ -150,7 +160,7 @@ by kiamfast.validate, which every template includes first; it is idempotent.
 {{- if not (hasKey $cc $key) }}{{ $_ := set $cc $key $value }}{{ end -}}
 {{- end -}}
 {{- $webhook := $cc.webhook -}}
-{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) -}}
+{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) "serviceAccountOptIn" true -}}
 {{- if not (hasKey $webhook $key) }}{{ $_ := set $webhook $key $value }}{{ end -}}
 {{- end -}}
 {{- end -}}

@@ -37,7 +37,9 @@ agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities, and ho
 
 NOTE: rbac.create is false: the ServiceAccount "{{ .Values.rbac.serviceAccountName }}" needs get, list, watch
 on pods and namespaces and get, patch on nodes (for the startup taint){{ if .Values.containerCredentials.enabled }},
-and create on tokenreviews.authentication.k8s.io (for container credentials){{ end }}.
+and create on tokenreviews.authentication.k8s.io (for container credentials){{ end }}
+{{- with .Values.containerCredentials.webhook }}{{ if and .enabled .serviceAccountOptIn }};
+the injection webhook runs as it too and needs get on serviceaccounts (the opt-in by ServiceAccount){{ end }}{{ end }}.
 {{- end }}
 {{- with .Values.containerCredentials }}
 {{- if .enabled }}
@@ -45,7 +47,11 @@ and create on tokenreviews.authentication.k8s.io (for container credentials){{ e
 Container credentials: the agents serve {{ include "kiamfast.containerCredentialsURI" $ }}.
 {{- if .webhook.enabled }} A pod opts in with
 the annotations {{ include "kiamfast.iamRoleKey" $ }}=<role> and kiamfast.io/container-credentials="true"
-(pods created while the webhook is down are not injected and use IMDS by address).
+{{- if .webhook.serviceAccountOptIn }}
+on itself or on its ServiceAccount (the pod's own annotations win; "false" on a pod opts it out)
+{{- end }}
+(pods created while the webhook is down, or cannot read their ServiceAccount, are not injected
+and use IMDS by address).
 {{- if .webhook.certManager.enabled }}
 Its certificate comes from cert-manager, which must be installed: the webhook's pods start once
 cert-manager has written the Secret {{ include "kiamfast.webhookCertManagerSecret" $ }}.

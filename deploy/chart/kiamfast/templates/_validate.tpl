@@ -130,6 +130,9 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if and $cc.webhook.enabled (lt (int $cc.webhook.tokenExpirationSeconds) 600) -}}
 {{- fail (printf "containerCredentials.webhook.tokenExpirationSeconds %v: at least 600 (the TokenRequest API's minimum)" $cc.webhook.tokenExpirationSeconds) -}}
 {{- end -}}
+{{- if not (kindIs "bool" $cc.webhook.serviceAccountOptIn) -}}
+{{- fail (printf "containerCredentials.webhook.serviceAccountOptIn %v: true or false (a string such as \"false\" would read as on)" $cc.webhook.serviceAccountOptIn) -}}
+{{- end -}}
 {{- with $cc.webhook.certManager.issuerRef -}}
 {{- if not (and (kindIs "map" .) (kindIs "string" .name) .name) -}}
 {{- fail "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA issuer) or a cert-manager issuerRef with a name, e.g. {name: my-ca, kind: ClusterIssuer}" -}}
