@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))     # sdk_clients
 
 import kube  # noqa: E402
+import podid  # noqa: E402
 
 from kiamfast.testing.fake_imds import FakeImds  # noqa: E402
 from kiamfast.testing.sts import MotoSts  # noqa: E402
@@ -74,3 +75,16 @@ def peers(cluster):
     p = RealCluster(agent_kubeconfig(cluster))
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="session")
+def webhook_reader(cluster, tmp_path_factory):
+    """The webhook's identity as the chart grants it: the rules of the webhook's ClusterRole
+    the real helm renders with the webhook on (its defaults), bound here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
+    from test_chart import render, values_file
+    docs = render(values_file(tmp_path_factory.mktemp("webhook-chart"), {
+        "containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}))
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"
+               and d["metadata"]["name"].endswith("-webhook")]
+    return podid.webhook_kubeconfig(cluster, "kiamfast-webhook-reader", rules=role["rules"])

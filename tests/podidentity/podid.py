@@ -5,6 +5,8 @@ import base64
 import json
 from pathlib import Path
 
+import kube
+
 AUDIENCE = "kiamfast.io/container-credentials"
 BASE_ARN = "arn:aws:iam::123456789012:role/"
 
@@ -73,3 +75,23 @@ def other_key(directory: Path) -> Path:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()))
     return path
+
+
+def webhook_kubeconfig(cluster, name: str, *, rules: list[dict] | None) -> Path:
+    """An identity for `kiamfast webhook --service-account-opt-in`: ServiceAccount
+    kube-system/<name> bound to a ClusterRole with ``rules`` (None: bound to nothing)."""
+    admin = cluster.admin
+    token = kube.service_account_token(admin, namespace="kube-system", name=name)
+    if rules is not None:
+        kube.apply_rbac(admin, [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": name}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": name},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": name,
+                           "namespace": "kube-system"}]}])
+        kube.wait_allowed(cluster.as_user(token), verb="get", resource="serviceaccounts")
+    return cluster.kubeconfig_for(token, name=name)
+

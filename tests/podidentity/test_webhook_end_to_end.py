@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import test_container_credentials
 from podid import BASE_ARN
-from test_webhook_apiserver import OPTED_IN, env_of, registered_webhook
+from test_webhook_apiserver import OPTED_IN, ROLE_KEY, env_of, registered_webhook
 
 from kiamfast.container_credentials import webhook
 
@@ -54,3 +54,36 @@ def test_an_injected_pod_gets_its_own_role_through_the_agent(node, tmp_path):
     assert env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"].endswith("/" + token_file.name)
     arn = sdk_identity(node, "botocore", token_file, tmp_path)
     assert arn.startswith(f"arn:aws:sts::{BASE_ARN.split(':')[4]}:assumed-role/role-a/"), arn
+
+
+def test_a_pod_of_an_opted_in_service_account_gets_the_accounts_role(node, webhook_reader,
+                                                                      tmp_path):
+    """The pod carries no annotation of its own: the webhook takes the role from its
+    ServiceAccount; the agent applies the namespace's restrictions to it as to any role."""
+    from test_webhook_service_account import annotate_service_account
+    admin = node.admin
+    annotate_service_account(admin, node.ns, "by-account", {
+        ROLE_KEY: "role-b", webhook.OPT_IN_ANNOTATION: "true"})
+    annotate_service_account(admin, node.ns, "by-account-denied", {
+        ROLE_KEY: "role-c", webhook.OPT_IN_ANNOTATION: "true"})     # not allowed here
+    full_uri = f"http://127.0.0.1:{node.port}/v1/credentials"
+    with registered_webhook(admin, node.ns, tmp_path, "--full-uri", full_uri,
+                            "--service-account-opt-in", "--kubeconfig", str(webhook_reader)):
+        for name, account in (("sa-pod", "by-account"), ("sa-denied", "by-account-denied")):
+            admin.call("POST", f"/api/v1/namespaces/{node.ns}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"nodeName": node.name, "serviceAccountName": account,
+                         "containers": [{"name": "app", "image": "app:test"}]}})
+    admin.set_pod_running(node.ns, "sa-pod", "10.250.200.2")
+    admin.set_pod_running(node.ns, "sa-denied", "10.250.200.3")
+    pod = admin.get_pod(node.ns, "sa-pod")
+    assert pod["metadata"]["annotations"] == {ROLE_KEY: "role-b"}
+    token_file = tmp_path / "token"
+    token_file.write_text(kubelet_token(admin, pod))
+    arn = sdk_identity(node, "botocore", token_file, tmp_path)
+    assert arn.startswith(f"arn:aws:sts::{BASE_ARN.split(':')[4]}:assumed-role/role-b/"), arn
+
+    denied = admin.get_pod(node.ns, "sa-denied")
+    assert denied["metadata"]["annotations"] == {ROLE_KEY: "role-c"}
+    status, body = node.answered(kubelet_token(admin, denied))
+    assert status == 403 and body["Code"] == "AccessDenied" and "role-c" in body["Message"]
