@@ -10,7 +10,7 @@ agent answers, fail the render with the reason.
 from __future__ import annotations
 
 import pytest
-from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes, one,
+from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes,
                         render, render_error, values_file)
 from test_deploy_manifests import AGENT_CALLS
 
