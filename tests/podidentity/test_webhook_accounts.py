@@ -99,3 +99,41 @@ def test_the_cache_is_bounded():
     assert len(accounts._cache) == 10
     accounts.get("ns", "49")                              # the newest are kept
     assert len(reads.calls) == 50
+
+
+def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_path, caplog):
+    """A real socket that accepts and never answers (a hung API server): the read through
+    the real kubernetes client gives up after READ_TIMEOUT, not after urllib3's retries
+    (4 × the timeout), so the API server's call to the webhook (5 s in the chart) is
+    answered, uninjected, before it gives up itself."""
+    import socket
+    import time
+
+    import yaml
+
+    from kiamfast.container_credentials.accounts import (
+        READ_TIMEOUT,
+        api_client_without_retries,
+        service_account_read,
+    )
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {
+            "server": f"https://127.0.0.1:{hung.getsockname()[1]}",
+            "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    accounts = AccountAnnotations(service_account_read(
+        api_client_without_retries(kubeconfig=str(kubeconfig))))
+    try:
+        started = time.monotonic()
+        assert accounts.get("ns", "app") is None
+        took = time.monotonic() - started
+    finally:
+        hung.close()
+    assert READ_TIMEOUT - 0.2 < took < 4.5, took
+    assert "cannot read ServiceAccounts" in caplog.text
