@@ -32,15 +32,19 @@ CACHE_SIZE = 1024
 Annotations = dict[str, str]
 
 
-def service_account_read(api_client: Any) -> Callable[[str, str], Annotations]:
+def service_account_read(make_client: Callable[[], Any]) -> Callable[[str, str], Annotations]:
     """A blocking GET of a ServiceAccount through the kubernetes client: its annotations.
-    ``api_client`` must not retry (its configuration's ``retries`` false): urllib3 retries a
-    GET three times by default, which would multiply the timeout by four."""
+    The client is made at the first read, and again after a read that could not make it (no
+    in-cluster credentials yet): that is a failed read like any other, never a webhook that
+    does not start.  It must not retry (`api_client_without_retries`): urllib3 retries a GET
+    three times by default, which would multiply the timeout by four."""
     from kubernetes import client as kclient
-    api = kclient.CoreV1Api(api_client)
+    apis: list[Any] = []
 
     def read(namespace: str, name: str) -> Annotations:
-        resp = api.read_namespaced_service_account(
+        if not apis:
+            apis.append(kclient.CoreV1Api(make_client()))
+        resp = apis[0].read_namespaced_service_account(
             name, namespace, _preload_content=False, _request_timeout=READ_TIMEOUT)
         try:
             account = orjson.loads(resp.data)

@@ -411,13 +411,18 @@ def main(argv: Sequence[str]) -> int:
     logs.setup(level=args.log_level, process="webhook")
     accounts = None
     if args.service_account_opt_in:
-        try:
-            api_client = api_client_without_retries(kubeconfig=args.kubeconfig)
-        except Exception as e:      # no in-cluster credentials, a bad kubeconfig
-            print(f"kiamfast webhook: --service-account-opt-in: cannot configure the API "
-                  f"client: {e}", file=sys.stderr)
-            return 2
-        accounts = AccountAnnotations(service_account_read(api_client))
+        def make_client() -> Any:
+            return api_client_without_retries(kubeconfig=args.kubeconfig)
+        if args.kubeconfig:         # the user's file: a bad one is bad input, said at once
+            try:
+                make_client()
+            except Exception as e:
+                print(f"kiamfast webhook: --kubeconfig {args.kubeconfig}: {e}",
+                      file=sys.stderr)
+                return 2
+        # In-cluster credentials missing are a failed read (logged), not a webhook down:
+        # the pods that opt in by their own annotations keep being injected.
+        accounts = AccountAnnotations(service_account_read(make_client))
     server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key, settings={
         "role_key": args.iam_role_key, "audience": args.audience,
         "expiration": args.token_expiration, "full_uri": args.full_uri,

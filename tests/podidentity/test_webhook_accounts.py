@@ -128,7 +128,7 @@ def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
     accounts = AccountAnnotations(service_account_read(
-        api_client_without_retries(kubeconfig=str(kubeconfig))))
+        lambda: api_client_without_retries(kubeconfig=str(kubeconfig))))
     try:
         started = time.monotonic()
         assert accounts.get("ns", "app") is None

@@ -251,9 +251,21 @@ def test_the_flags_parse():
     assert args.service_account_opt_in is True and args.kubeconfig == "/k"
 
 
-def test_without_api_credentials_the_flag_is_a_one_line_error(capsys, monkeypatch, tmp_path):
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+def test_a_kubeconfig_that_does_not_load_is_a_one_line_error(capsys, tmp_path):
+    missing = tmp_path / "missing"
     assert webhook.main(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
-                         "--kubeconfig", str(tmp_path / "missing")]) == 2
+                         "--kubeconfig", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--service-account-opt-in" in err
+    assert err.count("\n") == 1 and f"--kubeconfig {missing}" in err
+
+
+def test_without_in_cluster_credentials_a_read_fails_and_the_pod_opt_in_still_works(
+        monkeypatch, caplog):
+    """Outside a pod (no KUBERNETES_SERVICE_HOST): the webhook is not down for it."""
+    from kiamfast.container_credentials import accounts
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cache = accounts.AccountAnnotations(accounts.service_account_read(
+        accounts.api_client_without_retries))
+    assert admitted_with(pod({}), cache) == pod({})
+    assert "cannot read ServiceAccounts" in caplog.text
+    assert injected(admitted_with(pod(OPTED_IN), cache))
