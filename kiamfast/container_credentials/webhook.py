@@ -75,11 +75,12 @@ def _annotations(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def decided_by_pod(pod: dict[str, Any], *, role_key: str) -> bool:
-    """Whether the pod's own annotations settle its opt-in (its account need not be read):
-    it opts out, or it has both the role and the opt-in."""
+    """Whether the pod's own annotations settle its opt-in, so its account need not be read:
+    its own opt-in wins, and anything but "true" is no whatever the account says; "true"
+    beside a role of its own needs nothing from the account."""
     annotations = _annotations(pod)
     opt_in = annotations.get(OPT_IN_ANNOTATION)
-    return opt_in == "false" or (opt_in is not None and bool(annotations.get(role_key)))
+    return opt_in is not None and (opt_in != "true" or role_key in annotations)
 
 
 def effective_role(pod: dict[str, Any], *, role_key: str,
@@ -91,11 +92,6 @@ def effective_role(pod: dict[str, Any], *, role_key: str,
         else inherited.get(OPT_IN_ANNOTATION)
     role = own.get(role_key) if role_key in own else inherited.get(role_key)
     return role if opt_in == "true" and role and isinstance(role, str) else None
-
-
-def opts_in(pod: dict[str, Any], *, role_key: str,
-            account: dict[str, str] | None = None) -> bool:
-    return effective_role(pod, role_key=role_key, account=account) is not None
 
 
 def _token_volume(audience: str, expiration: int) -> dict[str, Any]:
@@ -228,8 +224,9 @@ def review_answer(body: bytes, *, accounts: AccountAnnotations | None = None,
         log.warning("admission review %r not understood, pod admitted unchanged: %s", uid, e)
         return _answer(uid, [])
     if ops:
-        log.info("pod %s/%s: container-credentials variables and token volume added",
-                 request.get("namespace", ""), _pod_name(pod))
+        log.info("pod %s/%s: container-credentials variables and token volume added%s",
+                 request.get("namespace", ""), _pod_name(pod),
+                 " (opted in by its ServiceAccount's annotations)" if account else "")
     return _answer(uid, ops)
 
 

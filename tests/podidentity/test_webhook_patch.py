@@ -212,11 +212,20 @@ def test_the_pods_own_annotations_win_over_its_accounts(own, account, role):
 
 
 @pytest.mark.parametrize("own", [OPTED_IN, {webhook.OPT_IN_ANNOTATION: "false"},
-                                 {ROLE_KEY: "r", webhook.OPT_IN_ANNOTATION: "false"}])
+                                 {ROLE_KEY: "r", webhook.OPT_IN_ANNOTATION: "false"},
+                                 {webhook.OPT_IN_ANNOTATION: "yes"},
+                                 {ROLE_KEY: "", webhook.OPT_IN_ANNOTATION: "true"}])
 def test_the_account_is_not_read_when_the_pod_decides(own):
     accounts = Accounts(OPTED_IN)
     admitted_with(pod(own), accounts)
     assert accounts.asked == []
+
+
+@pytest.mark.parametrize("own", [{}, {ROLE_KEY: "r"}, {webhook.OPT_IN_ANNOTATION: "true"}])
+def test_the_account_is_read_when_the_pod_leaves_an_annotation_to_it(own):
+    accounts = Accounts({})
+    admitted_with(pod(own), accounts)
+    assert accounts.asked == [("ns", "default")]
 
 
 def test_an_account_that_cannot_be_read_opts_nobody_in():
