@@ -174,6 +174,20 @@ def test_without_the_service_account_opt_in_the_webhook_calls_no_api(tmp_path):
                 and o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
 
 
+def test_the_webhooks_extra_env_is_its_containers_env_alone(tmp_path):
+    """Where pods cannot reach the `kubernetes` Service (no kube-proxy), the user points the
+    webhook's in-cluster client at the API server: the kubelet test tier does so."""
+    assert "env" not in webhook_pod(render(values_file(tmp_path, WEBHOOK)))["containers"][0]
+    objs = render(values_file(tmp_path, {"containerCredentials": {
+        "enabled": True, "webhook": {"enabled": True, "extraEnv": {
+            "KUBERNETES_SERVICE_PORT": 6443, "KUBERNETES_SERVICE_HOST": "10.0.0.10"}}}}))
+    assert webhook_pod(objs)["containers"][0]["env"] == [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "10.0.0.10"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]
+    assert not {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"} & {
+        e["name"] for e in container(objs)["env"]}                 # not the agent's
+
+
 def test_with_rbac_off_the_webhook_runs_as_the_given_account_and_the_chart_grants_nothing(
         tmp_path):
     objs = render(values_file(tmp_path, {**WEBHOOK, "rbac": {
@@ -227,6 +241,16 @@ REFUSED = [
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "Issuer"}}}}},
      "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "extraEnv": {"HTTPS_PROXY": {"host": "proxy"}}}}},
+     "containerCredentials.webhook.extraEnv.HTTPS_PROXY: map[host:proxy]: a variable's "
+     "value is a string, number or boolean"),
+    ({"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "extraEnv": ["HTTPS_PROXY=http://proxy:3128"]}}},
+     "containerCredentials.webhook.extraEnv: a map of variable name -> value"),
+    ({"extraEnv": {"NO_PROXY": ["169.254.169.254"]}},
+     "extraEnv.NO_PROXY: [169.254.169.254]: a variable's value is a string, number or "
+     "boolean"),
 ]
 
 

@@ -40,6 +40,15 @@ app.kubernetes.io/part-of: kiamfast
 {{- printf "%s-webhook" (include "kiamfast.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* Environment variables from a name -> value map (extraEnv, webhook.extraEnv), sorted by
+name, every value a string. */}}
+{{- define "kiamfast.env" -}}
+{{- range $name, $value := . }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* The pod annotation naming the role (the agent's --iam-role-key): the webhook's opt-in. */}}
 {{- define "kiamfast.iamRoleKey" -}}
 {{- index (.Values.extraArgs | default dict) "iam-role-key" | default "iam.amazonaws.com/role" -}}
@@ -160,7 +169,7 @@ by kiamfast.validate, which every template includes first; it is idempotent.
 {{- if not (hasKey $cc $key) }}{{ $_ := set $cc $key $value }}{{ end -}}
 {{- end -}}
 {{- $webhook := $cc.webhook -}}
-{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) "serviceAccountOptIn" true -}}
+{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) "serviceAccountOptIn" true "extraEnv" (dict) -}}
 {{- if not (hasKey $webhook $key) }}{{ $_ := set $webhook $key $value }}{{ end -}}
 {{- end -}}
 {{- end -}}

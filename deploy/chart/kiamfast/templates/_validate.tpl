@@ -70,6 +70,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get $owned $key)) -}}
 {{- end -}}
 {{- end -}}
+{{- include "kiamfast.validateEnv" (list "extraEnv" .Values.extraEnv) -}}
 {{- include "kiamfast.validateContainerCredentials" . -}}
 {{- if and .Values.host.iptables (not .Values.host.ip) -}}
 {{- fail "host.iptables: the DNAT rule needs host.ip (the node's address, $(HOST_IP))" -}}
@@ -112,6 +113,21 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- end -}}
 {{- end -}}
 
+{{/* (list NAME MAP): an extraEnv map, name -> a string, number or boolean (a list or map
+would render as Go's text of it, which no program means). */}}
+{{- define "kiamfast.validateEnv" -}}
+{{- $key := index . 0 -}}
+{{- $env := index . 1 | default dict -}}
+{{- if not (kindIs "map" $env) -}}
+{{- fail (printf "%s: a map of variable name -> value, e.g. {HTTPS_PROXY: http://proxy:3128}" $key) -}}
+{{- end -}}
+{{- range $name, $value := $env -}}
+{{- if or (kindIs "map" $value) (kindIs "slice" $value) -}}
+{{- fail (printf "%s.%s: %v: a variable's value is a string, number or boolean" $key $name $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* containerCredentials: the agent's listener and the webhook that sends pods to it. */}}
 {{- define "kiamfast.validateContainerCredentials" -}}
 {{- $cc := .Values.containerCredentials -}}
@@ -133,6 +149,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if not (kindIs "bool" $cc.webhook.serviceAccountOptIn) -}}
 {{- fail (printf "containerCredentials.webhook.serviceAccountOptIn %v: true or false (a string such as \"false\" would read as on)" $cc.webhook.serviceAccountOptIn) -}}
 {{- end -}}
+{{- include "kiamfast.validateEnv" (list "containerCredentials.webhook.extraEnv" $cc.webhook.extraEnv) -}}
 {{- with $cc.webhook.certManager.issuerRef -}}
 {{- if not (and (kindIs "map" .) (kindIs "string" .name) .name) -}}
 {{- fail "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA issuer) or a cert-manager issuerRef with a name, e.g. {name: my-ca, kind: ClusterIssuer}" -}}
