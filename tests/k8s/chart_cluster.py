@@ -18,13 +18,17 @@
   user's values plus the node's particulars), :func:`ready_agent_pod`,
   :func:`removal_commands` (deploy/README.md's, for what an uninstall leaves on a node).
 
-All of it listens on loopback only.
+* :func:`pod_network_api`: the chart's API server for pods (a webhook's in-cluster client),
+  on the node's address inside the node's network namespace.
+
+All of it listens on loopback only, or inside the node's namespace.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -36,8 +40,10 @@ import kube
 import yaml
 from kubelet_node import KubeletNode
 from needs import missing_tool
+from tcp_proxy import TcpProxy
 
 from e2e_cluster import BASE_ARN
+from netns import call_in_netns
 from runtime_node import wait_until
 
 HELM_VERSION = "v3.19.5"   # tests/tools/build_helm.sh
@@ -80,14 +86,17 @@ class ChartControlPlane:
 
     def __init__(self, cluster: kube.Cluster, directory: Path, *,
                  controllers: tuple[str, ...] = CONTROLLERS,
-                 apiserver_args: tuple[str, ...] = ()) -> None:
+                 apiserver_args: tuple[str, ...] = (),
+                 server_ips: tuple[str, ...] = ()) -> None:
         """``controllers``: kube-controller-manager's ``--controllers``; ``apiserver_args``:
-        more flags of the API server."""
+        more flags of the API server; ``server_ips``: addresses besides 127.0.0.1 its
+        serving certificate names (see :meth:`_serving_pki`)."""
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.processes: list[kube.Process] = []
+        pki = self._serving_pki(cluster, server_ips) if server_ips else cluster.pki
         self.apiserver = kube.ApiServer(
-            directory=directory, etcd=cluster.etcd, pki=cluster.pki,
+            directory=directory, etcd=cluster.etcd, pki=pki,
             admin_token=cluster.admin.token, name="kube-apiserver-chart",
             service_account_admission=True, extra_args=apiserver_args)
         self.processes.append(self.apiserver.process)
@@ -98,12 +107,23 @@ class ChartControlPlane:
                 ca=self.apiserver.ca, token=cluster.admin.token)
             self._start("kube-controller-manager", [
                 f"--controllers={','.join(controllers)}",
-                f"--root-ca-file={cluster.pki['ca']}",
+                f"--root-ca-file={pki['ca']}",
                 "--use-service-account-credentials=false"])
             self._start("kube-scheduler", [])
         except BaseException:
             self.stop()
             raise
+
+    def _serving_pki(self, cluster: kube.Cluster, server_ips: tuple[str, ...]
+                     ) -> dict[str, Path]:
+        """The session's keys with a serving certificate of this server's own that also
+        names ``server_ips`` (the session's names 127.0.0.1 alone), from a CA of its own; the
+        CA file is both CAs, so the admin client and every pod's ``ca.crt`` (the
+        ``kube-root-ca.crt`` ConfigMap, from ``--root-ca-file``) trust either server."""
+        own = kube.make_pki(self.dir / "pki", server_ips=server_ips)
+        bundle = self.dir / "ca-bundle.crt"
+        bundle.write_bytes(cluster.pki["ca"].read_bytes() + own["ca"].read_bytes())
+        return {**cluster.pki, "ca": bundle, "cert": own["cert"], "key": own["key"]}
 
     def _start(self, name: str, args: list[str]) -> None:
         self.processes.append(kube.Process(name=name, log_path=self.dir / f"{name}.log", argv=[
@@ -240,6 +260,16 @@ class PodNetworkRoute:
     @staticmethod
     def _ip(*argv: str) -> None:
         subprocess.run(["ip", *argv], check=True, capture_output=True, timeout=20)
+
+
+def pod_network_api(node: ChartNode, control: ChartControlPlane) -> TcpProxy:
+    """A :class:`TcpProxy` to ``control``'s API server listening on the node's address
+    (the pods' bridge, which they route to): the API server as a pod reaches it where no
+    kube-proxy serves the ``kubernetes`` Service, for a chart value's
+    ``KUBERNETES_SERVICE_HOST``/``_PORT``. ``control`` must name that address in its
+    certificate (``server_ips``). The caller closes it."""
+    listener = call_in_netns(node.net.ns, lambda: socket.create_server((node.host_ip, 0)))
+    return TcpProxy(target_port=control.apiserver.port, listener=listener)
 
 
 # ---- the user's side -------------------------------------------------------------------

@@ -78,8 +78,9 @@ def free_port() -> int:
 
 # ---- key material -----------------------------------------------------------------------------
 
-def make_pki(directory: Path) -> dict[str, Path]:
-    """A CA, a serving cert for 127.0.0.1/localhost and the service-account key pair (PEM)."""
+def make_pki(directory: Path, *, server_ips: tuple[str, ...] = ()) -> dict[str, Path]:
+    """A CA, a serving cert for 127.0.0.1/localhost (and ``server_ips``) and the
+    service-account key pair (PEM)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -96,7 +97,9 @@ def make_pki(directory: Path) -> dict[str, Path]:
 
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key, server_key, sa_key = key(), key(), key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kiamfast-test-ca")])
+    # A name of its own: a client trusting two such CAs picks a certificate's issuer by name.
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                            f"kiamfast-test-ca-{secrets.token_hex(4)}")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
           .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -111,7 +114,8 @@ def make_pki(directory: Path) -> dict[str, Path]:
               .not_valid_after(now + datetime.timedelta(days=1))
               .add_extension(x509.SubjectAlternativeName([
                   x509.DNSName("localhost"),
-                  x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                  *(x509.IPAddress(ipaddress.ip_address(ip))
+                    for ip in ("127.0.0.1", *server_ips))]), critical=False)
               .sign(ca_key, hashes.SHA256()))
     directory.mkdir(parents=True, exist_ok=True)
     paths = {"ca": directory / "ca.crt", "cert": directory / "apiserver.crt",

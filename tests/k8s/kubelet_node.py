@@ -161,15 +161,19 @@ class KubeletNode(RuntimeNode):
     def create_pod(self, name: str, *, role: str | None = None, bind: bool = True,
                    loop: int = 1, interval: float = 1.0, refetch: bool = False,
                    annotations: dict[str, str] | None = None,
-                   env: dict[str, str] | None = None) -> KubePod:
+                   env: dict[str, str] | None = None,
+                   service_account: str | None = None) -> KubePod:
         """A pod whose app asks for credentials first thing (``loop`` rounds, ``interval``
         apart). ``bind``: ``nodeName`` is set, so the kubelet starts it at once; otherwise it
         stays Pending until :meth:`bind` (the scheduler's part, which this cluster lacks).
         ``refetch``: the SDK's cache treats credentials as expired at once (an expiry window
-        longer than their hour), so every round asks the metadata service again."""
+        longer than their hour), so every round asks the metadata service again.
+        ``service_account``: the pod's ``serviceAccountName`` (None: the namespace's
+        ``default``)."""
         environment = {"AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL_STS": self.sts.moto_url,
                        **(env or {})}
-        return self.create_app_pod(name, role=role, bind=bind, annotations=annotations, app={
+        return self.create_app_pod(name, role=role, bind=bind, annotations=annotations,
+                                   service_account=service_account, app={
             "image": self.image,
             "args": ["--provider", "default", "--print-rounds", "--loop", str(loop),
                      "--interval", f"{interval}s",
@@ -177,8 +181,8 @@ class KubeletNode(RuntimeNode):
             "env": [{"name": k, "value": v} for k, v in environment.items()]})
 
     def create_app_pod(self, name: str, *, app: dict[str, Any], role: str | None = None,
-                       bind: bool = True,
-                       annotations: dict[str, str] | None = None) -> KubePod:
+                       bind: bool = True, annotations: dict[str, str] | None = None,
+                       service_account: str | None = None) -> KubePod:
         """A pod whose one container ``app`` (image, command, args, env) prints JSON lines
         as the Go client does (:meth:`KubePod.result` reads the last one)."""
         ann = dict(annotations or {})
@@ -190,6 +194,8 @@ class KubeletNode(RuntimeNode):
             "containers": [{"name": APP_CONTAINER, "imagePullPolicy": "Never", **app}]}
         if bind:
             spec["nodeName"] = self.name
+        if service_account is not None:
+            spec["serviceAccountName"] = service_account
         pod = self.admin.call("POST", f"/api/v1/namespaces/{self.name}/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "annotations": ann}, "spec": spec})

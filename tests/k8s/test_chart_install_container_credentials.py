@@ -7,13 +7,17 @@ every check STS's own answer (moto's record of which role each key was issued fo
    169.254.170.23:80 and [fd00:ec2::23]:80, put on its link ``kiamfast0``; ``create
    tokenreviews``) and ``containerCredentials.webhook.enabled`` (a Deployment of two pods, its
    Service, a chart-made certificate, the MutatingWebhookConfiguration), the injected token
-   living 600 s (the API's minimum). The pod whose token rotates is created right then: the
-   rotation is waited for last, the other steps overlap the wait.
+   living 600 s (the API's minimum). The webhook's pods run as the chart's webhook
+   ServiceAccount (the kubelet mounts its token where the in-cluster client reads it; no
+   kubeconfig), which may get ServiceAccounts and nothing more. The pod whose token rotates
+   is created right then: the rotation is waited for last, the other steps overlap the wait.
 2. Two opted-in app pods (``iam.amazonaws.com/role`` + ``kiamfast.io/container-credentials:
    "true"``) created through the API server, which calls the webhook: they come back with the
    two variables and the projected token volume, the real kubelet mounts the token, and each
    app's AWS SDK for Go v2 (its default chain, whose container provider comes before IMDS)
-   gets its own role from the agent by the token; a pod without the opt-in gets its role by
+   gets its own role from the agent by the token; so does a pod without annotations whose
+   ServiceAccount carries the role and the opt-in (the webhook reads the account through
+   the API and stores the pod with its role); a pod without the opt-in gets its role by
    IMDS, kube2iam's contract.
 3. The webhook scaled to 0: an opted-in pod is still created (``failurePolicy: Ignore``),
    uninjected, and gets its own role by IMDS.
@@ -50,13 +54,21 @@ What the control plane needs for the webhook, checked against the real component
   created through the chart's API server: the configuration lives in the etcd the session's
   own API server shares, which has no aggregator routing (it would dial a ClusterIP), and no
   other test's pod creation may call it.
+* The webhook's pods, in the pod network, reach the API server by
+  ``containerCredentials.webhook.extraEnv`` ``KUBERNETES_SERVICE_HOST``/``_PORT`` (no
+  kube-proxy serves the ``kubernetes`` Service): the node's address, where a TcpProxy to the
+  chart's API server listens in the node's namespace; that server's certificate names the
+  address too, and the pods' ``ca.crt`` trusts it (``ChartControlPlane(server_ips=...)``).
 * Otherwise as in test_chart_install.py: the node's address, ``KUBERNETES_SERVICE_HOST``/
   ``_PORT`` in ``extraEnv``, ``cri.socketPath`` and ``stateDir`` in the test's directories,
   moto for STS with static keys for the agent.
 """
 from __future__ import annotations
 
+import base64
+import dataclasses
 import hashlib
+import json
 import statistics
 import subprocess
 import time
@@ -65,11 +77,11 @@ from typing import Any
 import pytest
 from chart_cluster import (CHART, CONTROLLERS, NAMESPACE, ChartControlPlane, ChartNode,
                            PodNetworkRoute, chart_node, helm, metadata_dnat, missing_reason,
-                           print_failure_report, ready, ready_agent_pod, removal_commands,
-                           state_dir, values_file)
+                           pod_network_api, print_failure_report, ready, ready_agent_pod,
+                           removal_commands, state_dir, values_file)
 from kubelet_node import KubePod, go_time, wait_untainted
 
-from e2e_cluster import BASE_ARN, assert_own_role
+from e2e_cluster import BASE_ARN, ROLE_KEY, assert_own_role
 from kiamfast.container_credentials import webhook
 from runtime_node import wait_until
 
@@ -86,6 +98,9 @@ PROVIDER_IMDS = "EC2RoleProvider"
 CONFIGS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 WEBHOOK_CONTROLLERS = ("deployment-controller", "replicaset-controller",
                        "endpointslice-controller", "serviceaccount-controller")
+NODE_IP = "10.77.0.1"   # the node's address (RuntimeNode's host_ip), on the pods' bridge
+ACCOUNT = "opted-in"    # the ServiceAccount that opts its pods in (step 2)
+ACCOUNT_ROLE = "by-account"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +110,8 @@ def control(kube_cluster, kubelet_available, tmp_path_factory):
         pytest.skip(reason)
     plane = ChartControlPlane(kube_cluster, tmp_path_factory.mktemp("cc-control"),
                               controllers=CONTROLLERS + WEBHOOK_CONTROLLERS,
-                              apiserver_args=("--enable-aggregator-routing=true",))
+                              apiserver_args=("--enable-aggregator-routing=true",),
+                              server_ips=(NODE_IP,))
     yield plane
     plane.stop()
 
@@ -105,6 +121,7 @@ def node(kube_cluster, control, tmp_path_factory):
     with chart_node(kube_cluster, tmp_path_factory.mktemp("cc-node"), subnet="10.87.0.0/24",
                     kubelet_args=["--sync-frequency=10s"]) as chart:
         chart.admin = control.admin   # pods are created through the chart's API server
+        assert chart.host_ip == NODE_IP, "the API server's certificate names NODE_IP"
         # ServiceAccount admission wants the pods' account; its controller makes it.
         wait_until(lambda: chart.admin.request(
             "GET", f"/api/v1/namespaces/{chart.name}/serviceaccounts/default")[0] == 200,
@@ -118,12 +135,22 @@ def node(kube_cluster, control, tmp_path_factory):
                      "--ignore-not-found", "--wait")
 
 
+@pytest.fixture(scope="module")
+def pod_api(node, control):
+    """The chart's API server on the node's address, where the webhook's pods reach it."""
+    proxy = pod_network_api(node, control)
+    yield proxy
+    proxy.close()
+
+
 @pytest.fixture
 def reported(node, control, test_failed):
-    """The node; its logs (kubelet, containerd, agent pods, controllers) if the test failed."""
+    """The node; its logs (kubelet, containerd, agent and webhook pods, controllers) if the
+    test failed."""
     yield node
     if test_failed():
         print_failure_report(node, control)
+        print(f"\n===== webhook pods' logs =====\n{webhook_logs(node)}")
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +167,13 @@ def webhook_pods(node: ChartNode) -> list[dict[str, Any]]:
     return node.admin.call("GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector="
                                   f"app.kubernetes.io/component=webhook,"
                                   f"app.kubernetes.io/instance={RELEASE}")["items"]
+
+
+def webhook_logs(node: ChartNode) -> str:
+    assert node.kubelet is not None
+    return "\n".join(f"--- {p['metadata']['name']}:\n" + "\n".join(node.kubelet.container_log(
+        NAMESPACE, p["metadata"]["name"], p["metadata"]["uid"], container="webhook")[-40:])
+        for p in webhook_pods(node))
 
 
 def webhook_deployment(node: ChartNode) -> str:
@@ -170,15 +204,54 @@ def injection_works(node: ChartNode) -> bool:
     return status == 201 and injected(pod)
 
 
-def token_sha256(node: ChartNode, pod: KubePod) -> str:
-    """The SHA-256 of the token the kubelet wrote into the pod's injected volume (a tmpfs
-    in the node's mount namespace; the app's container sees this file)."""
+def projected_file(node: ChartNode, uid: str, volume: str, name: str) -> bytes:
+    """A file the kubelet wrote into a pod's projected volume (a tmpfs in the node's mount
+    namespace; the pod's containers see this file)."""
     assert node.kubelet is not None and node.mount_ns is not None
-    path = (node.kubelet.root_dir / "pods" / pod.uid / "volumes" / "kubernetes.io~projected"
-            / webhook.VOLUME / webhook.TOKEN_FILE)
-    out = subprocess.run([*node.mount_ns.argv(), "cat", str(path)], capture_output=True,
-                         timeout=30, check=True).stdout
-    return hashlib.sha256(out).hexdigest()
+    path = node.kubelet.root_dir / "pods" / uid / "volumes" / "kubernetes.io~projected" / volume
+    return subprocess.run([*node.mount_ns.argv(), "cat", str(path / name)],
+                          capture_output=True, timeout=30, check=True).stdout
+
+
+def token_sha256(node: ChartNode, pod: KubePod) -> str:
+    """The SHA-256 of the token the kubelet wrote into the pod's injected volume."""
+    return hashlib.sha256(projected_file(node, pod.uid, webhook.VOLUME,
+                                         webhook.TOKEN_FILE)).hexdigest()
+
+
+def jwt_claims(token: bytes) -> dict[str, Any]:
+    payload = token.split(b".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + b"=" * (-len(payload) % 4)))
+
+
+def allowed(node: ChartNode, user: str, verb: str, resource: str) -> bool:
+    """The real RBAC authorizer's answer for ``user`` (a SubjectAccessReview)."""
+    review = node.admin.call("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", {
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": user, "groups": ["system:serviceaccounts"],
+                 "resourceAttributes": {"verb": verb, "resource": resource,
+                                        "namespace": node.name}}})
+    return review["status"].get("allowed", False)
+
+
+def runs_in_cluster_as_its_account(node: ChartNode, pod: dict[str, Any]) -> None:
+    """The webhook pod runs with the chart's ServiceAccount's token, mounted by the kubelet
+    where the in-cluster client reads it, and no kubeconfig; that account may get
+    ServiceAccounts (the chart's ClusterRole binding) and nothing more."""
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    account = spec["serviceAccountName"]
+    assert account == f"{RELEASE}-kiamfast-webhook", account
+    node.admin.call("GET", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{account}")
+    assert "--service-account-opt-in" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--kubeconfig")], container
+    (mount,) = [m for m in container["volumeMounts"]
+                if m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"]
+    token = projected_file(node, pod["metadata"]["uid"], mount["name"], "token")
+    user = f"system:serviceaccount:{NAMESPACE}:{account}"
+    assert jwt_claims(token)["sub"] == user
+    assert allowed(node, user, "get", "serviceaccounts")
+    assert not allowed(node, user, "list", "serviceaccounts")
+    assert not allowed(node, user, "get", "pods")
 
 
 def link_addresses(node: ChartNode) -> list[str] | None:
@@ -204,7 +277,7 @@ def served_by(pod: KubePod, rounds: list[dict[str, Any]], provider: str) -> None
 
 
 def test_helm_install_serves_container_credentials_and_runs_the_webhook(reported, control,
-                                                                         rotating):
+                                                                         pod_api, rotating):
     node = reported
     node.admin.call("PATCH", f"/api/v1/namespaces/{node.name}",
                     {"metadata": {"labels": {SELECTOR_LABEL: node.name}}},
@@ -212,7 +285,10 @@ def test_helm_install_serves_container_credentials_and_runs_the_webhook(reported
     values = values_file(node, {"containerCredentials": {
         "enabled": True,
         "webhook": {"enabled": True, "tokenExpirationSeconds": TOKEN_SECONDS,
-                    "namespaceSelector": {"matchLabels": {SELECTOR_LABEL: node.name}}}}})
+                    "namespaceSelector": {"matchLabels": {SELECTOR_LABEL: node.name}},
+                    # No kube-proxy serves the kubernetes Service to pods here.
+                    "extraEnv": {"KUBERNETES_SERVICE_HOST": NODE_IP,
+                                 "KUBERNETES_SERVICE_PORT": str(pod_api.port)}}}})
     helm(control, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(values))
     ready_agent_pod(node)
     wait_untainted(node, timeout=60)
@@ -222,6 +298,8 @@ def test_helm_install_serves_container_credentials_and_runs_the_webhook(reported
                       and all(ready(x) for x in p) and p, timeout=180, interval=0.5,
                       what="the webhook's two pods Ready")
     assert {p["spec"]["nodeName"] for p in pods} == {node.name}
+    for pod in pods:
+        runs_in_cluster_as_its_account(node, pod)
     wait_until(lambda: injection_works(node), timeout=60, interval=0.5,
                what="the API server calling the webhook")
     # The pod whose token step 4 watches rotate: asking every 2 s for 12 minutes (its
@@ -237,11 +315,21 @@ def test_helm_install_serves_container_credentials_and_runs_the_webhook(reported
 def test_opted_in_apps_get_their_own_roles_by_token_and_others_by_imds(reported):
     node = reported
     answered = node.labelled_metric("kiamfast_container_credentials_total", code="200")
+    # A ServiceAccount that opts its pods in, and a pod of it with no annotations: the
+    # webhook reads the account in-cluster, as the chart's account, and writes its role on
+    # the stored pod for the agent.
+    node.admin.call("POST", f"/api/v1/namespaces/{node.name}/serviceaccounts", {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": ACCOUNT, "annotations": opted_in(ACCOUNT_ROLE)}})
+    by_account = dataclasses.replace(   # the role it must get: its account's
+        node.create_pod("account-app", loop=3, interval=0.5, refetch=True,
+                        service_account=ACCOUNT), role=ACCOUNT_ROLE)
     apps = [node.create_pod(f"token-{i}", role=f"token-{i}", loop=3, interval=0.5,
                             refetch=True, annotations=opted_in(f"token-{i}")) for i in range(2)]
     plain = node.create_pod("imds-app", role="imds-app", loop=3, interval=0.5, refetch=True)
     token_file = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
-    for app in apps:
+    assert by_account.get()["metadata"]["annotations"] == {ROLE_KEY: ACCOUNT_ROLE}
+    for app in [by_account, *apps]:
         pod = app.get()
         assert injected(pod), pod["spec"]
         volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.VOLUME)
@@ -260,7 +348,7 @@ def test_opted_in_apps_get_their_own_roles_by_token_and_others_by_imds(reported)
     served_by(plain, doc["rounds"], PROVIDER_IMDS)
     # The agent counted the token answers (the rotating pod's rounds add to them).
     assert node.labelled_metric("kiamfast_container_credentials_total",
-                                code="200") >= answered + 6
+                                code="200") >= answered + 9
     assert node.imds_credential_requests() == []
 
 
