@@ -328,7 +328,8 @@ def test_opted_in_apps_get_their_own_roles_by_token_and_others_by_imds(reported)
                             refetch=True, annotations=opted_in(f"token-{i}")) for i in range(2)]
     plain = node.create_pod("imds-app", role="imds-app", loop=3, interval=0.5, refetch=True)
     token_file = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
-    assert by_account.get()["metadata"]["annotations"] == {ROLE_KEY: ACCOUNT_ROLE}
+    stored = by_account.get()
+    assert stored["metadata"].get("annotations") == {ROLE_KEY: ACCOUNT_ROLE}, stored["metadata"]
     for app in [by_account, *apps]:
         pod = app.get()
         assert injected(pod), pod["spec"]
