@@ -17,7 +17,8 @@ tools="${KIAMFAST_TOOLS:-$HOME/.cache/kiamfast/tools}"
 export GOFLAGS=-mod=mod
 
 # build NAME VERSION MODULE_DIR PACKAGE [extra ldflags]: one binary, built into a temp
-# name and renamed, so an interrupted build never leaves a binary the tests would trust.
+# name of this process's and renamed, so an interrupted build never leaves a binary the tests
+# would trust, and two test runs building at once (a shared tools cache) do not collide.
 build() {
     local name=$1 version=$2 module=$3 package=$4 extra=${5:-}
     local out="$tools/$name-$version/$name"
@@ -30,8 +31,8 @@ build() {
     local start=$SECONDS t0 t1
     t0=$(awk '{print $14+$15+$16+$17}' /proc/$$/stat)
     (cd "$here/$module" && nice -n 10 go build -trimpath -ldflags="-s -w $extra" \
-        -o "$out.partial" "$package")
-    mv "$out.partial" "$out"
+        -o "$out.partial.$$" "$package")
+    mv "$out.partial.$$" "$out"
     t1=$(awk '{print $14+$15+$16+$17}' /proc/$$/stat)
     local ticks; ticks=$(getconf CLK_TCK)
     echo "$name $version: built in $((SECONDS - start)) s wall," \
