@@ -592,9 +592,13 @@ cdef class Table:
             raise ValueError(f"pod UID must be 1..{KF_UID_MAX} bytes")
         if pod_state not in (POD_ROLE, POD_NO_ROLE, POD_DENIED, POD_UNDECIDED):
             raise ValueError(f"bad pod state {pod_state}")
+        # A denied address may name the pod's slot: a pod served by token only keeps its
+        # credentials there, and a restarted writer must find them (workers never read it).
         if pod_state == POD_ROLE and not 0 <= cred_slot < self.cred_capacity:
             raise IndexError(f"credential slot {cred_slot} out of range")
-        if pod_state != POD_ROLE:
+        if pod_state == POD_DENIED and cred_slot != -1 and not 0 <= cred_slot < self.cred_capacity:
+            raise IndexError(f"credential slot {cred_slot} out of range")
+        if pod_state not in (POD_ROLE, POD_DENIED):
             cred_slot = -1
         cdef const uint64_t *key = <const uint64_t *>PyBytes_AS_STRING(key_b)
         cdef int free_at

@@ -47,8 +47,9 @@ the credential sink hands out (`sink.acquire`, which also starts the prefetch, b
 pod has an address).  An owner whose decision needs a namespace the agent has not seen is
 written `POD_UNDECIDED` (workers wait) for at most `namespace_grace` seconds, then denied.
 A pod that asks by token only (`token_only`, container_credentials/token_only.py) keeps its
-role and slot for the token path, but its addresses are written `POD_DENIED`; such a pod on
-the host network is decided too, and owns no address.
+role and slot for the token path, but its addresses are written `POD_DENIED` (naming its
+slot, so a restarted control process finds it again); such a pod on the host network is
+decided too, and owns no address.
 
 Restarts: the model starts from what the table holds (`adopted`).  The first sync (or the
 first runtime view) makes the table equal to what the model knows: every address nobody
@@ -258,12 +259,16 @@ class Ownership:
         self._verified_ns = 0                        # date of the view to publish
         self._published_verified = 0
         self._published_mode: bool | None = None
-        # uid -> (pod state, credential slot) a previous control process decided: stands for
-        # a pod whose namespace the agent has not seen yet, until the API can overrule it
-        # (the namespace arrives, or the watch has synced without it).
-        self._adopted_decisions: dict[str, tuple[int, int]] = {
-            uid: (state, slot) for uid, state, slot in self._written.values()
-            if state in (POD_ROLE, POD_DENIED)}
+        # uid -> credential slot of a role a previous control process decided: stands for a
+        # pod whose namespace the agent has not seen yet, until the API can overrule it (the
+        # namespace arrives, or the watch has synced without it).  Only roles: an adopted
+        # denial is no current evidence, so such a pod waits like any other whose namespace
+        # is unknown.  A denied address naming a slot was a pod served by token only.
+        self._adopted_decisions: dict[str, int] = {
+            uid: slot for uid, state, slot in self._written.values()
+            if state in (POD_ROLE, POD_DENIED) and slot >= 0}
+        self._adopted_token_only = {uid for uid, state, slot in self._written.values()
+                                    if state == POD_DENIED and slot >= 0}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._tombstone_cap = tombstones
         self._dirty_ips: set[str] = set()
@@ -506,8 +511,11 @@ class Ownership:
         pod = self.sandbox_pods.get(sandbox.pod_uid)
         annotations = dict(sandbox.annotations)
         if pod is None:
+            # A sandbox carries no environment: a pod the previous process served by token
+            # only stays so until the API shows its spec.
             pod = _Pod(uid=sandbox.pod_uid, namespace=sandbox.namespace, name=sandbox.name,
-                       from_api=False, phase="Running", annotations=annotations)
+                       from_api=False, phase="Running", annotations=annotations,
+                       token_only=sandbox.pod_uid in self._adopted_token_only)
             self.sandbox_pods[pod.uid] = pod
             self._dirty_pods.add(pod.uid)
             self.counters["runtime_only_pods"] += 1
@@ -766,7 +774,8 @@ class Ownership:
             return (uid, POD_UNDECIDED, -1)   # known owner, policy still open: workers wait
         if ident.kind == IdentityKind.ROLE:
             # Its credentials are served by token only (the slot stays the pod's).
-            return (uid, POD_DENIED, -1) if pod.token_only else (uid, POD_ROLE, pod.cred_slot)
+            state = POD_DENIED if pod.token_only else POD_ROLE
+            return (uid, state, pod.cred_slot)
         if ident.kind == IdentityKind.NO_ROLE:
             return (uid, POD_NO_ROLE, -1)
         return (uid, POD_DENIED, -1)
@@ -774,14 +783,13 @@ class Ownership:
     def _adopted_identity(self, pod: _Pod, ident: PodIdentity) -> PodIdentity | None:
         """What a previous control process decided for this pod, for as long as the API
         cannot overrule it (the pod's namespace not seen, the watch not synced: a restart
-        while the API server is down).  Only the decision it wrote: a denial stays a
-        denial, and a role only if the credential slot it wrote holds this very role."""
-        decision = self._adopted_decisions.get(pod.uid) if not self._synced else None
-        if decision is None:
+        while the API server is down).  Only a role, and only if the credential slot it
+        wrote holds this very role: adopted evidence may keep a pod served, never turn it
+        away (a denial it wrote is not current: the pod waits instead, as any pod whose
+        namespace is unknown)."""
+        slot = self._adopted_decisions.get(pod.uid) if not self._synced else None
+        if slot is None:
             return None
-        state, slot = decision
-        if state == POD_DENIED:
-            return ident
         external_id = (pod.annotations.get(self.policy.external_id_key) or "").strip()
         if self.sink.role_of_slot(slot) != (ident.role_arn, external_id or None):
             return None

@@ -488,12 +488,13 @@ def test_restart_while_the_runtime_is_down_holds_the_adopted_owners_until_the_ap
     assert lookup(table, "10.0.0.5") == ("uid-a", ROLE, slot)
 
 
-def test_restart_during_an_api_outage_keeps_adopted_decisions_of_restricted_namespaces(
+def test_restart_during_an_api_outage_keeps_adopted_roles_of_restricted_namespaces(
         table, sink, clock):
     """Namespace restrictions on, the control process restarted while the API server is down:
-    the runtime shows the established pods, their namespaces are unknown.  What the previous
-    process decided stands (it was served at once, and it is after the grace period), until
-    the API can overrule it."""
+    the runtime shows the established pods, their namespaces are unknown.  A role the
+    previous process decided stands (it was served at once, and it is after the grace
+    period), until the API can overrule it.  A denial it decided is no current evidence:
+    that pod waits like any pod whose namespace is unknown, then is denied for that."""
     req = type("R", (), {"role_arn": BASE + "app", "external_id": None})
     slot = sink.acquire("uid-w", req)
     table.claim_ip("10.0.0.9", "uid-w", ROLE, slot)
@@ -503,15 +504,43 @@ def test_restart_during_an_api_outage_keeps_adopted_decisions_of_restricted_name
                          ("uid-d", "10.0.0.10", {"iam.amazonaws.com/role": "other"})))
     m.commit()
     assert lookup(table, "10.0.0.9") == ("uid-w", ROLE, slot)
-    assert lookup(table, "10.0.0.10") == ("uid-d", DENIED, -1)
+    assert lookup(table, "10.0.0.10") == ("uid-d", UNDECIDED, -1)
     clock.advance(60)
     m.expire()
     m.commit()
     assert lookup(table, "10.0.0.9") == ("uid-w", ROLE, slot)
+    assert lookup(table, "10.0.0.10") == ("uid-d", DENIED, -1)   # its namespace never came
     m.apply_namespace(namespace("default", {NS_KEY: '["other"]'}))   # the API is back
     m.commit()
     assert lookup(table, "10.0.0.9")[:2] == ("uid-w", DENIED)
     assert lookup(table, "10.0.0.10") == ("uid-d", ROLE, sink.slot_for(BASE + "other"))
+
+
+def test_restart_during_an_api_outage_keeps_a_pod_served_by_token_only(table, sink, clock):
+    """A pod served by token only has its address written denied, naming its slot.  A
+    control process restarted while the API server is down (namespace restrictions on, so
+    the decision needs the namespace) keeps its role for the token path from that slot,
+    never reads the denied address as a policy denial, and never serves it by address."""
+    slot = sink.acquire("uid-t", type("R", (), {"role_arn": BASE + "app", "external_id": None}))
+    m = ownership.Ownership(
+        policy=ownership.RolePolicy(base_role_arn=BASE, namespace_restrictions=True),
+        table=table, sink=sink, clock=clock, token_only=lambda spec: True)
+    m.apply_namespace(namespace("default", {NS_KEY: '["app"]'}))
+    m.apply_pod(with_containers(pod("uid-t", ips=("10.0.0.7",), role="app"), by_token()))
+    m.commit()
+    assert lookup(table, "10.0.0.7") == ("uid-t", DENIED, slot)   # the slot, for a successor
+    assert m.pods["uid-t"].identity.role_arn == BASE + "app"
+
+    restarted = adopted_model(table, sink, clock, namespace_restrictions=True)
+    restarted.apply_runtime(view(("uid-t", "10.0.0.7", {"iam.amazonaws.com/role": "app"})))
+    restarted.commit()
+    clock.advance(60)                       # past the namespace grace: still its role
+    restarted.expire()
+    restarted.commit()
+    adopted = restarted.sandbox_pods["uid-t"]
+    assert adopted.identity.kind == ownership.IdentityKind.ROLE
+    assert adopted.identity.role_arn == BASE + "app" and adopted.cred_slot == slot
+    assert lookup(table, "10.0.0.7") == ("uid-t", DENIED, slot)   # never by address
 
 
 def test_an_adopted_slot_of_another_role_is_not_taken_over(table, sink, clock):
@@ -630,7 +659,8 @@ def test_a_pod_that_asks_by_token_is_refused_on_the_metadata_path(table, sink, c
                                 by_token("http://169.254.170.2/v1/credentials")))
     m.apply_pod(with_containers(pod("plain", ips=("10.0.0.4",), role="app"), []))
     m.commit()
-    assert lookup(table, "10.0.0.1") == ("tok", DENIED, -1)
+    # denied on the metadata path; the slot is named for a restarted control process
+    assert lookup(table, "10.0.0.1") == ("tok", DENIED, sink.slot_for(BASE + "app"))
     for uid, ip in (("mixed", "10.0.0.2"), ("other", "10.0.0.3"), ("plain", "10.0.0.4")):
         assert lookup(table, ip)[:2] == (uid, ROLE)
     # its credentials are still fetched and kept: the token path answers from that slot

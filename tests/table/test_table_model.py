@@ -36,7 +36,8 @@ class TableModel(RuleBasedStateMachine):
           slot=st.integers(0, SLOTS - 1))
     def claim(self, ip, uid, state, slot):
         self.t.claim_ip(ip, uid, state, slot)
-        self.ips[ip] = (uid, state, slot if state == T.POD_ROLE else -1)
+        # a denied address may name the slot of a pod served by token only
+        self.ips[ip] = (uid, state, slot if state in (T.POD_ROLE, T.POD_DENIED) else -1)
 
     @rule(ip=st.sampled_from(IPS), uid=st.sampled_from(UIDS))
     def release(self, ip, uid):
