@@ -27,6 +27,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 __all__ = [
     "BASE_ARN_REGEXP",
     "Config",
@@ -786,3 +788,26 @@ def _normalise_and_validate(c: Config) -> None:
     if not isinstance(c.explicit, frozenset):
         _set(c, "explicit", frozenset(c.explicit))
     _set(c, "derived", frozenset(derived))
+
+
+# A process that finds the configuration unusable (no cluster configured, a kubeconfig that
+# does not load) exits with this code after one line naming what to fix; the supervisor then
+# stops instead of restarting it (EX_CONFIG of sysexits.h).
+EXIT_CONFIG = 78
+
+
+# ---- the control process's configuration, handed over on its command line ------------------
+
+def config_to_json(config: Config) -> str:
+    """The control process's configuration, handed over on its command line.  Fields the
+    config derived from others are left out, so the child derives them the same way."""
+    doc = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)
+           if f.init and f.name not in config.derived}
+    doc["explicit"] = sorted(config.explicit)
+    return orjson.dumps(doc).decode()
+
+
+def config_from_json(text: str) -> Config:
+    doc = orjson.loads(text)
+    doc["explicit"] = frozenset(doc.get("explicit", ()))
+    return Config(**doc)

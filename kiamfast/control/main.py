@@ -503,7 +503,7 @@ def discover_roles(config: Config) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kiamfast.supervisor import config_from_json
+    from kiamfast.config import config_from_json
 
     parser = argparse.ArgumentParser(prog="kiamfast-control")
     parser.add_argument("--table", required=True)

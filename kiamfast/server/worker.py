@@ -5,13 +5,9 @@ The supervisor starts ``--workers`` of these::
     python -P -m kiamfast.server.worker --table PATH --channel-fd FD --worker-index I \
         --listen-fd FD [--metrics-listen-fd FD] --settings-json JSON
 
-The supervisor binds the listening socket once (``listen_socket``: ``::`` dual-stack with
-``IPV6_V6ONLY=0`` unless a host is configured, so IPv4 pods arrive as ``::ffff:a.b.c.d``
-and IPv6 pods as themselves) and every worker accepts on that same inherited socket. It is
-bound without ``SO_REUSEPORT`` on purpose: with it, any root process on the host network
-(a hostNetwork pod) could bind the port too and be handed a share of every pod's
-credential requests; without it, the kernel refuses that bind. Started without
-``--listen-fd`` (tests), a worker binds the port itself.
+The supervisor binds the listening socket once (``kiamfast.sockets.listen_socket``) and
+every worker accepts on that same inherited socket. Started without ``--listen-fd``
+(tests), a worker binds the port itself.
 
 A worker attaches the shared table read-only, listens on its end of the channel for "the
 table changed" wake-ups, and serves until SIGTERM/SIGINT, when it stops accepting, lets
@@ -35,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiamfast import table as _table
+from kiamfast.sockets import ListenError, listen_socket
 from kiamfast.server.settings import SettingsError, WorkerSettings
 from kiamfast.server.upstream import Upstream
 
@@ -45,36 +42,6 @@ SHUTDOWN_GRACE = 1.0  # seconds outstanding answers get after SIGTERM
 
 class WorkerError(Exception):
     """The worker cannot start (bad table, socket in use, bad channel fd...)."""
-
-
-def listen_socket(host: str | None, port: int, *, reuse_port: bool = False,
-                  backlog: int = 2048) -> socket.socket:
-    """A bound, listening, non-blocking TCP socket; ``host=None`` means dual-stack ``::``."""
-    if host in (None, "", "::"):
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            bind_host = "::"
-        except OSError:  # no IPv6 in this kernel/namespace
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            bind_host = "0.0.0.0"
-    else:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE | socket.AI_NUMERICHOST)
-        family = infos[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        bind_host = host
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((bind_host, port))
-        sock.listen(backlog)
-        sock.setblocking(False)
-    except OSError as e:
-        sock.close()
-        raise WorkerError(f"cannot listen on {bind_host} port {port}: {e}") from e
-    return sock
 
 
 @dataclass
@@ -223,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = WorkerSettings.from_json(args.settings_json)
         run_worker(settings, args.table, args.channel_fd, args.worker_index,
                    listen_fd=args.listen_fd, metrics_listen_fd=args.metrics_listen_fd)
-    except (SettingsError, WorkerError) as e:
+    except (SettingsError, WorkerError, ListenError) as e:
         print(f"kiamfast worker: {e}", file=sys.stderr)
         return 1
     return 0

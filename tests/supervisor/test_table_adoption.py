@@ -24,6 +24,7 @@ import pytest
 
 from agent_process import free_port
 from kiamfast import supervisor, table
+from kiamfast.supervisor import statefiles
 from kiamfast.config import Config
 
 POD_IP = "10.0.0.7"
@@ -171,13 +172,13 @@ def test_a_second_agent_waits_for_the_first_to_let_go_of_the_table(tmp_path, mon
     and gives up if it never goes."""
     cfg = config(tmp_path)
     first = prepared(cfg)
-    monkeypatch.setattr(supervisor, "LOCK_WAIT", 0.3)
+    monkeypatch.setattr(statefiles, "LOCK_WAIT", 0.3)
     with pytest.raises(OSError, match="held by another kiamfast"):
         prepared(config(tmp_path))
     first.table.set_status(ready=True)
 
     second = supervisor.Supervisor(config(tmp_path))
-    monkeypatch.setattr(supervisor, "LOCK_WAIT", 30)
+    monkeypatch.setattr(statefiles, "LOCK_WAIT", 30)
     started = threading.Thread(target=second.prepare)
     started.start()
     try:
