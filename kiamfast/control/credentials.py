@@ -41,7 +41,7 @@ STS call.  A tagged call STS refuses is denied as any refusal, with a message na
 
 Scheduling. One STS call per key at a time (single flight); every call takes a token from a
 global bucket (``qps``/``burst``); a throttled call pauses the bucket (jittered
-exponential, it is account-wide) and halves its rate (AIMD, ``ratelimit.py``), successes
+exponential, it is account-wide) and halves its rate (AIMD, ``kiamfast/budget.py``), successes
 give rate back; with a fleet budget the rate never drops below this node's share of it
 (:func:`node_share`), which every node may always use. The throttled key itself retries
 when the pause ends, with no backoff of its own (the node's rate is what throttling is
@@ -85,7 +85,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from kiamfast.config import tag_value_problem
 from kiamfast.control import render
-from kiamfast.control.ratelimit import TokenBucket, backoff
+from kiamfast.budget import TokenBucket, backoff
 from kiamfast.control.sts import (Credentials, StsDenied, StsError, StsThrottled,
                                   StsTransient, classify, sanitize_session_name)
 

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import orjson
 
 from kiamfast.control.ownership import Ownership
-from kiamfast.control.ratelimit import backoff
+from kiamfast.budget import backoff
 
 log = logging.getLogger("kiamfast.watch")
 

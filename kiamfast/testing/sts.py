@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable
 
-from kiamfast.control.ratelimit import TokenBucket
+from kiamfast.budget import TokenBucket
 from kiamfast.testing.background import BackgroundServer
 
 FAULTS = ("throttle", "5xx", "deny", "down")

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from kiamfast import table as tbl
 from kiamfast.config import Config
 from kiamfast.control.credentials import CredentialManager, node_share
-from kiamfast.control.ratelimit import TokenBucket
+from kiamfast.budget import TokenBucket
 from kiamfast.control.sts import StsClient, StsThrottled
 from kiamfast.testing.sts import ManualClock
 

@@ -1,26 +1,27 @@
-"""Rate limiting and backoff for STS calls.
+"""Budgets and backoff: the agent's one token bucket, one keyed budget and one backoff.
 
-STS throttles per account and region, and every node's agent shares that budget: a node
-drain that lands 200 pods with 200 roles on one node must not turn into 200 simultaneous
-AssumeRole calls, and a throttled agent must slow down *all* its calls, not just retry the
-one that failed. This module holds the two mechanisms the credential manager uses:
+* :func:`backoff`: the jittered exponential delay before a retry (a watch, a runtime poll, a
+  taint removal, one credential key's failures): every caller that retries uses this one.
+* :class:`TokenBucket`: ``rate`` tokens per second, at most ``burst`` saved up, plus a global
+  pause that throttling answers extend (exponential, jittered) and an adaptive rate (AIMD):
+  each throttling answer halves the rate (once per window of calls, down to ``min_rate``),
+  each success adds ``increase`` back, up to the configured rate.  STS throttles per account
+  and region and every node's agent shares that budget: a pause alone would resume at the
+  full rate and throttle again, the rate is what keeps a fleet of agents, each unaware of
+  the others, under the account's budget.
+* :class:`KeyedBudget`: a plain token bucket per key (a client address, a pod), the keys seen
+  longest ago forgotten first beyond a bound: what keeps one pod's flood from taking a
+  shared path away from the others.
 
-  * :class:`TokenBucket`: ``rate`` tokens per second, at most ``burst`` saved up, plus a
-    global pause that throttling responses extend (exponential, jittered), and an adaptive
-    rate (AIMD): each throttling answer halves the rate (once per window of calls, down to
-    ``min_rate``), each success adds ``increase`` back, up to the configured rate. A pause
-    alone would resume at the full rate and throttle again: the rate is what keeps a fleet
-    of agents, each unaware of the others, under the account's budget;
-  * :func:`backoff`: the jittered exponential delay for one key's consecutive failures.
-
-Both take an injected clock and async sleep so tests can drive time by hand. Neither ever
-sleeps on the event loop without yielding, and neither knows anything about STS itself.
+Everything takes an injected clock (and async sleep) so tests drive time by hand.  A leaf
+module: it imports nothing of the agent's.
 """
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Awaitable, Callable
+from collections import OrderedDict
+from typing import Awaitable, Callable, Hashable
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -133,3 +134,28 @@ class TokenBucket:
         """A call succeeded: give some rate back (additive increase)."""
         self._refill(self._clock())
         self.rate = min(self.max_rate, self.rate + self.increase)
+
+
+class KeyedBudget:
+    """A token bucket per key (``rate`` per second after a burst of ``burst``), kept across
+    connections (a new connection must not bring a full bucket); at most ``keys`` keys are
+    remembered, the least recently used forgotten first."""
+
+    def __init__(self, rate: float, burst: int, *, keys: int = 4096,
+                 clock: Clock) -> None:
+        self.rate, self.burst, self.keys = float(rate), float(burst), keys
+        self.clock = clock
+        self._buckets: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
+
+    def take(self, key: Hashable) -> bool:
+        """One token from ``key``'s bucket, if it has one."""
+        now = self.clock()
+        tokens, last = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        self._buckets.move_to_end(key)
+        while len(self._buckets) > self.keys:
+            self._buckets.popitem(last=False)
+        return allowed
+
