@@ -27,7 +27,6 @@ import base64
 import binascii
 import ipaddress
 import os
-import shutil
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -289,6 +288,7 @@ def _exec_plugin(spec: Any, base: str, who: str,
     command = str(spec["command"])
     if "/" in command and not os.path.isabs(command):
         command = os.path.normpath(os.path.join(base, command))   # as client-go does
+    import shutil   # here: it brings bz2 and lzma, which nothing else needs
     search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
     if shutil.which(command, path=search_path) is None:
         hint = f" ({' '.join(str(spec['installHint']).split())})" if spec.get(
