@@ -12,6 +12,8 @@ from dataclasses import replace
 import orjson
 import pytest
 
+import kiamfast
+
 from kiamfast.kube.client import Client
 from kiamfast.kube.config import load_config
 from kiamfast.kube.credentials import TokenFile
@@ -308,9 +310,10 @@ def test_stream_cut_mid_chunk_is_unavailable(raw):
 
 def test_lines_split_across_chunks_and_many_in_one(raw):
     events = [b'{"type":"ADDED","n":%d}' % i for i in range(4)]
+    heads = []
 
     def serve(conn):
-        read_request(conn)
+        heads.append(read_request(conn))
         conn.sendall(STREAM_HEAD)
         conn.sendall(chunk(events[0][:5]))
         conn.sendall(chunk(events[0][5:] + b"\n" + events[1] + b"\n\n" + events[2][:3]))
@@ -322,3 +325,7 @@ def test_lines_split_across_chunks_and_many_in_one(raw):
             # The last line has no newline: it is still handed over, for the caller to judge.
             assert [line async for line in s.lines()] == events
     run(body())
+    request = heads[0].decode().split("\r\n")
+    assert request[0] == "GET /api/v1/pods HTTP/1.1"
+    assert {"Authorization: Bearer t", f"User-Agent: kiamfast/{kiamfast.__version__}",
+            "Accept: application/json", "Connection: close"} <= set(request)
