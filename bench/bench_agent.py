@@ -226,7 +226,7 @@ def worker_only(ips: list[str], *, roles: int, imds_port: int,
     object whose ``processes()["worker"]`` is the worker; ``access_keys`` maps keys to roles.
     """
     from kiamfast import table as tbl
-    from kiamfast.control import render
+    from kiamfast.control.iam import render
     from kiamfast.server.settings import WorkerSettings
 
     port = free_port()

@@ -56,8 +56,9 @@ from dataclasses import asdict, dataclass, replace
 import orjson
 
 from kiamfast import table as tbl
-from kiamfast.control import render
-from kiamfast.control.credentials import CredentialManager, CredentialRequest
+from kiamfast.control.iam import render
+from kiamfast.control.iam.keys import CredentialRequest
+from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, ManualClock, MotoSts
 
@@ -146,7 +147,7 @@ class RecordingTable:
 
     def access_key(self, slot: int) -> str | None:
         _, _, parts = self.table.read_cred(slot)
-        status, _, body = render.parse_response(parts[render.PART_DOCUMENT])
+        status, _, body = render.parse_response(parts[tbl.PART_DOCUMENT])
         doc = orjson.loads(body)
         return doc.get("AccessKeyId") if status == 200 else None
 

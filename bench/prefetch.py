@@ -26,7 +26,8 @@ import tempfile
 import time
 
 from kiamfast import table as tbl
-from kiamfast.control.credentials import CredentialManager, CredentialRequest
+from kiamfast.control.iam.keys import CredentialRequest
+from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, ManualClock, MotoSts
 
@@ -199,7 +200,7 @@ def churn(events, *, hours: float, policy: str, step: float = 60.0) -> dict:
                 await asyncio.sleep(0.002)
                 await mgr.drain(timeout=30)
             # correctness: no READY slot past its serve_until, every serve_until >= 15 min
-            for slot in list(mgr._by_slot):
+            for slot in range(table.layout["cred_capacity"]):
                 state, until, _ = table.read_cred(slot)
                 if state == tbl.CRED_READY and until < clock.time():
                     served_short += 1

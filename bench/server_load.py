@@ -78,7 +78,7 @@ def cpu_seconds(pid: int) -> float:
 def build_table(path: str, pods: list[str]) -> dict[str, bytes]:
     """Fill a table for `pods` (ROLES roles round-robin); the document each pod must get."""
     from kiamfast import table
-    from kiamfast.control import render
+    from kiamfast.control.iam import render
 
     t = table.Table.create(path, ip_capacity=4096, cred_capacity=64, value_size=16384,
                            aux_count=4, aux_size=1 << 16, max_workers=8)

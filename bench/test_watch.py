@@ -56,7 +56,7 @@ def child_main(url: str, token: str, table_path: str) -> None:
     from kiamfast import table as tablemod
     from kiamfast.control.ownership import Ownership
     from kiamfast.control.pods import PodWatcher, make_api_client
-    from kiamfast.control.roles import RolePolicy
+    from kiamfast.control.iam.policy import RolePolicy
 
     class Sink:   # stands in for the credential manager: one slot per role
         def __init__(self):

@@ -59,7 +59,7 @@ AUX_COUNT = 5
 DEFAULT_PATH = "/dev/shm/kiamfast-table"
 
 # Size of each aux blob: the largest is the control process's metrics text, whose size is
-# bounded by kiamfast.control.credentials.METRICS_TEXT_MAX (tests/control/test_outside_input.py
+# bounded by kiamfast.control.iam.metrics.METRICS_TEXT_MAX (tests/control/test_outside_input.py
 # checks that it fits).
 AUX_SIZE = 1 << 20
 

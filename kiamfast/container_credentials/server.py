@@ -38,8 +38,8 @@ from kiamfast.container_credentials.review import (
     precheck,
     unavailable,
 )
-from kiamfast.control.render import account_id, parse_response
-from kiamfast.control.roles import IdentityKind
+from kiamfast.control.iam.render import account_id, parse_response
+from kiamfast.control.iam.policy import IdentityKind
 
 log = logging.getLogger("kiamfast.container_credentials")
 

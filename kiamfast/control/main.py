@@ -25,21 +25,21 @@ import random
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
-import prometheus_client
 
-from kiamfast import __version__, channel, logs
+from kiamfast import __version__, channel, logs, metrics_text
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config, container_credentials_addrs
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
-from kiamfast.control.credentials import CredentialManager
+from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.control.sts import StsClient
 
 log = logging.getLogger("kiamfast.control")
@@ -66,8 +66,6 @@ class ControlProcess:
         self.container: Any = None
         self.table = table
         self.channels = channels
-        prometheus_client.disable_created_metrics()   # no *_created series: kube2iam has none
-        self.registry = prometheus_client.CollectorRegistry()
         self._wake_scheduled = False
         self._stop = asyncio.Event()
         self.watcher = None
@@ -128,9 +126,10 @@ class ControlProcess:
         if self.config.iptables:
             await loop.run_in_executor(None, iptables.install_rules, self.config)
         self.sts = StsClient.from_config(self.config)
+        slot_refs: Counter = Counter()     # addresses naming each slot (the model counts)
         self.manager = CredentialManager.from_config(
             self.config, table=self.table, sts=self.sts, notify=self.notify,
-            registry=self.registry, slot_in_use=lambda slot: self.model.slot_in_use(slot))
+            slot_refs=slot_refs)
         # A restarted control process starts from what the table holds: the addresses keep
         # their slots and servable credentials stay served until the model has decided
         # again (ownership.py, "Restarts").
@@ -142,7 +141,7 @@ class ControlProcess:
                                                    ip["cred_slot"])
                                         for ip in self.table.snapshot()},
                                expect_runtime=self.runtime_expected,
-                               token_only=self._token_only())
+                               token_only=self._token_only(), slot_refs=slot_refs)
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
@@ -380,7 +379,7 @@ class ControlProcess:
         (roles, annotations) sizes these texts: a text that does not fit is logged and
         counted, and the smaller form is published; it never ends the process."""
         while True:
-            text = prometheus_client.generate_latest(self.registry) + self._own_metrics()
+            text = metrics_text.render(self.manager.metrics.lines()) + self._own_metrics()
             if not self._write_aux(tbl.AUX_METRICS, text, "metrics"):
                 self._write_aux(tbl.AUX_METRICS, self._own_metrics(), "metrics")
             if self.table.layout["aux_count"] > tbl.AUX_DENIALS:

@@ -69,11 +69,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
-from kiamfast.control.roles import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
+from kiamfast.control.iam.policy import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
 
 log = logging.getLogger("kiamfast.ownership")
 
@@ -127,8 +127,38 @@ class RuntimeViewLike(Protocol):
     owners: Mapping[str, SandboxLike]
 
 
+class _Written(dict):
+    """ip -> (pod uid, pod state, credential slot) as the table holds it, counting how many
+    addresses name each credential slot in ``refs`` (shared with the credential manager,
+    which never frees a slot an address still names)."""
+
+    def __init__(self, items: Mapping[str, Written], refs: Counter) -> None:
+        super().__init__()
+        self.refs = refs
+        for ip, written in items.items():
+            self[ip] = written
+
+    def __setitem__(self, ip: str, written: Written) -> None:
+        old = self.get(ip)
+        if old is not None:
+            self.refs[old[2]] -= 1
+        super().__setitem__(ip, written)
+        self.refs[written[2]] += 1
+
+    def __delitem__(self, ip: str) -> None:
+        self.refs[self[ip][2]] -= 1
+        super().__delitem__(ip)
+
+    def pop(self, ip: str, default: Any = None) -> Any:
+        if ip not in self:
+            return default
+        written = self[ip]
+        del self[ip]
+        return written
+
+
 def _default_request_factory(**fields: Any) -> Any:
-    from kiamfast.control.credentials import CredentialRequest
+    from kiamfast.control.iam.keys import CredentialRequest
     return CredentialRequest(**fields)
 
 
@@ -222,6 +252,7 @@ class Ownership:
         adopted: Mapping[str, Written] | None = None,
         expect_runtime: bool = False,
         token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
+        slot_refs: Counter | None = None,
     ) -> None:
         self.policy = policy
         self.token_only = token_only   # container_credentials/token_only.py
@@ -238,7 +269,8 @@ class Ownership:
         self._claimants: dict[str, set[str]] = {}    # API ownership: ip -> claiming uids
         self._hw: dict[str, ClaimKey] = {}
         # What the table holds: at start whatever a previous control process left there.
-        self._written: dict[str, Written] = dict(adopted or {})
+        self.slot_refs: Counter = slot_refs if slot_refs is not None else Counter()
+        self._written = _Written(adopted or {}, self.slot_refs)
         self._reconciled = not self._written
         self._runtime: dict[str, str] | None = None  # ip -> uid of the last view; None: none
         self._expect_runtime = expect_runtime        # runtime_mode: workers need a poll
@@ -311,7 +343,7 @@ class Ownership:
 
     def slot_in_use(self, slot: int) -> bool:
         """Does any address in the table point at this credential slot?"""
-        return any(w[2] == slot for w in self._written.values())
+        return self.slot_refs[slot] > 0
 
     def denials(self) -> dict[str, tuple[str, str]]:
         """pod uid -> (role ARN, namespace) of the pods the table denies by their namespace's

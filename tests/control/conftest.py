@@ -8,7 +8,7 @@ from control_support import BASE, Clock, SlotSink
 
 from kiamfast import table as tablemod
 from kiamfast.control.ownership import Ownership
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
 
 
 @pytest.fixture

@@ -448,7 +448,7 @@ def test_view_date_is_published_after_its_addresses(make_model, table):
 
 def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
     from kiamfast.control.ownership import Ownership
-    from kiamfast.control.roles import RolePolicy
+    from kiamfast.control.iam.policy import RolePolicy
     table.claim_ip("10.0.0.5", "uid-a", ROLE, 0)          # what the dead process left
     table.claim_ip("10.0.0.6", "uid-b", ROLE, 1)
     adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
@@ -466,7 +466,7 @@ def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
 def adopted_model(table, sink, clock=None, **policy_kw):
     """A new control process over what the dead one left in `table`."""
     from kiamfast.control.ownership import Ownership
-    from kiamfast.control.roles import RolePolicy
+    from kiamfast.control.iam.policy import RolePolicy
     adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
     kw = {} if clock is None else {"clock": clock}
     return Ownership(policy=RolePolicy(base_role_arn=BASE, **policy_kw), table=table, sink=sink,

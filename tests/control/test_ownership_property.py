@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from kiamfast import table as tablemod
 from kiamfast.control.ownership import Ownership
-from kiamfast.control.roles import IdentityKind, RolePolicy
+from kiamfast.control.iam.policy import IdentityKind, RolePolicy
 from kiamfast.control.runtime import RuntimeView, Sandbox
 
 POOL = ["10.0.0.1", "10.0.0.2"]

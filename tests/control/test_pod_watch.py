@@ -13,7 +13,7 @@ from kiamfast import table as tablemod
 from kiamfast.control.runtime import RuntimeView, Sandbox
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher, make_api_client
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
 NODE = "node-1"

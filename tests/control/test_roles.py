@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiamfast.control.roles import (NO_ROLE, GoRegexpError, IdentityKind, InvalidBaseArn,
+from kiamfast.control.iam.policy import (NO_ROLE, GoRegexpError, IdentityKind, InvalidBaseArn,
                                     PodIdentity, RolePolicy, compile_go_regexp, go_glob,
                                     translate_go_regexp)
 

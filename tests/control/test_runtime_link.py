@@ -102,7 +102,7 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     from kiamfast.config import Config
     from kiamfast.control.main import ControlProcess
     from kiamfast.control.ownership import Ownership
-    from kiamfast.control.roles import RolePolicy
+    from kiamfast.control.iam.policy import RolePolicy
     from control_support import SlotSink
 
     monkeypatch.setattr(runtime, "DEFAULT_ENDPOINTS", (f"unix://{tmp_path}/none.sock",))

@@ -19,7 +19,7 @@ from control_support import BASE, SlotSink, lookup
 
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher, make_api_client
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
 NODE = "node-1"

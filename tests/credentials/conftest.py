@@ -16,8 +16,9 @@ import time
 import pytest
 
 from kiamfast import table as tbl
-from kiamfast.control import render
-from kiamfast.control.credentials import CredentialManager, CredentialRequest
+from kiamfast.control.iam import render
+from kiamfast.control.iam.keys import CredentialRequest
+from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, MotoSts
 
@@ -112,7 +113,10 @@ class Harness:
         kwargs.setdefault("base_role_arn", BASE_ARN)
         kwargs.setdefault("qps", 1000.0)
         kwargs.setdefault("burst", 1000)
+        samples = kwargs.pop("registry", None)
         mgr = CredentialManager(**kwargs)
+        if samples is not None:
+            samples.metrics = mgr.metrics
         task = asyncio.create_task(mgr.run())
         try:
             yield mgr
@@ -139,7 +143,7 @@ class Harness:
     def document(self, slot: int) -> dict:
         import orjson
         parts = self.table.read_cred(slot)[2]
-        status, headers, body = render.parse_response(parts[render.PART_DOCUMENT])
+        status, headers, body = render.parse_response(parts[tbl.PART_DOCUMENT])
         assert status == 200
         return orjson.loads(body)
 
@@ -208,11 +212,11 @@ class ImdsStub:
         parts = self._parts_of()
         prefix = "/latest/meta-data/iam/security-credentials/"
         if path in (prefix, prefix[:-1]):
-            return parts[render.PART_LISTING]
+            return parts[tbl.PART_LISTING]
         if path.startswith(prefix):
-            names = parts[render.PART_NAMES].decode().split("\n")
+            names = parts[tbl.PART_NAMES].decode().split("\n")
             if path[len(prefix):] in names:
-                return parts[render.PART_DOCUMENT]
+                return parts[tbl.PART_DOCUMENT]
         return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nServer: EC2ws\r\n\r\n"
 
 
@@ -220,3 +224,4 @@ class ImdsStub:
 def imds_stub():
     """Factory: ``with imds_stub(lambda: parts) as stub: ...``."""
     return ImdsStub
+

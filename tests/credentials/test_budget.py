@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import botocore.retries.standard
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kiamfast import table as tbl
 from kiamfast.config import Config
-from kiamfast.control.credentials import CredentialManager, node_share
+from kiamfast.control.iam.manager import CredentialManager
+from kiamfast.control.iam.schedule import node_share
 from kiamfast.budget import TokenBucket
 from kiamfast.control.sts import StsClient, StsThrottled
 from kiamfast.testing.sts import ManualClock
 
+from metric_samples import Samples
 from test_manager import manual, settle, walk
 
 ROLE = "arn:aws:iam::123456789012:role/app"
@@ -105,7 +106,7 @@ def test_the_bucket_halves_its_rate_once_per_window_and_gets_it_back():
 
 def test_throttling_lowers_the_nodes_rate_and_successes_raise_it(h):
     clock = manual(h)
-    registry = CollectorRegistry()
+    registry = Samples()
     h.proxy.add_fault("throttle", count=1)
 
     async def main():
@@ -179,7 +180,7 @@ def test_a_waited_for_key_stays_first_through_a_throttle(h):
 
 def test_waiting_keys_are_counted_until_servable(h):
     clock = manual(h)
-    registry = CollectorRegistry()
+    registry = Samples()
     h.proxy.add_fault("5xx", roles=[h.role("a")], count=1)
 
     async def main():
@@ -201,7 +202,7 @@ def test_waiting_keys_are_counted_until_servable(h):
 
 
 def test_a_key_whose_pods_are_gone_is_not_waited_for(h):
-    registry = CollectorRegistry()
+    registry = Samples()
     h.proxy.add_fault("5xx")
 
     async def main():

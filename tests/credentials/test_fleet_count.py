@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kiamfast.control.credentials import CredentialManager
+from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.main import count_nodes, follow_node_count
 from kiamfast.control.pods import make_api_client
 from kiamfast.testing.apiserver import ApiServer

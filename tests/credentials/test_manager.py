@@ -8,15 +8,17 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+from collections import Counter
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kiamfast import table as tbl
-from kiamfast.control import credentials as credmod
-from kiamfast.control import render
-from kiamfast.control.credentials import CredentialSlotsExhausted, fnv32a
+from kiamfast.control.iam import render
+from kiamfast.control.iam.keys import fnv32a
+from kiamfast.control.iam.manager import CredentialManager, CredentialSlotsExhausted
 from kiamfast.testing.sts import ManualClock
+
+from metric_samples import Samples
 
 HOUR = 3600.0
 
@@ -157,7 +159,7 @@ def test_rotation_at_half_life_and_identical_credentials_until_then(h):
     assert len(calls) == 2 and stats["refreshes"] == 1
     assert second[2] != first[2] and second[0] == tbl.CRED_READY
     assert second[1] > first[1]
-    new = render.parse_response(second[2][render.PART_DOCUMENT])[2]
+    new = render.parse_response(second[2][tbl.PART_DOCUMENT])[2]
     assert calls[1].access_key_id.encode() in new
 
 
@@ -285,9 +287,9 @@ def test_access_denied_is_the_imds_error_document_cached_for_error_ttl(h):
 
     slot, state, within, after_ttl = h.run(main())
     assert state[0] == tbl.CRED_READY
-    status, _, body = render.parse_response(state[2][render.PART_DOCUMENT])
+    status, _, body = render.parse_response(state[2][tbl.PART_DOCUMENT])
     assert status == 200 and b'"Code":"AssumeRoleUnauthorizedAccess"' in body
-    assert render.parse_response(state[2][render.PART_LISTING])[2] == b"locked"
+    assert render.parse_response(state[2][tbl.PART_LISTING])[2] == b"locked"
     assert b"not authorized" not in body  # STS's message (node identity) is not passed on
     assert within == 1 and after_ttl == 2
     assert h.document(slot)["Code"] == "Success"
@@ -473,21 +475,20 @@ def test_restart_with_sts_down_keeps_serving_the_exact_credentials(h):
 def test_restart_never_frees_a_slot_an_address_still_names(h):
     """The identity bug of a restart: an address left pointing at a slot that a new key
     takes over would answer with that key's credentials."""
-    named = {"10.0.0.5": 0}
+    named: Counter = Counter()          # addresses naming each slot, as the model counts
 
     async def main():
         async with h.manager() as first:
             old = first.acquire("uid-a", h.req("a"))
             await h.wait_state(old, tbl.CRED_READY)
-        named["10.0.0.5"] = old
-        async with h.manager(release_grace=0.05,
-                             slot_in_use=lambda s: s in named.values()) as second:
+        named[old] += 1                         # 10.0.0.5 still names it
+        async with h.manager(release_grace=0.05, slot_refs=named) as second:
             second.adopt(_slots(h.table))
             await asyncio.sleep(0.3)            # pod a never comes back: its grace ends
             c = second.acquire("uid-c", h.req("c"))
             await h.wait_state(c, tbl.CRED_READY)
             kept = h.state(old)
-            named.clear()                       # the model released the address
+            named[old] -= 1                     # the model released the address
             await asyncio.sleep(1.5)
             return old, c, kept, h.state(old), second.stats()
 
@@ -499,15 +500,15 @@ def test_restart_never_frees_a_slot_an_address_still_names(h):
 
 def test_restart_holds_unadoptable_slots_until_no_address_names_them(h):
     h.table.write_cred(3, [b"garbage"], serve_until=0.0, state=tbl.CRED_PENDING)
-    named = {3}
+    named = Counter({3: 1})
 
     async def main():
-        async with h.manager(slot_in_use=lambda s: s in named) as mgr:
+        async with h.manager(slot_refs=named) as mgr:
             assert mgr.adopt(_slots(h.table)) == 0
             slots = {mgr.acquire(f"uid-{i}", h.req(f"r{i}")) for i in range(8)}
             mgr.reclaim()
             held = mgr.stats()["slots_held"]
-            named.clear()
+            named[3] -= 1
             mgr.reclaim()
             return slots, held, mgr.stats()["slots_held"]
 
@@ -594,7 +595,7 @@ def test_audit_log_one_line_per_issued_credential(h, caplog):
 
 
 def test_metrics(h):
-    registry = CollectorRegistry()
+    registry = Samples()
     h.proxy.add_fault("throttle", count=1)
 
     async def main():
@@ -615,12 +616,6 @@ def test_metrics(h):
     assert get("kiamfast_sts_throttled_total") == 1
     assert get("kube2iam_iam_cache_hits_total", {"role_arn": arn}) == 1
     assert get("kiamfast_sts_inflight") == 0
-
-
-def test_table_states_match_the_manager_constants():
-    assert (credmod.CRED_EMPTY, credmod.CRED_PENDING, credmod.CRED_READY,
-            credmod.CRED_ERROR) == (tbl.CRED_EMPTY, tbl.CRED_PENDING, tbl.CRED_READY,
-                                    tbl.CRED_ERROR)
 
 
 # ---- the safety property, under random churn ----------------------------------------------------
@@ -670,9 +665,9 @@ def test_every_pod_only_ever_sees_credentials_of_its_own_key(h, seed):
                     state, _, parts = h.state(slot)
                     if state != tbl.CRED_READY:
                         continue
-                    names = parts[render.PART_NAMES].decode().split("\n")
+                    names = parts[tbl.PART_NAMES].decode().split("\n")
                     assert names[0] == role_name
-                    body = render.parse_response(parts[render.PART_DOCUMENT])[2]
+                    body = render.parse_response(parts[tbl.PART_DOCUMENT])[2]
                     if b'"Code":"Success"' not in body:
                         continue  # the error document (denied)
                     key_id = h.document(slot)["AccessKeyId"]
@@ -687,9 +682,9 @@ def test_from_config(h):
     from kiamfast.config import Config
     cfg = Config(node="ip-10-0-0-1", base_role_arn=h.base_arn, session_name_policy="pod",
                  sts_qps=7.0, sts_burst=3, iam_role_error_ttl=42.0)
-    mgr = credmod.CredentialManager.from_config(cfg, table=h.table, sts=h.sts,
+    mgr = CredentialManager.from_config(cfg, table=h.table, sts=h.sts,
                                                 notify=h.notify)
-    assert mgr.capacity == h.capacity and mgr.session_policy == "pod"
+    assert mgr.capacity == h.capacity and mgr.naming.policy == "pod"
     assert mgr.duration == 3600 and mgr.min_lifetime == 900
     assert (mgr.bucket.rate, mgr.bucket.burst, mgr.error_ttl) == (7.0, 3, 42.0)
-    assert mgr.node_name == "ip-10-0-0-1"
+    assert mgr.naming.node_name == "ip-10-0-0-1"

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kiamfast import table as tbl
-from kiamfast.control import render
+from kiamfast.control.iam import render
 
 ARN = "arn:aws:iam::123456789012:role/team/app"
 BASE = "arn:aws:iam::123456789012:role/"
@@ -27,18 +27,14 @@ def creds_parts(**kw):
     return render.render_credentials(**args)
 
 
-def test_part_indices_match_the_table():
-    assert (render.PART_NAMES, render.PART_LISTING, render.PART_DOCUMENT,
-            render.PART_EXT_DOCUMENT, render.PART_INFO) == (
-        tbl.PART_NAMES, tbl.PART_LISTING, tbl.PART_DOCUMENT, tbl.PART_EXT_DOCUMENT,
-        tbl.PART_INFO)
+def test_the_response_parts_come_before_the_key_part():
     # The five response parts; the manager adds PART_KEY (render.key_part) after them.
-    assert render.PART_KEY == tbl.PART_KEY == len(creds_parts())
-    assert render.PART_COUNT == render.PART_KEY + 1 <= tbl.MAX_PARTS
+    assert tbl.PART_KEY == len(creds_parts())
+    assert render.PART_COUNT == tbl.PART_KEY + 1 <= tbl.MAX_PARTS
 
 
 def test_names_listing_name_first_then_kube2iam_form_then_arn():
-    names = creds_parts()[render.PART_NAMES].decode().split("\n")
+    names = creds_parts()[tbl.PART_NAMES].decode().split("\n")
     assert names == ["app", "team/app", ARN]
     # no base ARN, or another account: the name and the full ARN
     assert render.role_names(ARN) == ["app", ARN]
@@ -60,8 +56,8 @@ def test_names_always_fit_the_tables_matcher(path):
 
 def test_every_response_is_a_complete_imds_style_http_response():
     parts = creds_parts()
-    for index in (render.PART_LISTING, render.PART_DOCUMENT, render.PART_EXT_DOCUMENT,
-                  render.PART_INFO):
+    for index in (tbl.PART_LISTING, tbl.PART_DOCUMENT, tbl.PART_EXT_DOCUMENT,
+                  tbl.PART_INFO):
         raw = parts[index]
         assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
         status, headers, body = render.parse_response(raw)
@@ -71,11 +67,11 @@ def test_every_response_is_a_complete_imds_style_http_response():
         assert headers["last-modified"] == "Fri, 08 May 2026 11:30:07 GMT"
         assert int(headers["content-length"]) == len(body)
         assert "date" not in headers and "connection" not in headers
-    assert render.parse_response(parts[render.PART_LISTING])[2] == b"app"
+    assert render.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
 
 
 def test_document_fields_order_and_formats():
-    body = render.parse_response(creds_parts()[render.PART_DOCUMENT])[2]
+    body = render.parse_response(creds_parts()[tbl.PART_DOCUMENT])[2]
     doc = orjson.loads(body)
     assert list(doc) == ["Code", "LastUpdated", "Type", "AccessKeyId", "SecretAccessKey",
                          "Token", "Expiration"]
@@ -89,7 +85,7 @@ def test_document_fields_order_and_formats():
 def test_expiration_in_another_timezone_is_written_in_utc():
     cet = dt.timezone(dt.timedelta(hours=2))
     parts = creds_parts(expiration=EXP.astimezone(cet))
-    doc = orjson.loads(render.parse_response(parts[render.PART_DOCUMENT])[2])
+    doc = orjson.loads(render.parse_response(parts[tbl.PART_DOCUMENT])[2])
     assert doc["Expiration"] == "2026-05-08T12:30:00Z"
     with pytest.raises(render.RenderError):
         creds_parts(expiration=EXP.replace(tzinfo=None))
@@ -97,13 +93,13 @@ def test_expiration_in_another_timezone_is_written_in_utc():
 
 def test_extended_document_adds_the_account_of_the_role():
     parts = creds_parts()
-    doc = orjson.loads(render.parse_response(parts[render.PART_DOCUMENT])[2])
-    ext = orjson.loads(render.parse_response(parts[render.PART_EXT_DOCUMENT])[2])
+    doc = orjson.loads(render.parse_response(parts[tbl.PART_DOCUMENT])[2])
+    ext = orjson.loads(render.parse_response(parts[tbl.PART_EXT_DOCUMENT])[2])
     assert ext == {**doc, "AccountId": "123456789012"}
 
 
 def test_info_names_an_instance_profile_for_the_pods_role():
-    info = orjson.loads(render.parse_response(creds_parts()[render.PART_INFO])[2])
+    info = orjson.loads(render.parse_response(creds_parts()[tbl.PART_INFO])[2])
     assert info["Code"] == "Success"
     assert info["InstanceProfileArn"] == "arn:aws:iam::123456789012:instance-profile/app"
     assert info["InstanceProfileId"].startswith("AIPA") and len(info["InstanceProfileId"]) == 21
@@ -116,9 +112,9 @@ def test_info_names_an_instance_profile_for_the_pods_role():
 def test_error_parts_list_the_name_and_carry_the_imds_error_document():
     parts = render.render_error(role_arn=ARN, base_role_arn=BASE, code="AccessDenied",
                                 last_updated=NOW)
-    assert parts[render.PART_NAMES] == creds_parts()[render.PART_NAMES]
-    assert render.parse_response(parts[render.PART_LISTING])[2] == b"app"
-    for index in (render.PART_DOCUMENT, render.PART_EXT_DOCUMENT):
+    assert parts[tbl.PART_NAMES] == creds_parts()[tbl.PART_NAMES]
+    assert render.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
+    for index in (tbl.PART_DOCUMENT, tbl.PART_EXT_DOCUMENT):
         status, _, body = render.parse_response(parts[index])
         doc = orjson.loads(body)
         assert status == 200
@@ -155,7 +151,7 @@ def test_botocore_loads_the_rendered_document(imds_stub, path):
         # botocore asked for the listing, then for the listed name
         assert stub.requests[-1] == "GET /latest/meta-data/iam/security-credentials/app"
         # a URL naming the role kube2iam-style is accepted too
-        names = parts[render.PART_NAMES].decode().split("\n")
+        names = parts[tbl.PART_NAMES].decode().split("\n")
         assert path in names
 
 
@@ -172,9 +168,9 @@ def test_key_part_round_trips_and_garbage_is_refused():
                            tags=(("kiamfast-pod", "p"),), access_key_id="ASIA1",
                            expiration=2000.0, fetched_at=1000.0)
     assert b"secret" not in part.lower()
-    rec = render.parse_key_part([b""] * render.PART_KEY + [part])
+    rec = render.parse_key_part([b""] * tbl.PART_KEY + [part])
     assert rec["role_arn"] == "arn:aws:iam::1:role/a" and rec["tags"] == [("kiamfast-pod", "p")]
     assert rec["expiration"] == 2000.0 and rec["denied"] is False
     for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"role_arn":"a"}'):
-        assert render.parse_key_part([b""] * render.PART_KEY + [junk]) is None
+        assert render.parse_key_part([b""] * tbl.PART_KEY + [junk]) is None
     assert render.parse_key_part([b""] * 3) is None

@@ -20,8 +20,8 @@ from kiamfast import table as tbl
 from kiamfast.config import Config, ConfigError
 from kiamfast.container_credentials.review import TokenRejected
 from kiamfast.container_credentials.server import container_document
-from kiamfast.control import render
-from kiamfast.control.credentials import CredentialManager
+from kiamfast.control.iam import render
+from kiamfast.control.iam.manager import CredentialManager
 
 from test_manager import _slots, settle
 
@@ -165,7 +165,7 @@ def test_a_tag_value_sts_cannot_take_denies_that_pod_without_a_call(h, caplog):
                for r in caplog.records)
     with pytest.raises(TokenRejected) as refused:      # the container-credentials answer
         container_document(render.parse_response(
-            h.state(bad)[2][render.PART_DOCUMENT])[2], h.role("app"))
+            h.state(bad)[2][tbl.PART_DOCUMENT])[2], h.role("app"))
     assert refused.value.status == 403 and "InvalidSessionTag" in refused.value.message
 
 
@@ -189,7 +189,7 @@ def test_sts_refusing_tags_is_denied_with_the_tagsession_hint_never_untagged(h, 
     assert any("sts:TagSession" in r.getMessage() for r in caplog.records)
     with pytest.raises(TokenRejected) as refused:
         container_document(render.parse_response(
-            h.state(slot)[2][render.PART_DOCUMENT])[2], h.role("app"))
+            h.state(slot)[2][tbl.PART_DOCUMENT])[2], h.role("app"))
     assert refused.value.status == 403 and "sts:TagSession" in refused.value.message
 
 
@@ -215,7 +215,7 @@ def test_flags_reach_the_manager(h):
     async def main():
         mgr = CredentialManager.from_config(config, table=h.table, sts=h.sts,
                                             notify=h.notify)
-        return mgr.session_tags, mgr.key_for(h.req("app", pod="web-0"), UID_A)
+        return mgr.naming.tags, mgr.naming.key_for(h.req("app", pod="web-0"), UID_A)
 
     tags, key = h.run(main())
     assert set(tags) == EKS_KEYS

@@ -17,7 +17,7 @@ from typing import Any
 from kiamfast import table as tablemod
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher, make_api_client
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

@@ -21,7 +21,7 @@ from typing import Any
 import httptools
 
 from kiamfast import channel, table
-from kiamfast.control import render
+from kiamfast.control.iam import render
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import listen_socket, serve
 

@@ -19,7 +19,7 @@ What it must never do: put a ``Date`` header or anything else time-of-request in
 stability logic needs), or put an STS error message into a response (STS messages name the
 node's own role and instance; they go to the control process's log instead).
 
-It imports nothing heavier than orjson so that tests and tools can use it anywhere.
+It imports nothing heavier than orjson and the table's constants.
 """
 from __future__ import annotations
 
@@ -31,13 +31,9 @@ from typing import Any
 
 import orjson
 
-PART_NAMES = 0
-PART_LISTING = 1
-PART_DOCUMENT = 2
-PART_EXT_DOCUMENT = 3
-PART_INFO = 4
-PART_KEY = 5          # JSON: the credential key and expiry, for a restarted control process
-PART_COUNT = 6
+from kiamfast.table import PART_KEY
+
+PART_COUNT = PART_KEY + 1
 
 #: The table copies at most this many bytes of PART_NAMES when matching a URL name.
 NAMES_LIMIT = 1024

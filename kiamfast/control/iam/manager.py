@@ -1,0 +1,712 @@
+"""The credential manager: which STS sessions exist, and where their credentials live.
+
+The control process is the only place that talks to STS. A pod with a role is acquired (often
+before it has an IP) and the manager starts fetching at once (prefetch), so the table holds
+ready-to-send bytes before the pod's SDK asks.  While a live pod uses them, credentials are
+refreshed ahead of time (half-life, jittered), and what workers serve always has at least
+``min_lifetime`` left (sdk-imds.md §4: SDKs misbehave below ~15 min). If STS is down, the old
+credentials keep flowing until that point; then the slot turns to ERROR and workers answer
+503.  Keys and session names: :mod:`.keys`; when calls run and the node's STS budget:
+:mod:`.schedule`; the bytes written: :mod:`.render`.
+
+A throttled key retries when the node's pause ends (no backoff of its own); a throttled call
+of a key a pod's request is held for retries once 50-150 ms later, within that wait.  Other
+failures back off per key. Permanent refusals (AccessDenied...) become the real-IMDS error
+document, cached for ``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least
+``error_ttl_floor`` so a misconfigured role cannot hammer STS), retried with growing
+intervals while pods use them.  A tagged call STS refuses is denied as any refusal, with a
+message naming ``sts:TagSession``, and never retried without its tags.
+
+Restarts. Every slot also holds its key and expiry (``render.PART_KEY``), so a restarted
+control process adopts what the table holds (:meth:`CredentialManager.adopt`): credentials
+still servable keep being served, to the same slots, and are refreshed on their old schedule
+instead of calling STS for every key at once (or losing them when STS is down). A slot is
+never freed, and so never reused for another key, while an address in the table names it
+(``slot_refs``, counted where the addresses are written).
+
+What it must never do: serve credentials with less than ``min_lifetime`` left, hand a key's
+credentials to a slot of another key, call STS twice at once for one key, log a secret, or
+block the event loop (STS runs on the client's thread pool).
+
+Time comes from the injected ``clock`` (epoch seconds) and ``sleep``, so tests can live
+through hours of rotation without waiting. The table is any object with ``write_cred``,
+``set_cred_state`` and ``clear_cred`` (``kiamfast.table.Table`` in production).
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import heapq
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kiamfast.budget import TokenBucket, backoff
+from kiamfast.control.iam import render
+from kiamfast.control.iam.keys import (TAGSESSION_HINT, CredentialKey, CredentialRequest,
+                                       SessionNaming, tag_problem)
+from kiamfast.control.iam.metrics import StsMetrics
+from kiamfast.control.iam.schedule import (PRIO_NEW, PRIO_REFRESH, PRIO_WANTED, QUICK_RETRY,
+                                           Schedule, node_share)
+from kiamfast.control.sts import (Credentials, StsDenied, StsError, StsThrottled,
+                                  StsTransient, classify)
+from kiamfast.table import CRED_EMPTY, CRED_ERROR, CRED_PENDING, CRED_READY
+
+log = logging.getLogger("kiamfast.credentials")
+audit = logging.getLogger("kiamfast.audit")
+
+# Far enough that an error document is never reported EXPIRED by the table; it is replaced
+# by the next attempt anyway.
+_ERROR_DOC_LIFETIME = 365 * 86400.0
+
+
+class CredentialSlotsExhausted(Exception):
+    """Every credential slot of the table is used by a live key."""
+
+
+class ManagerClosed(Exception):
+    """The manager was closed; it takes no more work."""
+
+
+class CredentialTable(Protocol):
+    def write_cred(self, slot: int, parts: list[bytes], *, serve_until: float,
+                   state: int) -> None: ...
+    def set_cred_state(self, slot: int, state: int, serve_until: float | None = None) -> None: ...
+    def clear_cred(self, slot: int) -> None: ...
+
+
+class AssumeRole(Protocol):
+    async def assume_role(self, role_arn: str, session_name: str, *,
+                          external_id: str | None = None, duration: int = 3600,
+                          tags: list[tuple[str, str]] | None = None,
+                          transitive: bool = False) -> Credentials: ...
+
+
+class SlotRefs(Protocol):
+    """How many addresses in the table name a credential slot (the table's writer counts)."""
+
+    def __getitem__(self, slot: int) -> int: ...
+
+
+class NoRefs(dict):
+    def __missing__(self, slot: int) -> int:
+        return 0
+
+
+_PENDING, _READY, _ERROR, _DENIED = "pending", "ready", "error", "denied"
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: CredentialKey
+    slot: int
+    users: dict[str, CredentialRequest] = field(default_factory=dict)  # pod UID -> request
+    state: str = _PENDING
+    creds: Credentials | None = None
+    serve_until: float = 0.0
+    fetched_at: float = 0.0
+    refresh_at: float = 0.0
+    failures: int = 0              # consecutive failed attempts
+    denials: int = 0               # consecutive permanent refusals
+    not_before: float = 0.0        # backoff: no attempt before this (except refresh-ahead)
+    last_error: StsError | None = None
+    inflight: bool = False
+    queued: int | None = None      # priority it is queued with, None if not queued
+    timer: int = 0                 # version of the one live timer; older timers are ignored
+    timer_prio: int = PRIO_NEW     # queue priority when a "fetch" timer fires
+    idle_since: float | None = None
+    waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
+    freed: bool = False
+    issued: int = 0                # credentials issued for this key so far
+    quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
+    unsendable: bool = False       # a tag value STS cannot take: denied, never fetched
+
+
+class CredentialManager:
+    """Prefetch, refresh and publish STS credentials for the pods of one node."""
+
+    def __init__(self, *, table: CredentialTable, sts: AssumeRole, capacity: int,
+                 naming: SessionNaming | None = None,
+                 notify: Callable[[], Any] = lambda: None,
+                 base_role_arn: str | None = None,
+                 duration: float = 3600.0, min_lifetime: float = 900.0,
+                 refresh_fraction: float = 0.5, refresh_jitter: float = 0.1,
+                 qps: float = 5.0, burst: int = 20, max_inflight: int = 8,
+                 account_qps: float = 0.0, fleet_nodes: int = 0,
+                 error_ttl: float = 0.0, error_ttl_floor: float = 5.0,
+                 error_ttl_max: float = 60.0,
+                 backoff_base: float = 1.0, backoff_max: float = 30.0,
+                 throttle_base: float = 1.0, throttle_max: float = 30.0,
+                 release_grace: float = 120.0, slot_refs: SlotRefs | None = None,
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 rng: random.Random | None = None, **naming_args: Any):
+        if min_lifetime >= duration:
+            raise ValueError("min_lifetime must be shorter than the session duration")
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.naming = naming or SessionNaming(**naming_args)
+        self.table = table
+        self.sts = sts
+        self.capacity = capacity
+        self.notify = notify
+        self.base_role_arn = base_role_arn or None
+        self.duration = int(duration)
+        self.min_lifetime = float(min_lifetime)
+        self.refresh_fraction = refresh_fraction
+        self.refresh_jitter = refresh_jitter
+        self.error_ttl = max(float(error_ttl), error_ttl_floor)
+        self.error_ttl_max = max(self.error_ttl, error_ttl_max)
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
+        self.release_grace = release_grace
+        self.slot_refs: SlotRefs = slot_refs if slot_refs is not None else NoRefs()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        # With a fleet budget but no node count yet (it comes from the API), the floor is
+        # the one without a budget until set_fleet_nodes: the lower of the two.
+        self.account_qps = account_qps
+        self.bucket = TokenBucket(
+            qps, burst, clock=clock, sleep=sleep,
+            min_rate=node_share(account_qps, fleet_nodes, qps)
+            if account_qps > 0 and fleet_nodes > 0 else None)
+        self.schedule = Schedule(bucket=self.bucket, max_inflight=max_inflight,
+                                 fetch=self._fetch, on_timer=self._on_timer, clock=clock,
+                                 sleep=sleep, throttle_base=throttle_base,
+                                 throttle_max=throttle_max, rng=self.rng)
+        self._entries: dict[CredentialKey, _Entry] = {}
+        self._by_slot: dict[int, _Entry] = {}
+        self._pods: dict[str, CredentialKey] = {}
+        self._free = list(range(capacity))          # a heap: lowest slot first
+        self._held: set[int] = set()                # see adopt()
+        self._waiting: set[_Entry] = set()          # entries with waiting=True
+        self._closed = False
+        self._stopped = asyncio.Event()
+        self._counts = {"sts_success": 0, "sts_throttled": 0, "sts_transient": 0,
+                        "sts_denied": 0, "refreshes": 0, "cache_hits": 0, "issued": 0,
+                        "expired": 0, "evicted": 0}
+        self.metrics = StsMetrics()
+        self.metrics.rate.set(self.bucket.rate)
+
+    @classmethod
+    def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
+                    notify: Callable[[], Any], fleet_nodes: int | None = None,
+                    **overrides: Any) -> "CredentialManager":
+        """Build from a ``kiamfast.config.Config`` and a ``kiamfast.table.Table``.
+        ``fleet_nodes`` (e.g. the node count from the API) overrides ``--sts-fleet-nodes``."""
+        kwargs: dict[str, Any] = dict(
+            table=table, sts=sts, notify=notify,
+            capacity=table.layout["cred_capacity"],
+            node_name=config.node, base_role_arn=config.base_role_arn or None,
+            session_policy=config.session_name_policy,
+            session_tags=config.session_tags,
+            tag_keys=config.session_tag_keys, cluster_name=config.cluster_name,
+            duration=config.session_duration,
+            min_lifetime=config.min_credential_lifetime,
+            qps=config.sts_qps, burst=config.sts_burst,
+            account_qps=config.sts_account_qps,
+            fleet_nodes=config.sts_fleet_nodes if fleet_nodes is None else fleet_nodes,
+            error_ttl=config.iam_role_error_ttl)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def set_fleet_nodes(self, nodes: int) -> None:
+        """The number of agents sharing ``account_qps`` is now ``nodes`` (the cluster's node
+        count): the floor throttling may cut this node's rate down to follows its share."""
+        if self.account_qps <= 0 or nodes < 1:
+            return
+        share = node_share(self.account_qps, nodes, self.bucket.max_rate)
+        if share != self.bucket.min_rate:
+            log.info("STS share: %.3g calls/s (%g over %d nodes)", share, self.account_qps,
+                     nodes)
+        self.bucket.min_rate = share
+        self.bucket.rate = max(self.bucket.rate, share)
+        self.metrics.rate.set(self.bucket.rate)
+
+    # ---- the pods' API ------------------------------------------------------------------------
+
+    def acquire(self, pod_uid: str, req: CredentialRequest) -> int:
+        """Credential slot for a pod; allocates it and starts a prefetch on first use.
+
+        Idempotent: the same pod and key give the same slot (what the request says of the
+        pod, e.g. its address, is refreshed). A pod whose request maps to another key (its
+        role annotation changed) leaves its old key first.
+        Raises CredentialSlotsExhausted when every slot is in use by a live key.
+        """
+        if self._closed:
+            raise ManagerClosed("credential manager is closed")
+        key = self.naming.key_for(req, pod_uid)
+        old = self._pods.get(pod_uid)
+        if old is not None:
+            if old == key:
+                entry = self._entries[key]
+                entry.users[pod_uid] = req
+                return entry.slot
+            self.release(pod_uid)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._counts["cache_hits"] += 1
+            self.metrics.cache_hit(key.role_arn)
+            entry.users[pod_uid] = req
+            self._pods[pod_uid] = key
+            if entry.idle_since is not None:
+                self._revive(entry)
+            if entry.creds is not None and entry.state == _READY:
+                self._audit("credentials shared", entry, pods=[(pod_uid, req)])
+            return entry.slot
+        slot = self._alloc_slot()
+        entry = _Entry(key=key, slot=slot)
+        entry.users[pod_uid] = req
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
+        self._pods[pod_uid] = key
+        problem = tag_problem(key.tags)
+        if problem:
+            # Never sent without the tag or with another value: no credentials for this key.
+            log.warning("pod %s/%s: no credentials for %s: %s", req.namespace, req.pod_name,
+                        key.role_arn, problem)
+            entry.unsendable = True
+            self._on_failure(entry, StsDenied("InvalidSessionTag", problem,
+                                              role_arn=key.role_arn))
+            return slot
+        self.table.write_cred(slot, [], serve_until=0.0, state=CRED_PENDING)
+        self._notify()
+        self.schedule.enqueue(entry, PRIO_NEW)
+        return slot
+
+    def release(self, pod_uid: str) -> None:
+        """A pod is gone (or no longer uses its key). The last user gone stops refreshing;
+        the slot is freed after ``release_grace`` unless a pod takes the key up again."""
+        key = self._pods.pop(pod_uid, None)
+        entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            return
+        entry.users.pop(pod_uid, None)
+        if not entry.users:
+            self._set_waiting(entry, False)     # nobody waits for a key nobody uses
+            entry.idle_since = self.clock()
+            self.schedule.set_timer(entry, entry.idle_since + self.release_grace, "free")
+
+    def wanted(self, slot: int) -> None:
+        """A worker has a request for this slot and could not serve it: the key is waited
+        for (first in the queue, through its retries), and tried now unless a call is in
+        flight or the key is backing off."""
+        entry = self._by_slot.get(slot)
+        if entry is None or entry.freed or entry.idle_since is not None:
+            return
+        now = self.clock()
+        if entry.state == _DENIED or (entry.state == _READY and now < entry.serve_until):
+            return  # servable from our point of view; the worker's read was stale
+        self._set_waiting(entry, True)
+        if entry.inflight or (now < entry.not_before
+                              and not isinstance(entry.last_error, StsThrottled)):
+            return
+        entry.quick_retry = True
+        self.schedule.enqueue(entry, PRIO_WANTED)
+
+    def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
+        """A restarted control process: take over what a previous one left in the table, as
+        ``(slot, state, serve_until, parts)`` for every slot.  Servable credentials and
+        error documents become entries of their key (idle until a pod acquires them, freed
+        after ``release_grace`` otherwise); every other slot that holds anything is kept out
+        of allocation until no address names it (:meth:`reclaim`).  Returns how many keys
+        were adopted."""
+        now = self.clock()
+        adopted = 0
+        for slot, state, serve_until, parts in slots:
+            if not 0 <= slot < self.capacity or slot in self._by_slot:
+                continue
+            record = render.parse_key_part(parts)
+            if state == CRED_EMPTY and record is None:
+                continue
+            self._free = [s for s in self._free if s != slot]
+            key = None if record is None else CredentialKey(
+                record["role_arn"], record["external_id"], record["session"],
+                tuple(tuple(t) for t in record["tags"]))
+            if (key is None or key in self._entries or state != CRED_READY
+                    or serve_until <= now):
+                self._held.add(slot)
+                continue
+            entry = _Entry(key=key, slot=slot, serve_until=serve_until,
+                           fetched_at=record["fetched_at"], idle_since=now)
+            if record["denied"]:
+                entry.state = _DENIED
+            else:
+                entry.state = _READY
+                entry.creds = Credentials(
+                    access_key_id=record["access_key_id"], secret_access_key="",
+                    session_token="", expiration=_dt.datetime.fromtimestamp(
+                        record["expiration"], _dt.timezone.utc))
+                entry.refresh_at = self._refresh_time(record["fetched_at"],
+                                                      record["expiration"], serve_until)
+            self._entries[key] = entry
+            self._by_slot[slot] = entry
+            self.schedule.set_timer(entry, now + self.release_grace, "free")
+            adopted += 1
+        heapq.heapify(self._free)
+        if adopted or self._held:
+            log.info("adopted %d credential keys from the table (%d slots held until free)",
+                     adopted, len(self._held))
+        return adopted
+
+    def reclaim(self) -> None:
+        """Free the held slots that no address names any more (call after commits)."""
+        for slot in sorted(self._held):
+            if not self.slot_refs[slot]:
+                self._held.discard(slot)
+                self.table.clear_cred(slot)
+                heapq.heappush(self._free, slot)
+
+    def role_of_slot(self, slot: int) -> tuple[str, str | None] | None:
+        """(role ARN, external ID) of the key a slot holds (an adopted one included)."""
+        entry = self._by_slot.get(slot)
+        return None if entry is None else (entry.key.role_arn, entry.key.external_id)
+
+    def slot_of(self, pod_uid: str) -> int | None:
+        key = self._pods.get(pod_uid)
+        return None if key is None else self._entries[key].slot
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the schedule until :meth:`close`."""
+        runner = asyncio.create_task(self.schedule.run())
+        stop = asyncio.create_task(self._stopped.wait())
+        try:
+            done, _ = await asyncio.wait([runner, stop], return_when=asyncio.FIRST_COMPLETED)
+            if runner in done:
+                runner.result()   # a scheduler bug: let the supervisor see it
+        finally:
+            self.schedule.close()
+            stop.cancel()
+            await asyncio.gather(runner, stop, return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop scheduling; in-flight calls are abandoned. The STS client is the caller's."""
+        self._closed = True
+        self._stopped.set()
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight and nothing that could start before time moves on."""
+        return self.schedule.settled
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until :attr:`settled` (tests and benchmarks)."""
+        async def _wait() -> None:
+            while not self.settled:
+                await asyncio.sleep(0.002)
+        await asyncio.wait_for(_wait(), timeout)
+
+    # ---- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        states = {s: 0 for s in (_PENDING, _READY, _ERROR, _DENIED)}
+        idle = 0
+        for e in self._entries.values():
+            states[e.state] += 1
+            idle += e.idle_since is not None
+        return {
+            **self._counts,
+            "sts_calls": sum(self._counts[k] for k in ("sts_success", "sts_throttled",
+                                                       "sts_transient", "sts_denied")),
+            "inflight": self.schedule.inflight,
+            "keys": len(self._entries),
+            "pods": len(self._pods),
+            "idle_keys": idle,
+            "slots_free": len(self._free),
+            "slots_held": len(self._held),
+            "queued": self.schedule.queued,
+            "waiting_keys": len(self._waiting),
+            "rate_limit": self.bucket.rate,
+            "throttle_paused_for": max(0.0, self.bucket.paused_until - self.clock()),
+            **{f"keys_{s}": n for s, n in states.items()},
+        }
+
+    def describe(self, slot: int) -> dict[str, Any] | None:
+        """Debug view of one slot (no secrets)."""
+        e = self._by_slot.get(slot)
+        if e is None:
+            return None
+        return {"role_arn": e.key.role_arn, "external_id": bool(e.key.external_id),
+                "session": e.key.session, "tags": dict(e.key.tags), "state": e.state,
+                "access_key_id": e.creds.access_key_id if e.creds else None,
+                "serve_until": e.serve_until, "refresh_at": e.refresh_at,
+                "failures": e.failures, "users": sorted(e.users),
+                "last_error": e.last_error.code if e.last_error else None}
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    def _alloc_slot(self) -> int:
+        if not self._free:
+            idle = [e for e in self._entries.values()
+                    if e.idle_since is not None and not self.slot_refs[e.slot]]
+            if not idle:
+                raise CredentialSlotsExhausted(
+                    f"all {self.capacity} credential slots are used by live keys")
+            self._counts["evicted"] += 1
+            self._free_entry(min(idle, key=lambda e: e.idle_since))
+        return heapq.heappop(self._free)
+
+    def _free_entry(self, entry: _Entry) -> None:
+        if entry.freed:
+            return
+        if self.slot_refs[entry.slot]:
+            # An address still points here (a restart before the model caught up, or a
+            # release not yet committed): freeing now could hand it to another key.
+            self.schedule.set_timer(entry, self.clock() + 1.0, "free")
+            return
+        entry.freed = True
+        self._set_waiting(entry, False)
+        self.schedule.dequeue(entry)
+        self._entries.pop(entry.key, None)
+        self._by_slot.pop(entry.slot, None)
+        if not any(k.role_arn == entry.key.role_arn for k in self._entries):
+            self.metrics.forget_role(entry.key.role_arn)
+        self.table.clear_cred(entry.slot)
+        heapq.heappush(self._free, entry.slot)
+        self._notify()
+
+    def _revive(self, entry: _Entry) -> None:
+        entry.idle_since = None
+        self.schedule.cancel_timer(entry)     # the "free" timer
+        now = self.clock()
+        if entry.inflight:
+            return
+        if entry.state == _READY and now < entry.serve_until:
+            if entry.refresh_at <= now:
+                self.schedule.enqueue(entry, PRIO_REFRESH)
+            else:
+                self.schedule.set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
+        elif now >= entry.not_before:
+            self.schedule.enqueue(entry, PRIO_NEW)
+        else:
+            self.schedule.set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
+
+    def _set_waiting(self, entry: _Entry, waiting: bool) -> None:
+        entry.waiting = waiting
+        entry.quick_retry = entry.quick_retry and waiting
+        (self._waiting.add if waiting else self._waiting.discard)(entry)
+        self.metrics.waiting.set(len(self._waiting))
+
+    def _on_timer(self, entry: _Entry, kind: str) -> None:
+        if kind == "free":
+            if entry.idle_since is not None and not entry.users:
+                self._free_entry(entry)
+        elif kind == "expire":
+            self._expire(entry)
+
+    # ---- one STS call -------------------------------------------------------------------------
+
+    async def _fetch(self, entry: _Entry, ticket: int) -> None:
+        key = entry.key
+        name = self.naming.session_name(key, entry.users.items())
+        started = time.monotonic()
+        self.metrics.inflight.set(self.schedule.inflight)
+        result: Credentials | StsError
+        try:
+            result = await self.sts.assume_role(
+                key.role_arn, name, external_id=key.external_id, duration=self.duration,
+                tags=list(key.tags) or None, transitive=self.naming.eks)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # classified: StsError already, anything else -> transient
+            result = classify(exc, role_arn=key.role_arn)
+        finally:
+            self.schedule.finished(entry)
+            self.metrics.inflight.set(self.schedule.inflight)
+        elapsed = time.monotonic() - started
+        if isinstance(result, Credentials):
+            self.metrics.sts_call(key.role_arn, "Success", "success", elapsed)
+            self._counts["sts_success"] += 1
+            self.schedule.succeeded()
+            self.metrics.rate.set(self.bucket.rate)
+            if not entry.freed:
+                try:
+                    self._on_success(entry, result, name)
+                except Exception as exc:  # e.g. ValueTooLarge: never leave the key stuck
+                    log.exception("publishing credentials for %s failed", key.role_arn)
+                    self._on_failure(entry, StsTransient(type(exc).__name__, str(exc),
+                                                         role_arn=key.role_arn))
+            return
+        kind = ("throttled" if isinstance(result, StsThrottled) else
+                "denied" if isinstance(result, StsDenied) else "transient")
+        self.metrics.sts_call(key.role_arn, result.code or "UnknownError", kind, elapsed)
+        self._counts[f"sts_{kind}"] += 1
+        if isinstance(result, StsThrottled):
+            self.schedule.throttled(ticket)
+            self.metrics.rate.set(self.bucket.rate)
+        if not entry.freed:
+            self._on_failure(entry, result)
+
+    def _on_success(self, entry: _Entry, creds: Credentials, session_name: str) -> None:
+        now = self.clock()
+        expires = creds.expires_at
+        serve_until = expires - self.min_lifetime
+        if serve_until <= now + 1.0:
+            # STS gave less than min_lifetime (clock skew?): never serve it.
+            self._on_failure(entry, StsTransient(
+                "ShortLifetime", f"credentials expire at {creds.expiration.isoformat()}",
+                role_arn=entry.key.role_arn))
+            return
+        refreshed = entry.creds is not None
+        parts = render.render_credentials(
+            role_arn=entry.key.role_arn, base_role_arn=self.base_role_arn,
+            access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
+            session_token=creds.session_token, expiration=creds.expiration,
+            last_updated=now)
+        parts.append(render.key_part(
+            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
+            session=entry.key.session, tags=entry.key.tags,
+            access_key_id=creds.access_key_id, expiration=expires, fetched_at=now))
+        self.table.write_cred(entry.slot, parts, serve_until=serve_until, state=CRED_READY)
+        entry.creds = creds
+        entry.state = _READY
+        entry.serve_until = serve_until
+        entry.fetched_at = now
+        entry.failures = entry.denials = 0
+        entry.last_error = None
+        entry.not_before = 0.0
+        self._set_waiting(entry, False)
+        entry.issued += 1
+        self._counts["issued"] += 1
+        if refreshed:
+            self._counts["refreshes"] += 1
+            self.metrics.refreshes.inc()
+        entry.refresh_at = self._refresh_time(now, expires, serve_until)
+        self._notify()
+        self._audit("credentials issued", entry, pods=list(entry.users.items()),
+                    session_name=session_name)
+        if entry.idle_since is None:
+            self.schedule.set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
+        else:
+            self.schedule.set_timer(entry, entry.idle_since + self.release_grace, "free")
+
+    def _refresh_time(self, fetched_at: float, expires: float, serve_until: float) -> float:
+        """Refresh at half-life, but leave at least a third of the serving window for retries
+        when the session is short; jitter spreads keys fetched together."""
+        ahead = min((expires - fetched_at) * self.refresh_fraction,
+                    (serve_until - fetched_at) * 2 / 3)
+        ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
+        return fetched_at + ahead
+
+    def _write_denied(self, entry: _Entry, err: StsError, now: float) -> None:
+        """The real-IMDS error document for a refused key, served until the next attempt."""
+        parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
+                                    last_updated=now, base_role_arn=self.base_role_arn,
+                                    reason=self._reason(entry, err))
+        parts.append(render.key_part(
+            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
+            session=entry.key.session, tags=entry.key.tags, access_key_id="",
+            expiration=now + _ERROR_DOC_LIFETIME, fetched_at=now, denied=True))
+        self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
+                              state=CRED_READY)
+        entry.state = _DENIED
+        entry.serve_until = now + _ERROR_DOC_LIFETIME
+
+    @staticmethod
+    def _reason(entry: _Entry, err: StsError) -> str:
+        """What the pod and the log are told beyond the code: a refused tagged call most
+        likely lacks sts:TagSession (STS says so in its message, pods never see it)."""
+        if entry.unsendable:
+            return err.message
+        if entry.key.tags and err.code == "AccessDenied":
+            return f"{TAGSESSION_HINT} ({err.message})" if err.message else TAGSESSION_HINT
+        return ""
+
+    def _on_failure(self, entry: _Entry, err: StsError) -> None:
+        now = self.clock()
+        entry.failures += 1
+        entry.last_error = err
+        denied = isinstance(err, StsDenied)
+        if isinstance(err, StsThrottled):
+            delay = max(0.0, self.bucket.paused_until - now)  # the node's pause, no more
+        elif denied:
+            entry.denials += 1
+            delay = min(self.error_ttl_max, self.error_ttl * 2 ** (entry.denials - 1))
+        else:
+            delay = backoff(entry.failures, base=self.backoff_base, cap=self.backoff_max,
+                            rng=self.rng)
+        loud = entry.failures == 1 or entry.failures % 10 == 0
+        if not entry.unsendable:
+            log.log(logging.WARNING if loud else logging.DEBUG,
+                    "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
+                    entry.key.role_arn, err.code, entry.failures, delay,
+                    self._reason(entry, err) or err.message)
+        if entry.state == _READY and now < entry.serve_until:
+            # Static stability: keep serving what we have; retry, at the latest at the end.
+            retry_at = min(now + delay, entry.serve_until)
+            entry.not_before = retry_at
+            if entry.idle_since is None:
+                if retry_at < entry.serve_until:
+                    self.schedule.set_timer(entry, retry_at, "fetch", PRIO_REFRESH)
+                else:  # the last chance is at serve_until; _expire retries after it
+                    self.schedule.set_timer(entry, entry.serve_until, "expire")
+            return
+        entry.not_before = now + delay
+        if denied:
+            self._write_denied(entry, err, now)
+            self._set_waiting(entry, False)    # the pod gets its answer: the error document
+            entry.creds = None
+        else:
+            if entry.state == _READY:
+                self._counts["expired"] += 1
+            self.table.set_cred_state(entry.slot, CRED_ERROR)
+            entry.state = _ERROR
+        self._notify()
+        if entry.idle_since is None:
+            if isinstance(err, StsThrottled) and entry.quick_retry:
+                # once per request a worker holds: the next token may be free within its wait
+                entry.quick_retry = False
+                self.schedule.set_timer(entry, now + self.rng.uniform(*QUICK_RETRY), "fetch",
+                                        PRIO_WANTED)
+            else:
+                self.schedule.set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
+
+    def _expire(self, entry: _Entry) -> None:
+        """serve_until reached with no fresh credentials: stop serving (ERROR -> 503)."""
+        now = self.clock()
+        if entry.state != _READY or now < entry.serve_until:
+            return
+        self._counts["expired"] += 1
+        if isinstance(entry.last_error, StsDenied):
+            self._write_denied(entry, entry.last_error, now)
+        else:
+            self.table.set_cred_state(entry.slot, CRED_ERROR)
+            entry.state = _ERROR
+        entry.creds = None
+        self._notify()
+        if entry.idle_since is None and not entry.inflight:
+            self.schedule.set_timer(entry, max(now, entry.not_before), "fetch", PRIO_NEW)
+
+    # ---- side channels ------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        try:
+            self.notify()
+        except Exception:  # a broken notifier must not break the manager
+            log.exception("notify callback failed")
+
+    def _audit(self, event: str, entry: _Entry, *,
+               pods: list[tuple[str, CredentialRequest]], session_name: str = "") -> None:
+        creds = entry.creds
+        if creds is None:
+            return
+        fields = {
+            "event": event.replace(" ", "_"),
+            "role_arn": entry.key.role_arn,
+            "access_key_id": creds.access_key_id,
+            "expiration": render.imds_time(creds.expiration),
+            "session_name": session_name or self.naming.session_name(entry.key,
+                                                                     entry.users.items()),
+            "external_id": bool(entry.key.external_id),
+            "slot": entry.slot,
+            "pods": sorted(f"{r.namespace}/{r.pod_name}" for _, r in pods),
+            "pod_uids": sorted(uid for uid, _ in pods),
+            "namespaces": sorted({r.namespace for _, r in pods}),
+        }
+        audit.info("%s role=%s access_key_id=%s expiration=%s pods=%s", event,
+                   fields["role_arn"], fields["access_key_id"], fields["expiration"],
+                   ",".join(fields["pods"]), extra={"audit": fields})

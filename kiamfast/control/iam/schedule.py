@@ -1,0 +1,244 @@
+"""When each credential key's STS call runs: the queue, the timers and the node's STS budget.
+
+One STS call per key at a time (single flight); every call takes a token from the node's
+bucket (``--sts-qps``/``--sts-burst``, :class:`kiamfast.budget.TokenBucket`); a throttled call
+pauses the bucket (jittered exponential: the budget is account-wide) and halves its rate
+(AIMD); successes give rate back; with a fleet budget the rate never drops below this node's
+share of it (:func:`node_share`), which every node may always use.  At most ``max_inflight``
+calls are out at once.
+
+Calls are taken from a priority queue: a key a pod is *waiting* for (a worker said so) beats
+prefetching new keys, which beats refresh-ahead, and keeps that priority through its retries
+until it is servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a
+waited-for key does not wait for the node's token or pause: it borrows a token (debt of at
+most a burst, which later tokens pay back: over time the node's rate holds).
+
+The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (the
+manager's) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
+re-queue the entry themselves).  An entry is any object with the scheduling fields of the
+manager's ``_Entry``.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import random
+from typing import Any, Awaitable, Callable
+
+from kiamfast.budget import TokenBucket, backoff
+
+PRIO_WANTED = 0     # a worker has a request waiting for this slot
+PRIO_NEW = 1        # prefetch of a key nobody has credentials for yet, or its retry
+PRIO_REFRESH = 2    # refresh-ahead of credentials still being served
+
+# A throttled call of a key a pod's request is held for retries once this soon (seconds):
+# within the worker's wait budget (0.35 s by default), and spread so retries do not align.
+QUICK_RETRY = (0.05, 0.15)
+
+
+def node_share(account_qps: float, fleet_nodes: int, node_qps: float) -> float:
+    """The STS rate this node may always use: its even share of the fleet's budget
+    (``account_qps`` over ``fleet_nodes`` agents), never more than ``node_qps``.  Every
+    agent at its share keeps the fleet within the budget whatever the arrival pattern, so
+    throttling never cuts a node's adaptive rate below it; above it a node probes up to
+    ``node_qps`` while STS accepts (a fleet whose nodes are mostly idle uses the budget)."""
+    if account_qps <= 0:
+        return node_qps
+    if fleet_nodes < 1:
+        raise ValueError("a fleet budget needs the number of nodes sharing it")
+    return min(node_qps, account_qps / fleet_nodes)
+
+
+class Schedule:
+    """The ready queue, the timers and the dispatcher of STS calls."""
+
+    def __init__(self, *, bucket: TokenBucket, max_inflight: int,
+                 fetch: Callable[[Any, int], Awaitable[None]],
+                 on_timer: Callable[[Any, str], None],
+                 clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]],
+                 throttle_base: float = 1.0, throttle_max: float = 30.0,
+                 rng: random.Random | None = None) -> None:
+        self.bucket = bucket
+        self.max_inflight = max(1, max_inflight)
+        self.fetch = fetch
+        self.on_timer = on_timer
+        self.clock = clock
+        self.sleep = sleep
+        self.throttle_base, self.throttle_max = throttle_base, throttle_max
+        self.rng = rng or random.Random()
+        self.inflight = 0
+        self.queued = 0                     # entries with a live item in the ready queue
+        self._ready: list[tuple[int, int, Any]] = []
+        self._timers: list[tuple[float, int, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._token_wait = False
+        self._throttle_streak = 0
+        self._work = asyncio.Event()        # the ready queue got an item
+        self._timer_wake = asyncio.Event()  # an earlier timer was added
+        self._slot_free = asyncio.Event()   # an in-flight call finished
+        self._fetches: set[asyncio.Task] = set()
+        self._closed = False
+
+    # ---- what the manager asks ---------------------------------------------------------------
+
+    def enqueue(self, entry: Any, prio: int) -> None:
+        if entry.freed or entry.inflight or entry.unsendable:
+            return
+        if entry.waiting:
+            prio = PRIO_WANTED
+        if entry.queued is not None and entry.queued <= prio:
+            return
+        if entry.queued is None:
+            self.queued += 1
+        entry.queued = prio
+        heapq.heappush(self._ready, (prio, next(self._seq), entry))
+        self._work.set()
+
+    def dequeue(self, entry: Any) -> None:
+        """Forget a queued item (the entry is freed)."""
+        entry.timer += 1
+        if entry.queued is not None:
+            entry.queued = None
+            self.queued -= 1
+
+    def set_timer(self, entry: Any, at: float, kind: str, prio: int = PRIO_NEW) -> None:
+        """The entry's one live timer (an older one is ignored when it fires)."""
+        entry.timer += 1
+        heapq.heappush(self._timers, (at, next(self._seq), entry.timer, kind, entry))
+        entry.timer_prio = prio
+        if self._timers[0][4] is entry:
+            self._timer_wake.set()
+
+    def cancel_timer(self, entry: Any) -> None:
+        entry.timer += 1
+
+    def succeeded(self) -> None:
+        """An STS call succeeded: the rate may grow back."""
+        self._throttle_streak = 0
+        self.bucket.speed_up()
+
+    def throttled(self, ticket: int) -> None:
+        """The call that took token ``ticket`` was throttled: the whole node pauses and slows."""
+        self._throttle_streak += 1
+        self.bucket.pause(backoff(self._throttle_streak, base=self.throttle_base,
+                                  cap=self.throttle_max, rng=self.rng))
+        self.bucket.slow_down(ticket)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing in flight and nothing that could start before time moves on (queued work
+        waiting for a token or the end of a throttling pause counts as settled)."""
+        return not (self.inflight or (self.queued and not self._token_wait))
+
+    # ---- running -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The dispatcher and the timers, until :meth:`close` (then in-flight calls go)."""
+        tasks = [asyncio.create_task(self._dispatch(), name="kiamfast-cred-dispatch"),
+                 asyncio.create_task(self._timer_loop(), name="kiamfast-cred-timers")]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and task.exception():
+                    raise task.exception()   # a scheduler bug: let the supervisor see it
+        finally:
+            for task in [*tasks, *self._fetches]:
+                task.cancel()
+            await asyncio.gather(*tasks, *self._fetches, return_exceptions=True)
+
+    def close(self) -> None:
+        self._closed = True
+        self._work.set()
+        self._timer_wake.set()
+        self._slot_free.set()
+
+    def _wanted_first(self) -> bool:
+        """The best item of the queue is a key a pod is waiting for."""
+        while self._ready:
+            prio, _, entry = self._ready[0]
+            if entry.freed or entry.queued != prio:
+                heapq.heappop(self._ready)
+                continue
+            return prio == PRIO_WANTED
+        return False
+
+    def _pop_ready(self) -> Any | None:
+        while self._ready:
+            prio, _, entry = heapq.heappop(self._ready)
+            if entry.freed or entry.queued != prio:
+                continue  # superseded by a better priority, or freed
+            entry.queued = None
+            self.queued -= 1
+            if entry.inflight or entry.idle_since is not None:
+                continue
+            return entry
+        return None
+
+    async def _wait_any(self, event: asyncio.Event, delay: float | None) -> None:
+        waits = [asyncio.ensure_future(event.wait())]
+        if delay is not None:
+            waits.append(asyncio.ensure_future(self.sleep(max(0.0, delay))))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _timer_loop(self) -> None:
+        while not self._closed:
+            now = self.clock()
+            while self._timers and self._timers[0][0] <= now:
+                _, _, version, kind, entry = heapq.heappop(self._timers)
+                if entry.freed or version != entry.timer:
+                    continue
+                if kind == "fetch":
+                    self.enqueue(entry, entry.timer_prio)
+                else:
+                    self.on_timer(entry, kind)
+            self._timer_wake.clear()
+            delay = self._timers[0][0] - now if self._timers else None
+            await self._wait_any(self._timer_wake, delay)
+
+    async def _dispatch(self) -> None:
+        while not self._closed:
+            if not self.queued:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            if self.inflight >= self.max_inflight:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            wait = self.bucket.try_take()
+            if wait > 0 and self._wanted_first() and self.bucket.borrow():
+                wait = 0.0      # a pod is held for it: go now, later tokens pay it back
+            if wait > 0:  # rate limit or throttling pause: sleep, then look again
+                self._token_wait = True
+                self._work.clear()      # a key a pod waits for cuts the wait short
+                try:
+                    await self._wait_any(self._work, wait)
+                finally:
+                    self._token_wait = False
+                continue
+            entry = self._pop_ready()
+            if entry is None:
+                self.bucket.refund()
+                continue
+            entry.inflight = True
+            self.inflight += 1
+            task = asyncio.create_task(self._run_fetch(entry, self.bucket.tickets))
+            self._fetches.add(task)
+            task.add_done_callback(self._fetches.discard)
+
+    async def _run_fetch(self, entry: Any, ticket: int) -> None:
+        try:
+            await self.fetch(entry, ticket)
+        finally:
+            self._slot_free.set()
+
+    def finished(self, entry: Any) -> None:
+        """The manager's fetch of ``entry`` returned (called before it handles the result)."""
+        entry.inflight = False
+        self.inflight -= 1
+        self._slot_free.set()
