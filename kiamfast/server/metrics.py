@@ -24,6 +24,9 @@ Layout (``ROW_SIZE`` counters):
 
 from __future__ import annotations
 
+import itertools
+
+from kiamfast import metrics_text as text
 from kiamfast.server import routes
 
 
@@ -136,20 +139,15 @@ def counter_index(kind: int, status: int) -> int:
 def render(counters: list[int] | tuple[int, ...]) -> bytes:
     """Prometheus text exposition of the summed worker counters."""
     c = list(counters) + [0] * max(0, USED - len(counters))
-    lines = [
-        "# HELP kiamfast_http_requests_total HTTP requests answered by the server workers.",
-        "# TYPE kiamfast_http_requests_total counter",
-    ]
+    lines = text.header("kiamfast_http_requests_total",
+                        "HTTP requests answered by the server workers.", "counter")
     for (kind, status), idx in PAIR_INDEX.items():
-        code = str(status) if status else "other"
-        lines.append(f'kiamfast_http_requests_total{{handler="{routes.NAMES[kind]}",'
-                     f'code="{code}"}} {c[idx]}')
-    lines.append(f'kiamfast_http_requests_total{{handler="other",code="other"}} {c[OTHER]}')
-    lines += [
-        "# HELP kube2iam_http_request_duration_seconds Time taken for kube2iam to serve HTTP "
-        "request.",
-        "# TYPE kube2iam_http_request_duration_seconds histogram",
-    ]
+        lines.append(text.sample("kiamfast_http_requests_total", c[idx], (
+            ("handler", routes.NAMES[kind]), ("code", str(status) if status else "other"))))
+    lines.append(text.sample("kiamfast_http_requests_total", c[OTHER],
+                             (("handler", "other"), ("code", "other"))))
+    lines += text.header("kube2iam_http_request_duration_seconds",
+                         "Time taken for kube2iam to serve HTTP request.", "histogram")
     for h, handler in enumerate(HANDLERS):
         for m, method in enumerate(METHODS):
             for k, status in enumerate(CODES):
@@ -157,17 +155,12 @@ def render(counters: list[int] | tuple[int, ...]) -> bytes:
                 count = c[base + COUNT]
                 if not count:
                     continue     # like kube2iam: a series exists once it was observed
-                labels = f'code="{status or "other"}",handler="{handler}",method="{method}"'
-                cumulative = 0
-                for i, bound in enumerate(BUCKETS_S):
-                    cumulative += c[base + i]
-                    lines.append(f'kube2iam_http_request_duration_seconds_bucket{{{labels},'
-                                 f'le="{bound:g}"}} {cumulative}')
-                lines.append(f'kube2iam_http_request_duration_seconds_bucket{{{labels},'
-                             f'le="+Inf"}} {count}')
-                lines.append(f"kube2iam_http_request_duration_seconds_sum{{{labels}}} "
-                             f"{c[base + SUM_US] / 1e6:.6f}")
-                lines.append(f"kube2iam_http_request_duration_seconds_count{{{labels}}} {count}")
+                cumulative = list(itertools.accumulate(c[base:base + len(BUCKETS_S)]))
+                labels = (("code", str(status or "other")), ("handler", handler),
+                          ("method", method))
+                lines += text.histogram_samples("kube2iam_http_request_duration_seconds",
+                                                labels, BUCKETS_S, cumulative,
+                                                c[base + SUM_US] / 1e6, count)
     for idx, name, help_text in _EVENTS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {c[idx]}"]
-    return ("\n".join(lines) + "\n").encode()
+        lines += [*text.header(name, help_text, "counter"), text.sample(name, c[idx])]
+    return text.render(lines)
