@@ -34,6 +34,10 @@ from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING, PyBytes
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.pycapsule cimport PyCapsule_GetPointer
 
+from kf_table cimport (MISS, BUSY, NO_ROLE, DENIED, PENDING, READY, EXPIRED, ERROR, MISMATCH,
+                      TOO_SMALL, UNVERIFIED, UNSURE, UNDECIDED, PART_LISTING,
+                      PART_DOCUMENT, PART_EXT_DOCUMENT, PART_INFO)
+
 cdef extern from "string.h" nogil:
     void *memmem(const void *haystack, size_t haystacklen, const void *needle, size_t needlelen)
 
@@ -87,19 +91,6 @@ DEF M_PUT = 1
 DEF M_HEAD = 2
 DEF M_OTHER = 3
 
-cdef int S_MISS = _table.MISS
-cdef int S_BUSY = _table.BUSY
-cdef int S_NO_ROLE = _table.NO_ROLE
-cdef int S_DENIED = _table.DENIED
-cdef int S_PENDING = _table.PENDING
-cdef int S_READY = _table.READY
-cdef int S_EXPIRED = _table.EXPIRED
-cdef int S_ERROR = _table.ERROR
-cdef int S_MISMATCH = _table.MISMATCH
-cdef int S_TOO_SMALL = _table.TOO_SMALL
-cdef int S_UNVERIFIED = _table.UNVERIFIED
-cdef int S_UNSURE = _table.UNSURE
-cdef int S_UNDECIDED = _table.UNDECIDED
 
 
 cdef inline uint64_t monotonic_ns() noexcept:
@@ -108,10 +99,6 @@ cdef inline uint64_t monotonic_ns() noexcept:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return <uint64_t>ts.tv_sec * 1000000000ULL + <uint64_t>ts.tv_nsec
 
-cdef int PART_LISTING = _table.PART_LISTING
-cdef int PART_DOCUMENT = _table.PART_DOCUMENT
-cdef int PART_EXT_DOCUMENT = _table.PART_EXT_DOCUMENT
-cdef int PART_INFO = _table.PART_INFO
 
 cdef int C_SUM_US = _metrics.SUM_US
 cdef int C_COUNT = _metrics.COUNT
@@ -818,24 +805,24 @@ cdef class Core:
         status = c_table_lookup(self.table, PyBytes_AS_STRING(conn.key16), part,
                                 PyByteArray_AS_STRING(self.buf), PyByteArray_GET_SIZE(self.buf),
                                 m, mlen, &n, &slot, conn.accepted_ns)
-        if status == S_UNVERIFIED or status == S_UNSURE or status == S_UNDECIDED:
+        if status == UNVERIFIED or status == UNSURE or status == UNDECIDED:
             # Not yet known who (or what) is asking: no runtime poll since this connection
             # was accepted, the agent is not synced, or the owner's policy is still open.
             if may_wait:
-                if status == S_UNVERIFIED:
+                if status == UNVERIFIED:
                     self.waits_for_runtime = True
                     self.need_runtime(conn.accepted_ns)
                 return None
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
-        if status == S_MISS:
+        if status == MISS:
             self.event(C_POD_NOT_FOUND)
             self.last_status = 404
             return finish(R.not_found_pod(conn.ip), extras, head)
-        if status == S_READY:
+        if status == READY:
             self.last_status = 200
             return splice(PyByteArray_AS_STRING(self.buf), n, extras, head)
-        if status == S_PENDING:
+        if status == PENDING:
             if may_wait:
                 if slot >= 0 and not asked_slot:
                     self.send(_channel.want_credentials(slot))
@@ -843,21 +830,21 @@ cdef class Core:
                 return None
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
-        if status == S_NO_ROLE:
+        if status == NO_ROLE:
             self.last_status = 404
             return finish(R.no_role(conn.ip), extras, head)
-        if status == S_DENIED:
+        if status == DENIED:
             self.last_status = 404
             return finish(self.denial(conn), extras, head)
-        if status == S_MISMATCH:
+        if status == MISMATCH:
             self.last_status = 404
             return finish(R.invalid_role(name if name is not None else b""), extras, head)
-        if status == S_EXPIRED:
+        if status == EXPIRED:
             if slot >= 0 and not asked_slot:
                 self.send(_channel.want_credentials(slot))
             self.last_status = 503
             return finish(R.unavailable(conn.ip), extras, head)
-        if status == S_TOO_SMALL:
+        if status == TOO_SMALL:
             self.last_status = 500
             return finish(R.TOO_SMALL, extras, head)
         # BUSY, ERROR

@@ -42,95 +42,25 @@ cdef extern from "kf_atomics.h" nogil:
     uint64_t kf_now_ns_monotonic()
     uint64_t kf_mix64(uint64_t x)
 
-cdef extern from "kf_table.h" nogil:
-    uint64_t KF_MAGIC
-    uint32_t KF_LAYOUT_VERSION
-    int KF_UID_MAX
-    int KF_MAX_PARTS
-    int KF_COUNTERS_PER_WORKER
-    int KF_SLOT_EMPTY, KF_SLOT_LIVE, KF_SLOT_TOMBSTONE
-
-    ctypedef struct kf_header:
-        uint64_t magic
-        uint32_t layout_version
-        uint32_t ip_capacity
-        uint32_t cred_capacity
-        uint32_t value_size
-        uint32_t aux_count
-        uint32_t aux_size
-        uint32_t max_workers
-        uint32_t counters_per_worker
-        uint64_t ip_offset, cred_offset, aux_offset, counters_offset, total_size
-        uint64_t generation
-        uint64_t index_seq
-        uint32_t synced, ready
-        uint32_t pending_pods
-        uint32_t runtime_mode
-        uint64_t writer_pid
-        uint64_t heartbeat_ns
-        uint32_t ip_live, ip_tombstones
-        uint64_t verified_ns
-        uint64_t failed_ns
-
-    ctypedef struct kf_ip_slot:
-        uint64_t seq
-        uint64_t key[2]
-        uint32_t used
-        uint32_t pod_state
-        int32_t cred_slot
-        uint32_t uid_len
-        uint8_t uid[64]
-
-    ctypedef struct kf_blob_head:
-        uint64_t seq
-        uint32_t state
-        uint32_t value_len
-        double serve_until
-        uint64_t writes
+from kf_table cimport *
 
 
-# ---- public constants (re-exported by kiamfast.table) -------------------------------------
-
-# lookup() statuses
-cpdef enum:
-    MISS = 0
-    BUSY = 1
-    NO_ROLE = 2
-    DENIED = 3
-    PENDING = 4
-    READY = 5
-    EXPIRED = 6
-    ERROR = 7
-    MISMATCH = 8
-    TOO_SMALL = 9
-    UNVERIFIED = 10   # runtime mode: no poll attempt begun after the connection was accepted
-    UNSURE = 11       # API mode: unknown address while the agent is not synced or pods wait
-    UNDECIDED = 12    # the owner is known, its identity is not decided yet
+# ---- public constants (re-exported by kiamfast.table; their one definition is kf_table.h) ----
 
 STATUS_NAMES = ("MISS", "BUSY", "NO_ROLE", "DENIED", "PENDING", "READY", "EXPIRED", "ERROR",
                 "MISMATCH", "TOO_SMALL", "UNVERIFIED", "UNSURE", "UNDECIDED")
-
-# pod states stored in an IP slot
-cpdef enum:
-    POD_ROLE = 1
-    POD_NO_ROLE = 2
-    POD_DENIED = 3
-    POD_UNDECIDED = 4
-
-# credential slot states
-cpdef enum:
-    CRED_EMPTY = 0
-    CRED_PENDING = 1
-    CRED_READY = 2
-    CRED_ERROR = 3
-
-# credential value parts (docs/architecture.md)
-PART_NAMES = 0
-PART_LISTING = 1
-PART_DOCUMENT = 2
-PART_EXT_DOCUMENT = 3
-PART_INFO = 4
-PART_KEY = 5          # the credential key and expiry (JSON), so a restarted writer can adopt
+# Python sees the C names of kf_table.pxd under the same names (a module-level assignment
+# cannot reuse a cimported constant's name, so they go into the module dict).
+globals().update(
+    MISS=MISS, BUSY=BUSY, NO_ROLE=NO_ROLE, DENIED=DENIED, PENDING=PENDING, READY=READY,
+    EXPIRED=EXPIRED, ERROR=ERROR, MISMATCH=MISMATCH, TOO_SMALL=TOO_SMALL,
+    UNVERIFIED=UNVERIFIED, UNSURE=UNSURE, UNDECIDED=UNDECIDED,
+    POD_ROLE=POD_ROLE, POD_NO_ROLE=POD_NO_ROLE, POD_DENIED=POD_DENIED,
+    POD_UNDECIDED=POD_UNDECIDED,
+    CRED_EMPTY=CRED_EMPTY, CRED_PENDING=CRED_PENDING, CRED_READY=CRED_READY,
+    CRED_ERROR=CRED_ERROR,
+    PART_NAMES=PART_NAMES, PART_LISTING=PART_LISTING, PART_DOCUMENT=PART_DOCUMENT,
+    PART_EXT_DOCUMENT=PART_EXT_DOCUMENT, PART_INFO=PART_INFO, PART_KEY=PART_KEY)
 
 LAYOUT_VERSION = KF_LAYOUT_VERSION
 COUNTERS_PER_WORKER = KF_COUNTERS_PER_WORKER

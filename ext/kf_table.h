@@ -38,6 +38,31 @@ typedef struct {
 
 enum { KF_SLOT_EMPTY = 0, KF_SLOT_LIVE = 1, KF_SLOT_TOMBSTONE = 2 };
 
+/* The table's constants, for the Cython modules (ext/kf_table.pxd) and, through
+ * kiamfast.table, for Python: written once, here. */
+
+/* lookup() statuses */
+enum {
+    KF_MISS = 0, KF_BUSY = 1, KF_NO_ROLE = 2, KF_DENIED = 3, KF_PENDING = 4, KF_READY = 5,
+    KF_EXPIRED = 6, KF_ERROR = 7, KF_MISMATCH = 8, KF_TOO_SMALL = 9,
+    KF_UNVERIFIED = 10,   /* runtime mode: no poll attempt begun after the connection was accepted */
+    KF_UNSURE = 11,       /* API mode: unknown address while the agent is not synced or pods wait */
+    KF_UNDECIDED = 12     /* the owner is known, its identity is not decided yet */
+};
+
+/* pod states stored in an IP slot */
+enum { KF_POD_ROLE = 1, KF_POD_NO_ROLE = 2, KF_POD_DENIED = 3, KF_POD_UNDECIDED = 4 };
+
+/* credential slot states */
+enum { KF_CRED_EMPTY = 0, KF_CRED_PENDING = 1, KF_CRED_READY = 2, KF_CRED_ERROR = 3 };
+
+/* credential value parts (docs/architecture.md) */
+enum {
+    KF_PART_NAMES = 0, KF_PART_LISTING = 1, KF_PART_DOCUMENT = 2, KF_PART_EXT_DOCUMENT = 3,
+    KF_PART_INFO = 4,
+    KF_PART_KEY = 5       /* the credential key and expiry (JSON), so a restarted writer can adopt */
+};
+
 typedef struct {                  /* 128 bytes */
     uint64_t seq;
     uint64_t key[2];

@@ -74,11 +74,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from kiamfast.control.iam.policy import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
+from kiamfast.table import POD_DENIED, POD_NO_ROLE, POD_ROLE, POD_UNDECIDED
 
 log = logging.getLogger("kiamfast.ownership")
 
-# kiamfast.table pod states (checked against the table module by the tests).
-POD_ROLE, POD_NO_ROLE, POD_DENIED, POD_UNDECIDED = 1, 2, 3, 4
 
 LIVE_PHASES = frozenset({"", "Pending", "Running", "Unknown"})
 

@@ -8,11 +8,6 @@ from control_support import BASE, NS_KEY, lookup, namespace, pod
 ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DENIED
 
 
-def test_pod_states_match_the_table_module():
-    assert (ownership.POD_ROLE, ownership.POD_NO_ROLE, ownership.POD_DENIED,
-            ownership.POD_UNDECIDED) == (ROLE, NO_ROLE, DENIED, tablemod.POD_UNDECIDED)
-
-
 def test_pod_with_role_is_written_with_its_credential_slot(make_model, table, sink):
     m = make_model()
     m.apply_pod(pod("a", ips=("10.0.0.5",), role="app", ext="x"))
