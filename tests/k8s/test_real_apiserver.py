@@ -26,8 +26,10 @@ import yaml
 from agent_watch import DENIED, NS_KEY, ROLE, ROLE_KEY, AgentWatch, run
 from tcp_proxy import TcpProxy
 
-from kiamfast.control import taint as taintmod
-from kiamfast.control.pods import make_api_client
+from kiamfast.control.k8s.node import StartupTaint
+from kiamfast.kube.client import Client
+from kiamfast.kube.config import load_config
+from kiamfast.kube.errors import ApiError
 from kiamfast.testing.apiserver import ApiServer as Emulator
 
 pytestmark = pytest.mark.kube_apiserver
@@ -217,9 +219,9 @@ def test_namespace_restrictions_follow_the_namespace_annotation(kube_cluster, ta
 
 # ---- the startup taint ---------------------------------------------------------------------
 
-def agent_core(kubeconfig):
-    from kubernetes import client as kclient
-    return kclient.CoreV1Api(make_api_client(kubeconfig=str(kubeconfig)))
+def agent_client(kubeconfig, cls=None):
+    """kiamfast's own API client, as the agent configures it from a kubeconfig."""
+    return (cls or Client)(load_config(kubeconfig=str(kubeconfig)))
 
 
 def taint_keys(admin, node):
@@ -242,28 +244,54 @@ def new_tainted_node(admin, node, taints):
     return taint_keys(admin, node)
 
 
-class WriterBetweenReadAndPatch:
-    """The agent's CoreV1Api, with another writer's change landing on the real server right
-    after each of the agent's first ``n`` reads of the Node: the interleaving in which a
-    removal by index would hit the wrong taint, unless the patch tests what it read."""
+class WriterBetweenReadAndPatch(Client):
+    """The agent's client, with another writer's change landing on the real server right
+    after each of the agent's first ``between`` reads of the Node: the interleaving in
+    which a removal by index would hit the wrong taint, unless the patch tests what it
+    read.  Records the status of every PATCH the server refused."""
 
-    def __init__(self, api, *, admin, node, n):
-        self.api, self.admin, self.node, self.left = api, admin, node, n
+    admin = node = None
+    between = 0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.patch_errors: list[int] = []
 
-    def read_node(self, *args, **kw):
-        out = self.api.read_node(*args, **kw)
-        if self.left:
-            self.left -= 1
-            insert_taint(self.admin, self.node, f"other.example/between-{self.left}")
-        return out
-
-    def patch_node(self, *args, **kw):
+    async def request(self, method, path, **kw):
         try:
-            return self.api.patch_node(*args, **kw)
-        except Exception as e:
-            self.patch_errors.append(getattr(e, "status", None))
+            response = await super().request(method, path, **kw)
+        except ApiError as e:
+            if method == "PATCH":
+                self.patch_errors.append(e.status)
             raise
+        if method == "GET" and path == f"/api/v1/nodes/{self.node}" and self.between:
+            self.between -= 1
+            insert_taint(self.admin, self.node, f"other.example/between-{self.between}")
+        return response
+
+
+def remove_taint(client, node, *, until_state="removed", then=None, timeout=60):
+    """Run the agent's StartupTaint until ``until_state`` (then, optionally, ``then()``),
+    stop it, and return it."""
+    taint = StartupTaint(node, TAINT_KEY)
+
+    async def body():
+        task = asyncio.create_task(taint.run(client))
+        while not taint.state.startswith(until_state):
+            await asyncio.sleep(0.02)
+        if then is not None:
+            await then(taint)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
+    run(body(), timeout=timeout)
+    return taint
+
+
+def writer_client(kube_cluster, node, between):
+    client = agent_client(kube_cluster.agent_kubeconfig, WriterBetweenReadAndPatch)
+    client.admin, client.node, client.between = kube_cluster.admin, node, between
+    return client
 
 
 def test_taint_removal_keeps_a_change_made_between_read_and_patch(kube_cluster, unique):
@@ -271,12 +299,11 @@ def test_taint_removal_keeps_a_change_made_between_read_and_patch(kube_cluster, 
     node = unique("node")
     before = new_tainted_node(admin, node, [{"key": "other.example/a", "effect": "NoSchedule"},
                                             OUR_TAINT])
-    api = WriterBetweenReadAndPatch(agent_core(kube_cluster.agent_kubeconfig), admin=admin,
-                                    node=node, n=2)
-    assert taintmod.remove_startup_taint(api, node, TAINT_KEY) is True
+    client = writer_client(kube_cluster, node, 2)
+    taint = remove_taint(client, node)
     # Both interleaved writes made the agent's patch fail (its test op no longer matched
     # the entry at our index, which had moved); the third attempt went through.
-    assert api.patch_errors == [422, 422]
+    assert client.patch_errors == [422, 422] and taint.attempts == 3
     assert sorted(taint_keys(admin, node)) == sorted(
         [k for k in before if k != TAINT_KEY]
         + ["other.example/between-0", "other.example/between-1"])
@@ -292,8 +319,7 @@ def test_taint_removal_while_another_writer_keeps_changing_taints(kube_cluster, 
     written: list[str] = []
     conflicts = 0
     for round_ in range(3):
-        api = WriterBetweenReadAndPatch(agent_core(kube_cluster.agent_kubeconfig),
-                                        admin=admin, node=node, n=0)
+        client = writer_client(kube_cluster, node, 0)
         stop = threading.Event()
 
         def writer():
@@ -308,12 +334,12 @@ def test_taint_removal_while_another_writer_keeps_changing_taints(kube_cluster, 
         t.start()
         try:
             time.sleep(0.05)
-            assert taintmod.remove_startup_taint(api, node, TAINT_KEY, attempts=50) is True
+            remove_taint(client, node)
         finally:
             stop.set()
             t.join()
-        conflicts += len(api.patch_errors)
-        assert set(api.patch_errors) <= {422}, api.patch_errors
+        conflicts += len(client.patch_errors)
+        assert set(client.patch_errors) <= {422}, client.patch_errors
         keys = taint_keys(admin, node)
         assert TAINT_KEY not in keys
         assert sorted(keys) == sorted(others + written), "another writer's taint was lost"
@@ -323,15 +349,41 @@ def test_taint_removal_while_another_writer_keeps_changing_taints(kube_cluster, 
     print(f"patches that lost the race and were retried: {conflicts}")
 
 
-def test_taint_removal_until_done_reports_removed(kube_cluster, unique):
+def test_taint_removal_reports_removed(kube_cluster, unique):
     admin = kube_cluster.admin
     node = unique("node")
     before = new_tainted_node(admin, node, [OUR_TAINT,
                                             {"key": "other.example/a", "effect": "NoSchedule"}])
-    removal = taintmod.TaintRemoval(node, TAINT_KEY)
-    run(removal.remove_until_done(agent_core(kube_cluster.agent_kubeconfig)), timeout=20)
-    assert removal.state == "removed" and removal.attempts == 1
+    taint = remove_taint(agent_client(kube_cluster.agent_kubeconfig), node)
+    assert taint.state == "removed" and taint.attempts == 1
     assert taint_keys(admin, node) == [k for k in before if k != TAINT_KEY]
+
+
+def test_a_taint_another_controller_puts_back_is_removed_again(kube_cluster, unique):
+    """karpenter#1772, aws-ebs-csi-driver#2447: the node's registered taints re-applied
+    after the agent removed its own.  The agent (its shipped role: it watches its Node by
+    metadata.name) removes it again each time, keeping the other controller's taints."""
+    admin = kube_cluster.admin
+    node = unique("node")
+    new_tainted_node(admin, node, [OUR_TAINT])
+
+    async def put_back_twice(taint):
+        for n in (1, 2):
+            await asyncio.sleep(0.5)            # the node watch is established
+            admin.call("PATCH", f"/api/v1/nodes/{node}", [
+                {"op": "add", "path": "/spec/taints/-", "value": OUR_TAINT},
+                {"op": "add", "path": "/spec/taints/-",
+                 "value": {"key": f"other.example/re-{n}", "effect": "NoSchedule"}}],
+                content_type="application/json-patch+json")
+            deadline = time.monotonic() + 20
+            while taint.state != f"removed (again {n} times)":
+                assert time.monotonic() < deadline, taint.state
+                await asyncio.sleep(0.05)
+
+    taint = remove_taint(agent_client(kube_cluster.agent_kubeconfig), node, then=put_back_twice)
+    keys = taint_keys(admin, node)
+    assert TAINT_KEY not in keys and {"other.example/re-1", "other.example/re-2"} <= set(keys)
+    assert taint.removals == 3
 
 
 # ---- RBAC: the shipped role is sufficient (everything above) and minimal (below) -----------
@@ -415,20 +467,9 @@ def test_without_get_or_patch_on_nodes_the_taint_stays(kube_cluster, unique, ver
                                                drop=[("nodes", verb)])
     node = unique("node")
     before = new_tainted_node(admin, node, [OUR_TAINT])
-    api = agent_core(kubeconfig)
-    with pytest.raises(taintmod.TaintError) as err:
-        taintmod.remove_startup_taint(api, node, TAINT_KEY)
-    assert err.value.status == 403
-    assert "needs get and patch on nodes" in str(err.value)
-    removal = taintmod.TaintRemoval(node, TAINT_KEY)
-
-    async def one_attempt():
-        task = asyncio.create_task(removal.remove_until_done(api))
-        while removal.attempts < 2:
-            await asyncio.sleep(0.02)
-        task.cancel()
-    run(one_attempt(), timeout=20)
-    assert removal.state.startswith("retrying: HTTP 403"), removal.state
+    taint = remove_taint(agent_client(kubeconfig), node, until_state="retrying")
+    assert taint.state.startswith("retrying: HTTP 403"), taint.state
+    assert "needs get, patch, list and watch on nodes" in taint.state
     assert taint_keys(admin, node) == before and TAINT_KEY in before
 
 

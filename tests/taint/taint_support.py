@@ -1,20 +1,27 @@
-"""What the taint tests share: the taint keys and the kubernetes client the agent uses,
-configured from the emulator's kubeconfig."""
+"""What the taint tests share: the taint keys, kiamfast's own API client configured from the
+emulator's kubeconfig (as the agent is), and a way to run the taint's removal until a state."""
 
 from __future__ import annotations
 
-from kubernetes import client, config
+import asyncio
+
+from kiamfast.kube.client import Client
+from kiamfast.kube.config import load_config
 
 KEY = "kiamfast.io/agent-not-ready"
 OTHER = {"key": "node.cilium.io/agent-not-ready", "value": "true", "effect": "NoSchedule"}
 
 
-def core_api(srv, tmp_path, cls=client.CoreV1Api):
+def api_client(srv, tmp_path, cls=Client) -> Client:
     path = srv.write_kubeconfig(tmp_path / "kubeconfig")
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=str(path), client_configuration=configuration)
-    return cls(client.ApiClient(configuration))
+    return cls(load_config(kubeconfig=str(path)))
 
 
 def taints(srv, node: str) -> list[dict]:
     return srv.get_node(node).get("spec", {}).get("taints") or []
+
+
+async def until(condition, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
