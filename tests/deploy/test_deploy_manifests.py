@@ -35,7 +35,8 @@ AGENT_CALLS = [
     ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "get"),
     ("", "namespaces", "list"), ("", "namespaces", "watch"), ("", "namespaces", "get"),
     ("", "nodes", "get"), ("", "nodes", "patch"),  # the startup taint
-    ("", "nodes", "list"),                         # the fleet's node count (STS budget)
+    ("", "nodes", "watch"),                        # ... removed again if put back
+    ("", "nodes", "list"),                         # the fleet's node count, the node watch
 ]
 
 
