@@ -94,9 +94,15 @@ def test_the_switch_keeps_every_object_name_selector_and_service_kind(tmp_path, 
         assert "clusterIP" not in service["spec"] and "clusterIP" not in mine["spec"]
         assert service["spec"].get("type", "ClusterIP") == mine["spec"].get("type", "ClusterIP")
         assert mine["spec"]["selector"] == service["spec"]["selector"] == selector
+        # Port names too: a scrape config of the user's may name kube2iam's.
+        assert [(p["name"], p["port"]) for p in mine["spec"]["ports"]] == \
+            [(p["name"], p["port"]) for p in service["spec"]["ports"]]
     for monitor in of_kind(new, "ServiceMonitor"):
+        service = one(new, "Service")
         assert monitor["spec"]["selector"]["matchLabels"].items() <= \
-            one(new, "Service")["metadata"]["labels"].items()
+            service["metadata"]["labels"].items()
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= \
+            {p["name"] for p in service["spec"]["ports"]}
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -144,6 +144,12 @@ it win over image.pullSecrets), else image.pullSecrets. */}}
 {{- default .Values.host.port .Values.prometheus.metricsPort -}}
 {{- end -}}
 
+{{/* The metrics Service's port name: after a switch kube2iam's ("http" when /metrics is on
+the app port), so a scrape config naming it keeps finding it; else "metrics". */}}
+{{- define "kiamfast.metricsPortName" -}}
+{{- if and .Values.kube2iamChart (not .Values.prometheus.metricsPort) }}http{{ else }}metrics{{ end -}}
+{{- end -}}
+
 {{/* The directory of the runtime's socket, mounted (not the socket: see deploy/README.md). */}}
 {{- define "kiamfast.criDir" -}}
 {{- dir .Values.cri.socketPath -}}
