@@ -233,7 +233,8 @@ def test_kube2iam_default_values_mean_what_they_meant(tmp_path):
     assert 'rbac.create is false: the ServiceAccount "default" needs' in text
     assert "image.repository jtblin/kube2iam is kube2iam's image" in text
     assert "host.iptables is false" in text
-    assert "--set nameOverride=kube2iam keeps the DaemonSet's name" in text
+    assert "upgrade that release with kube2iamChart set instead" in text
+    assert "updateStrategy is OnDelete" in text   # kept, as the values say: how to roll
 
 
 # ---- the typical kube2iam user values ------------------------------------------------------
@@ -360,7 +361,6 @@ REFUSED = [
                                           "--default-role takes the next argument"),
     ({"extraArgs": {"version": ""}}, "extraArgs.version: kiamfast has no flag --version for a "
                                      "running agent"),
-    ({"probe": False}, "probe: the old stable/kube2iam switch is livenessProbe.enabled"),
     ({"hostNetwrok": False}, "hostNetwrok: not a value of kube2iam's chart nor of kiamfast's"),
     ({"resources": {"limits": {"memory": "128Mi"}}},
      "resources.limits.memory 128Mi: kiamfast needs at least 160Mi with 1 worker(s)"),
@@ -417,7 +417,9 @@ def test_the_chart_accepts_exactly_the_values_it_documents():
     known = re.search(r"\$known := list ([^}]*?) -}}",
                       (CHART / "templates" / "_validate.tpl").read_text()).group(1)
     documented = set(yaml.safe_load((CHART / "values.yaml").read_text()))
-    assert set(re.findall(r'"([^"]+)"', known)) == documented | {"global"}
+    # global (global.imagePullSecrets) and the kube2iam chart 2.x's probe are accepted as
+    # kube2iam's charts take them; values.yaml mentions them in comments.
+    assert set(re.findall(r'"([^"]+)"', known)) == documented | {"global", "probe"}
 
 
 # ---- kiamfast's own values ------------------------------------------------------------------
@@ -529,16 +531,15 @@ def test_rbac_grants_every_call_the_agent_makes_and_nothing_more():
 
 
 def test_in_place_upgrade_of_a_kube2iam_release_keeps_name_and_selector(tmp_path):
-    # kube2iam's chart names its DaemonSet after the release and selects on these two labels;
-    # a DaemonSet's selector cannot change, so nameOverride=kube2iam upgrades it in place.
-    objs = render(VALUES / "default.yaml", values_file(tmp_path, {"nameOverride": "kube2iam"}),
-                  release="kube2iam")
-    ds = one(objs, "DaemonSet")
+    # The kube2iam chart names its DaemonSet after the release and selects on these two
+    # labels; a DaemonSet's selector cannot change, so kube2iamChart=kube2iam keeps both
+    # (tests/deploy/test_chart_switch.py: both charts, several release names).
+    switch = values_file(tmp_path, {"kube2iamChart": "kube2iam"})
+    ds = one(render(VALUES / "default.yaml", switch, release="kube2iam"), "DaemonSet")
     assert ds["metadata"]["name"] == "kube2iam"
     assert ds["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kube2iam",
                                                      "app.kubernetes.io/instance": "kube2iam"}
-    assert "nameOverride" not in notes(tmp_path, VALUES / "default.yaml",
-                                       values_file(tmp_path, {"nameOverride": "kube2iam"}))
+    assert "a new release beside kube2iam" not in notes(tmp_path, VALUES / "default.yaml", switch)
 
 
 # ---- the kustomize base is the chart ------------------------------------------------------

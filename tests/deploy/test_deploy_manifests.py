@@ -19,7 +19,8 @@ from kiamfast.cli import parse_args
 from kiamfast.config import FLAGS_BY_NAME
 
 REPO = Path(__file__).resolve().parents[2]
-KUSTOMIZATIONS = ["deploy/base", "deploy/overlays/eks"]
+KUSTOMIZATIONS = ["deploy/base", "deploy/overlays/eks", "deploy/overlays/kube2iam",
+                  "deploy/overlays/kube2iam-name-label"]
 
 # What the downward API would give a pod on a typical EKS node.
 FIELD_VALUES = {

@@ -53,7 +53,6 @@ DEPLOY_README = kube.REPO / "deploy" / "README.md"
 IMAGE_REPO = "localhost/kiamfast/kiamfast"
 NAMESPACE = "kube-system"   # where the tests install the chart
 HOST_STATE_DIR = "/run/kiamfast"   # the chart's stateDir default
-AGENT_CONTAINER = "kiamfast"   # the chart's container name
 CONTROLLERS = ("daemonset-controller", "garbage-collector-controller",
                "node-lifecycle-controller", "root-ca-certificate-publisher-controller")
 
@@ -169,6 +168,7 @@ class ChartNode(KubeletNode):
     its logs are that pod's container logs (the kubelet's files)."""
 
     agent_namespace = ""
+    image_archive: Path | None = None   # the OCI archive of the image imported as IMAGE_REPO
 
     def agent_pods(self) -> list[dict[str, Any]]:
         """The agent's pods on this node, oldest first."""
@@ -181,8 +181,9 @@ class ChartNode(KubeletNode):
         text = []
         for pod in self.agent_pods():
             meta = pod["metadata"]
+            # The chart's container (kube2iam's name after a switch, or kube2iam's own pod).
             lines = self.kubelet.container_log(meta["namespace"], meta["name"], meta["uid"],
-                                               container=AGENT_CONTAINER)
+                                               container=pod["spec"]["containers"][0]["name"])
             text.append(f"--- {meta['name']}:\n" + "\n".join(lines[-80:]))
         return "\n".join(text)
 
@@ -208,6 +209,7 @@ def chart_node(cluster: kube.Cluster, directory: Path, **node_args: Any) -> Iter
     archive = built_image(f"{IMAGE_REPO}:test")
     node = ChartNode(directory, cluster, **node_args)
     node.agent_namespace = NAMESPACE
+    node.image_archive = archive
     try:
         node.containerd.import_image(archive)
         yield node

@@ -3,13 +3,34 @@ Names, labels, the image, the agent's arguments and its default resources. The c
 refuse values kiamfast cannot mean the way kube2iam's chart meant them are in _validate.tpl.
 */}}
 
-{{- define "kiamfast.name" -}}
-{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{/*
+The chart name the objects are named after: kiamfast's own, or with kube2iamChart the kube2iam
+chart a release was installed with, so `helm upgrade` of that release names (and selects) its
+objects exactly as that chart did and updates them in place.
+*/}}
+{{- define "kiamfast.chartName" -}}
+{{- default .Chart.Name .Values.kube2iamChart -}}
 {{- end -}}
 
-{{/* The release name alone when it already names the chart (kube2iam's rule too). */}}
+{{- define "kiamfast.name" -}}
+{{- default (include "kiamfast.chartName" .) .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+kiamfast's own rule: the release name alone when it already contains the chart's name. With
+kube2iamChart, the rule of kube2iam's charts (every apps/v1 version of the kube2iam chart,
+2.1.0 to 3.2.0, and kube2iam-chart): the name alone only when it *equals* the release name,
+else "<release>-<name>"; they have no fullnameOverride (refused then, in _validate.tpl).
+*/}}
 {{- define "kiamfast.fullname" -}}
-{{- if .Values.fullnameOverride -}}
+{{- if .Values.kube2iamChart -}}
+{{- $name := default .Values.kube2iamChart .Values.nameOverride -}}
+{{- if eq $name .Release.Name -}}
+{{- $name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- else if .Values.fullnameOverride -}}
 {{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := include "kiamfast.name" . -}}
@@ -19,6 +40,12 @@ refuse values kiamfast cannot mean the way kube2iam's chart meant them are in _v
 {{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The agent's container: kube2iam's name after a switch (logs, alerts, `kubectl logs -c`
+keep finding it), else kiamfast. */}}
+{{- define "kiamfast.containerName" -}}
+{{- if .Values.kube2iamChart }}kube2iam{{ else }}kiamfast{{ end -}}
 {{- end -}}
 
 {{/* The DaemonSet selector: immutable, so it is exactly what kube2iam's chart selects on. */}}
@@ -83,11 +110,17 @@ rbac.create (webhook-rbac.yaml), else the one the user grants (rbac.serviceAccou
 {{- if eq (trimPrefix "index.docker.io/" $repo) "jtblin/kube2iam" -}}true{{- end -}}
 {{- end -}}
 
+{{- define "kiamfast.defaultRepository" -}}
+ghcr.io/kiamfast/kiamfast
+{{- end -}}
+
+{{/* image.repository ("" = kiamfast's; kube2iam's is replaced by kiamfast's, its tag with
+it) and image.tag ("" = the chart's appVersion), or image.digest. */}}
 {{- define "kiamfast.image" -}}
-{{- $repo := .Values.image.repository -}}
+{{- $repo := .Values.image.repository | default (include "kiamfast.defaultRepository" .) -}}
 {{- $tag := default .Chart.AppVersion .Values.image.tag -}}
 {{- if include "kiamfast.isKube2iamImage" . -}}
-{{- $repo = "ghcr.io/kiamfast/kiamfast" -}}
+{{- $repo = include "kiamfast.defaultRepository" . -}}
 {{- $tag = .Chart.AppVersion -}}
 {{- end -}}
 {{- if .Values.image.digest -}}
@@ -97,8 +130,24 @@ rbac.create (webhook-rbac.yaml), else the one the user grants (rbac.serviceAccou
 {{- end -}}
 {{- end -}}
 
+{{/* The image pull secrets' names: global.imagePullSecrets when set (kube2iam's charts let
+it win over image.pullSecrets), else image.pullSecrets. */}}
+{{- define "kiamfast.imagePullSecrets" -}}
+{{- $secrets := .Values.image.pullSecrets -}}
+{{- with .Values.global -}}
+{{- with .imagePullSecrets }}{{ $secrets = . }}{{ end -}}
+{{- end -}}
+{{- toYaml ($secrets | default list) -}}
+{{- end -}}
+
 {{- define "kiamfast.metricsPort" -}}
 {{- default .Values.host.port .Values.prometheus.metricsPort -}}
+{{- end -}}
+
+{{/* The metrics Service's port name: after a switch kube2iam's ("http" when /metrics is on
+the app port), so a scrape config naming it keeps finding it; else "metrics". */}}
+{{- define "kiamfast.metricsPortName" -}}
+{{- if and .Values.kube2iamChart (not .Values.prometheus.metricsPort) }}http{{ else }}metrics{{ end -}}
 {{- end -}}
 
 {{/* The directory of the runtime's socket, mounted (not the socket: see deploy/README.md). */}}

@@ -17,11 +17,24 @@ From a pod annotated iam.amazonaws.com/role=<role>:
 NOTE: host.iptables is false: no DNAT rule is installed, so pods still reach the node's real
 metadata service (and the node's role) unless something else redirects them.
 {{- end }}
-{{- if and (contains "kube2iam" .Release.Name) (ne (include "kiamfast.name" .) "kube2iam") }}
+{{- if and .Release.IsInstall (not .Values.kube2iamChart) (or (contains "kube2iam" .Release.Name) (include "kiamfast.isKube2iamImage" .)) }}
 
-NOTE: upgrading the kube2iam release "{{ .Release.Name }}"? Its DaemonSet is replaced by a new one,
-{{ include "kiamfast.fullname" . }}, whose pods cannot bind port {{ .Values.host.port }} on a node until the old pod there
-is gone. --set nameOverride=kube2iam keeps the DaemonSet's name and selector, updating it in place.
+NOTE: a new release beside kube2iam? kube2iam's pods hold port {{ .Values.host.port }} on their nodes, so this
+release's pods start there only once those are gone. To switch a kube2iam release in place,
+upgrade that release with kube2iamChart set instead (deploy/README.md, "Switching from kube2iam").
+{{- end }}
+{{- $strategy := .Values.updateStrategy }}
+{{- if kindIs "map" $strategy }}{{ $strategy = get $strategy "type" }}{{ end }}
+{{- if eq $strategy "OnDelete" }}
+
+NOTE: updateStrategy is OnDelete (kube2iam's charts' default, kept because your values say so):
+an upgrade replaces no pod by itself, so each node keeps its old pod{{ if .Values.kube2iamChart }} (after the switch:
+kube2iam){{ end }} until you delete it. Roll the nodes one at a time, each once the last one's new pod is Ready:
+
+  kubectl --namespace {{ .Release.Namespace }} delete pod --field-selector spec.nodeName=<node> -l app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/name={{ include "kiamfast.name" . }}
+  kubectl --namespace {{ .Release.Namespace }} get pods -o wide -l app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/name={{ include "kiamfast.name" . }}
+
+or leave updateStrategy out of your values: kiamfast's default, RollingUpdate, rolls them for you.
 {{- end }}
 {{- if include "kiamfast.isKube2iamImage" . }}
 

@@ -44,11 +44,9 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 */}}
 {{- define "kiamfast.validate" -}}
 {{- include "kiamfast.containerCredentialsDefaults" . -}}
-{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "global" -}}
+{{- include "kiamfast.kube2iamProbe" . -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "kube2iamChart" "probe" "global" -}}
 {{- range $key, $_ := .Values -}}
-{{- if eq $key "probe" -}}
-{{- fail "probe: the old stable/kube2iam switch is livenessProbe.enabled and readinessProbe.enabled in kube2iam's chart 2.x and here; set those instead" -}}
-{{- end -}}
 {{- if not (has $key $known) -}}
 {{- fail (printf "%s: not a value of kube2iam's chart nor of kiamfast's, so kiamfast cannot know what it means; remove it (values.yaml lists them all)" $key) -}}
 {{- end -}}
@@ -82,6 +80,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if and (not (include "kiamfast.isKube2iamImage" .)) (or (eq $repo "kube2iam") (hasSuffix "/kube2iam" $repo)) -}}
 {{- fail (printf "image.repository %s: looks like a mirror of kube2iam's image, which would run kube2iam, not kiamfast; point it at your mirror of ghcr.io/kiamfast/kiamfast" .Values.image.repository) -}}
 {{- end -}}
+{{- include "kiamfast.validateKube2iamChart" . -}}
 {{- $workers := .Values.workers -}}
 {{- if not (and (or (kindIs "float64" $workers) (kindIs "int64" $workers) (kindIs "int" $workers)) (ge (int $workers) 1) (le (int $workers) 64)) -}}
 {{- fail (printf "workers: %v: a number of worker processes from 1 to 64" $workers) -}}
@@ -153,6 +152,73 @@ would render as Go's text of it, which no program means). */}}
 {{- with $cc.webhook.certManager.issuerRef -}}
 {{- if not (and (kindIs "map" .) (kindIs "string" .name) .name) -}}
 {{- fail "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA issuer) or a cert-manager issuerRef with a name, e.g. {name: my-ca, kind: ClusterIssuer}" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+probe, the kube2iam chart's liveness probe before 3.0.0 (its 2.x had no readiness probe):
+true/false up to 2.5.0 (the probe at fixed timings), a map from 2.5.1 on (enabled and the
+timings, defaulting to those). It means that here: it sets livenessProbe, and wins over it.
+*/}}
+{{- define "kiamfast.kube2iamProbe" -}}
+{{- if hasKey .Values "probe" -}}
+{{- $probe := .Values.probe -}}
+{{- $timings := dict "enabled" true "initialDelaySeconds" 30 "periodSeconds" 5 "successThreshold" 1 "failureThreshold" 3 "timeoutSeconds" 1 -}}
+{{- if kindIs "bool" $probe -}}
+{{- $probe = dict "enabled" $probe -}}
+{{- else if not (kindIs "map" $probe) -}}
+{{- fail (printf "probe %v: the kube2iam chart's 2.x liveness probe switch is true, false or a map of enabled and its timings" $probe) -}}
+{{- end -}}
+{{- range $key, $value := $probe -}}
+{{- if not (hasKey $timings $key) -}}
+{{- fail (printf "probe.%s: not a key of the kube2iam chart's 2.x probe (enabled, initialDelaySeconds, periodSeconds, successThreshold, failureThreshold, timeoutSeconds)" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key, $default := $timings -}}
+{{- $_ := set $.Values.livenessProbe $key (hasKey $probe $key | ternary (get $probe $key) $default) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+kube2iamChart, the switch from a kube2iam chart's release: the objects keep that chart's names
+(see kiamfast.fullname), and the values that would mean something else after a switch fail.
+*/}}
+{{- define "kiamfast.validateKube2iamChart" -}}
+{{- with .Values.kube2iamChart -}}
+{{- if not (has . (list "kube2iam" "kube2iam-chart")) -}}
+{{- fail (printf "kube2iamChart %v: the chart your kube2iam release was installed with, kube2iam or kube2iam-chart (helm list, CHART without its version)" .) -}}
+{{- end -}}
+{{- if $.Values.fullnameOverride -}}
+{{- fail (printf "fullnameOverride %v: kube2iam's charts have no such value (they named the DaemonSet after the release); with kube2iamChart the names are theirs, so remove it" $.Values.fullnameOverride) -}}
+{{- end -}}
+{{- if and $.Values.image.tag (not $.Values.image.repository) (not $.Values.image.digest) -}}
+{{- fail (printf "image.tag %v without image.repository: in kube2iam's chart that ran jtblin/kube2iam:%v; kube2iam's and kiamfast's version numbers overlap, so the chart cannot tell which you mean: remove image.tag (kiamfast %s, this chart's version) or name the repository too" $.Values.image.tag $.Values.image.tag $.Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+An upgrade that would replace the release's DaemonSet rather than update it: helm would create
+the new one beside the old (both want host.port on every node) and delete the old one only
+after. Only `helm upgrade` against a cluster looks (`helm template` and GitOps renders see no
+cluster and render from the values alone); it refuses, naming the value that keeps the name.
+*/}}
+{{- define "kiamfast.validateInPlace" -}}
+{{- $name := include "kiamfast.fullname" . -}}
+{{- $selector := include "kiamfast.selectorLabels" . | fromYaml -}}
+{{- range (lookup "apps/v1" "DaemonSet" .Release.Namespace "").items | default list -}}
+{{- $release := dig "metadata" "annotations" "meta.helm.sh/release-name" "" . -}}
+{{- if and (eq $release $.Release.Name) (or (ne .metadata.name $name) (not (deepEqual .spec.selector.matchLabels $selector))) -}}
+{{- $chart := dig "metadata" "labels" "helm.sh/chart" "" . -}}
+{{- $hint := "set nameOverride so the names match" -}}
+{{- if hasPrefix "kube2iam-chart-" $chart -}}
+{{- $hint = "set kube2iamChart=kube2iam-chart (deploy/README.md, Switching from kube2iam)" -}}
+{{- else if hasPrefix "kube2iam-" $chart -}}
+{{- $hint = "set kube2iamChart=kube2iam (deploy/README.md, Switching from kube2iam)" -}}
+{{- end -}}
+{{- fail (printf "DaemonSet %s/%s of release %s (chart %s) would be replaced by %s, started beside it (both want port %v on every node): to update it in place, %s" .metadata.namespace .metadata.name $.Release.Name (default "unknown" $chart) $name $.Values.host.port $hint) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
