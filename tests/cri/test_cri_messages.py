@@ -214,6 +214,15 @@ def test_a_map_entry_without_key_or_value_reads_as_empty_strings():
     assert mine.labels == dict(stub.labels) == {"": "", "k": ""}
 
 
+def test_a_map_entry_with_another_field_is_left_out_as_upb_does():
+    # labels = 7: {key "k", value "v"} and {key "odd", field 8 = 25, value "x"}
+    entries = [b"\x0a\x01k\x12\x01v", b"\x0a\x03odd\x40\x19\x12\x01x"]
+    data = b"".join(b"\x3a" + bytes([len(e)]) + e for e in entries)
+    stub = pb.PodSandboxStatus.FromString(data)
+    mine = m.decode(m.PodSandboxStatus, data)
+    assert mine.labels == dict(stub.labels) == {"k": "v"}
+
+
 def test_repeated_fields_keep_the_last_scalar_merge_messages_and_the_last_map_key():
     first = pb.PodSandboxStatus(id="old", labels={"a": "1", "b": "2"},
                                 metadata=pb.PodSandboxMetadata(name="n", uid="u1"))

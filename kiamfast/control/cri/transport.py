@@ -23,15 +23,17 @@ Per call (gRPC's HTTP/2 protocol, PROTOCOL-HTTP2.md in the grpc repository):
   failure, as grpc does).
 
 Connections: a connection that failed, timed out or received GOAWAY is closed and never
-used again (h2 refuses every frame after a GOAWAY, so a call in flight on it fails too). An
-idle connection is checked before it is reused (a restarted runtime closed it, or sent
-GOAWAY), and a call that fails on a reused connection before its answer is tried once more
-on a new one within its deadline: every call this client makes is a read, safe to repeat.
+used again. An idle connection is checked before it is reused (a restarted runtime closed
+it, or sent GOAWAY), and a call whose connection fails before the answer is complete
+(closed, reset, GOAWAY) is tried once more on a new connection within its deadline: every
+call this client makes is a read, safe to repeat. h2 refuses every frame after a GOAWAY
+(python-hyper/h2 #1181), so a call in flight when the runtime shuts down gracefully is
+not finished on the old connection: its second try finds the runtime gone (UNAVAILABLE)
+or, if it only closed that connection, answers on a new one.
 """
 from __future__ import annotations
 
 import enum
-import select
 import socket
 import struct
 import threading
@@ -83,8 +85,8 @@ class GrpcError(Exception):
 
 
 class _ConnectionFailed(GrpcError):
-    """UNAVAILABLE because of the connection itself (closed, reset, GOAWAY, protocol error)
-    before any part of the answer: worth one more try on a new connection."""
+    """UNAVAILABLE because the connection failed (closed, reset, GOAWAY, HTTP/2 protocol
+    error) before the answer was complete: worth one more try on a new connection."""
 
     def __init__(self, message: str) -> None:
         super().__init__(StatusCode.UNAVAILABLE, message)
@@ -109,9 +111,9 @@ _RESET_TO_GRPC = {h2.errors.ErrorCodes.REFUSED_STREAM: StatusCode.UNAVAILABLE,
 def unix_socket_path(endpoint: str) -> str:
     """The socket path of a `unix://` endpoint (`unix:///abs/path` or `unix:rel/path`);
     anything else is refused with ValueError."""
-    for prefix in ("unix://", "unix:"):
-        if endpoint.startswith(prefix) and endpoint[len(prefix):]:
-            return endpoint[len(prefix):]
+    prefix = "unix://" if endpoint.startswith("unix://") else "unix:"
+    if endpoint.startswith(prefix) and endpoint[len(prefix):]:
+        return endpoint[len(prefix):]
     raise ValueError(f"CRI endpoint {endpoint!r}: only unix:// sockets are supported "
                      "(the container runtime's socket on the node)")
 
@@ -148,7 +150,11 @@ class _Connection:
             h2.settings.SettingCodes.ENABLE_PUSH: 0})
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(WINDOW - 65535)   # the connection's window
-        self._flush(deadline)
+        try:
+            self._flush(deadline)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.usable = False
@@ -157,9 +163,13 @@ class _Connection:
     def alive(self) -> bool:
         """False if the runtime closed this idle connection or sent GOAWAY meanwhile (frames
         it sent since the last call, a PING or SETTINGS, are read and answered here)."""
+        self.sock.setblocking(False)   # every other use sets its own timeout
         try:
-            while select.select([self.sock], [], [], 0)[0]:
-                data = self.sock.recv(65536)
+            while True:
+                try:
+                    data = self.sock.recv(65536)
+                except BlockingIOError:
+                    break   # nothing more was sent
                 if not data:
                     return False
                 for event in self.h2.receive_data(data):
@@ -167,7 +177,7 @@ class _Connection:
                         return False
             self.sock.sendall(self.h2.data_to_send())   # a PING ack, a SETTINGS ack
             return True
-        except (OSError, h2.exceptions.ProtocolError):
+        except (OSError, h2.exceptions.H2Error):
             return False
 
     def call(self, path: str, message: bytes, deadline: float) -> bytes:
@@ -177,7 +187,7 @@ class _Connection:
             return self._call(path, message, deadline)
         except _RuntimeStatus:
             raise
-        except h2.exceptions.ProtocolError as exc:
+        except h2.exceptions.H2Error as exc:   # what the runtime sent breaks HTTP/2
             self.close()
             raise _ConnectionFailed(f"HTTP/2 protocol error: {exc}") from None
         except BaseException:
@@ -203,7 +213,7 @@ class _Connection:
         data = bytearray()
         ended = False
         while not ended:
-            events = self.h2.receive_data(self._recv(deadline, answered=headers is not None))
+            events = self.h2.receive_data(self._recv(deadline))
             for event in events:
                 if isinstance(event, h2.events.ConnectionTerminated):
                     self.usable = False   # and h2 accepts no frame after it
@@ -230,7 +240,7 @@ class _Connection:
             self._flush(deadline)   # WINDOW_UPDATEs, SETTINGS and PING acks
         return _answer(headers or {}, trailers, bytes(data))
 
-    def _recv(self, deadline: float, *, answered: bool) -> bytes:
+    def _recv(self, deadline: float) -> bytes:
         left = deadline - time.monotonic()
         if left <= 0:
             raise GrpcError(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
@@ -240,12 +250,8 @@ class _Connection:
         except socket.timeout:
             raise GrpcError(StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
         except OSError as exc:
-            if answered:
-                raise GrpcError(StatusCode.UNAVAILABLE, f"connection lost: {exc}") from None
             raise _ConnectionFailed(f"connection lost: {exc}") from None
         if not data:
-            if answered:
-                raise GrpcError(StatusCode.UNAVAILABLE, "connection closed mid-answer")
             raise _ConnectionFailed("connection closed by the runtime")
         return data
 
@@ -309,16 +315,15 @@ class UnixChannel:
         request's message bytes; the answer's message bytes, or GrpcError."""
         deadline = time.monotonic() + timeout
         conn, generation = self._take()
-        reused = conn is not None
         try:
             if conn is None:
                 conn = self._dial(deadline)
             try:
                 answer = conn.call(method, request, deadline)
             except _ConnectionFailed:
-                if not reused or time.monotonic() >= deadline:
+                if time.monotonic() >= deadline:
                     raise
-                conn = self._dial(deadline)   # a stale connection: once more on a new one
+                conn = self._dial(deadline)   # once more, on a new connection
                 answer = conn.call(method, request, deadline)
         except _RuntimeStatus:
             self._give_back(conn, generation)
