@@ -229,7 +229,7 @@ class RuntimeClient:
         ready_only = cri.PodSandboxFilter(state=cri.PodSandboxStateValue(state=cri.SANDBOX_READY))
         started_ns = self._clock_ns()   # before the request leaves: the freshness proof's S
         listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only),
-                            cri.ListPodSandboxResponse).items
+                            cri.ListPodSandboxRefs).items   # ids and states only
         self.stats["polls"] += 1
         ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
         changed = ready_ids != self._listed_ids

@@ -182,6 +182,13 @@ def test_version_answers_decode_to_the_stubs_values(answer):
     assert_same(answer, m.decode(m.VersionResponse, answer.SerializeToString()))
 
 
+@settings(max_examples=100, deadline=None)
+@given(answer=list_response)
+def test_a_list_read_for_ids_and_states_gives_the_stubs_ids_and_states(answer):
+    refs = m.decode(m.ListPodSandboxRefs, answer.SerializeToString()).items
+    assert [(r.id, r.state) for r in refs] == [(i.id, i.state) for i in answer.items]
+
+
 def test_a_real_looking_status_reads_as_the_agent_reads_it():
     status = m.decode(m.PodSandboxStatusResponse, rich_status_response().SerializeToString()).status
     assert (status.id, status.state, status.created_at) == ("a" * 64, 0, 1_700_000_000_123_456_789)
@@ -293,6 +300,8 @@ def test_every_truncation_of_an_answer_is_refused_or_read_as_the_stubs_read_it()
     for answer, stub_cls, cls in (
             (pb.ListPodSandboxResponse(items=items), pb.ListPodSandboxResponse,
              m.ListPodSandboxResponse),
+            (pb.ListPodSandboxResponse(items=items), pb.ListPodSandboxResponse,
+             m.ListPodSandboxRefs),
             (rich_status_response(), pb.PodSandboxStatusResponse,
              m.PodSandboxStatusResponse)):
         data = answer.SerializeToString()

@@ -17,7 +17,7 @@ SANDBOX_READY is 0, which is how the filter asks for READY sandboxes only).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,7 +45,7 @@ class _Kind:
     # a scalar: one occurrence's value -> Python value (the last occurrence wins)
     read: Callable[[Any], Any] | None = None
     # a message, repeated or map field: all occurrences' bytes -> Python value
-    finish: Callable[[list[memoryview]], Any] | None = None
+    finish: Callable[[list[bytes]], Any] | None = None
 
 
 def _signed(bits: int) -> Callable[[int], int]:
@@ -57,9 +57,9 @@ def _signed(bits: int) -> Callable[[int], int]:
     return read
 
 
-def _text(value: memoryview) -> str:
+def _text(value: bytes) -> str:
     try:
-        return str(value, "utf-8")
+        return value.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DecodeError(f"string field is not UTF-8: {exc}") from None
 
@@ -82,20 +82,19 @@ def _repeated(cls: type) -> _Kind:
                  finish=lambda pieces: tuple(decode(cls, piece) for piece in pieces))
 
 
-def _map_entries(pieces: list[memoryview]) -> dict[str, str]:
+def _map_entries(pieces: list[bytes]) -> dict[str, str]:
     """map<string, string>: each piece an entry {key = 1; value = 2}, either absent meaning
     "". An entry holding any other field is left out of the map, as upb does (it keeps such
     an entry among the message's unknown fields)."""
     entries: dict[str, str] = {}
     for piece in pieces:
         entry = ["", ""]
-        for number, wire, value in _scan(piece):
-            if number not in (1, 2):
-                break
+        found, others = _fields(piece, (1, 2))
+        for number, wire, value in found:
             if wire != LEN:
                 raise DecodeError(f"map entry field {number}: wire type {wire}, declared 2")
             entry[number - 1] = _text(value)
-        else:
+        if not others:
             entries[entry[0]] = entry[1]
     return entries
 
@@ -106,7 +105,7 @@ STRING_MAP = _Kind(LEN, lambda v: [encode(_MapEntry(key=k, value=x)) for k, x in
 
 # -- the wire format ---------------------------------------------------------------------
 
-def _varint(data: memoryview, pos: int) -> tuple[int, int]:
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
     result = shift = 0
     while shift < 70:
         if pos >= len(data):
@@ -120,29 +119,48 @@ def _varint(data: memoryview, pos: int) -> tuple[int, int]:
     raise DecodeError("varint longer than 10 bytes")
 
 
-def _scan(data: memoryview) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of each field: an int, or a memoryview for LEN."""
+def _fields(data: bytes, wanted: Container[int]) -> tuple[list[tuple[int, int, Any]], bool]:
+    """The (field number, wire type, value) of each field whose number is `wanted`, in
+    order (a value is an int, or bytes for LEN), and whether any other field was there.
+    Every field is checked; the others are skipped without being copied. One loop with
+    the one-byte cases inline: this is the hot path of a poll."""
+    found: list[tuple[int, int, Any]] = []
+    others = False
     pos, end = 0, len(data)
     while pos < end:
-        key, pos = _varint(data, pos)
+        key = data[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(data, pos)
         number, wire = key >> 3, key & 7
         if number == 0 or number > 0x1FFFFFFF:
             raise DecodeError(f"invalid field number {number}")
-        if wire == VARINT:
-            value, pos = _varint(data, pos)
-        elif wire == LEN:
-            size, pos = _varint(data, pos)
+        keep = number in wanted
+        if wire == LEN:
+            size = data[pos] if pos < end else 0x80
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _varint(data, pos)
             if size > end - pos:
                 raise DecodeError(f"field {number}: {size} bytes announced, {end - pos} left")
-            value, pos = data[pos:pos + size], pos + size
-        elif wire in (I64, I32):
+            value: Any = data[pos:pos + size] if keep else None
+            pos += size
+        elif wire == VARINT:
+            value, pos = _varint(data, pos)
+        elif wire == I64 or wire == I32:
             size = 8 if wire == I64 else 4
             if size > end - pos:
                 raise DecodeError(f"field {number}: truncated fixed{size * 8}")
             value, pos = int.from_bytes(data[pos:pos + size], "little"), pos + size
         else:
             raise DecodeError(f"field {number}: wire type {wire} (groups are not proto3)")
-        yield number, wire, value
+        if keep:
+            found.append((number, wire, value))
+        else:
+            others = True
+    return found, others
 
 
 def _encode_varint(out: bytearray, value: int) -> None:
@@ -152,16 +170,13 @@ def _encode_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
-def decode(cls: type, data: bytes | memoryview) -> Any:
+def decode(cls: type, data: bytes) -> Any:
     """The message `cls` from its wire bytes, or DecodeError."""
     schema: dict[int, tuple[str, _Kind]] = cls._schema
     values: dict[str, Any] = {}
-    pieces: dict[str, list[memoryview]] = {}
-    for number, wire, value in _scan(memoryview(data)):
-        spec = schema.get(number)
-        if spec is None:
-            continue   # a field the agent does not use
-        name, kind = spec
+    pieces: dict[str, list[bytes]] = {}
+    for number, wire, value in _fields(data, schema)[0]:   # the others are skipped
+        name, kind = schema[number]
         if wire != kind.wire:
             raise DecodeError(f"{cls.__name__}.{name} (field {number}): wire type {wire}, "
                               f"declared {kind.wire}")
@@ -268,6 +283,23 @@ class PodSandbox:
 class ListPodSandboxResponse:
     items: tuple[PodSandbox, ...] = ()
     _schema: ClassVar = _declare(items=(1, _repeated(PodSandbox)))
+
+
+@dataclass(frozen=True, slots=True)
+class PodSandboxRef:
+    """A PodSandbox read for its id and state only: all a poll needs from the list (the
+    rest, labels and annotations most of all, is skipped, not decoded: a poll of 110
+    sandboxes decodes in a tenth of the time)."""
+    id: str = ""
+    state: int = SANDBOX_READY
+    _schema: ClassVar = _declare(id=(1, STRING), state=(3, INT32))
+
+
+@dataclass(frozen=True, slots=True)
+class ListPodSandboxRefs:
+    """A ListPodSandboxResponse whose items are read as PodSandboxRefs."""
+    items: tuple[PodSandboxRef, ...] = ()
+    _schema: ClassVar = _declare(items=(1, _repeated(PodSandboxRef)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-MAX_MESSAGE = 64 * 1024 * 1024    # the largest answer accepted (grpcio's limit we used)
+MAX_MESSAGE = 64 * 1024 * 1024    # the largest answer accepted (as the grpcio client was set)
 # The receive windows offered to the runtime (HTTP/2's default is 64 KiB): a ListPodSandbox
 # of hundreds of sandboxes then flows with a WINDOW_UPDATE every 512 KiB, not every 32 KiB.
 WINDOW = 1024 * 1024
@@ -175,7 +175,9 @@ class _Connection:
                 for event in self.h2.receive_data(data):
                     if isinstance(event, h2.events.ConnectionTerminated):
                         return False
-            self.sock.sendall(self.h2.data_to_send())   # a PING ack, a SETTINGS ack
+            pending = self.h2.data_to_send()   # a PING ack, a SETTINGS ack
+            if pending:
+                self.sock.sendall(pending)
             return True
         except (OSError, h2.exceptions.H2Error):
             return False
@@ -187,7 +189,7 @@ class _Connection:
             return self._call(path, message, deadline)
         except _RuntimeStatus:
             raise
-        except h2.exceptions.H2Error as exc:   # what the runtime sent breaks HTTP/2
+        except (h2.exceptions.H2Error, UnicodeError) as exc:   # the runtime broke HTTP/2
             self.close()
             raise _ConnectionFailed(f"HTTP/2 protocol error: {exc}") from None
         except BaseException:
