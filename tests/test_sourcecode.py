@@ -13,6 +13,11 @@ WORKER_MODULES = ["kiamfast/server", "kiamfast/table.py", "kiamfast/channel.py",
                   "ext/_server.pyx", "ext/_table.pyx"]
 FORBIDDEN_FOR_WORKERS = ("kiamfast.control", "kubernetes", "botocore", "boto3", "moto", "grpc",
                          "cri_api")
+# The control process must fit the agent's memory budget (issue 32): its CRI client speaks
+# gRPC with h2 and a hand-written codec (kiamfast/control/cri), never grpcio (+19 MiB) or the
+# generated stubs and protobuf (+22 MiB). The CRI fault double and the tests still use them.
+CONTROL_MODULES = ["kiamfast/control", "kiamfast/container_credentials"]
+FORBIDDEN_FOR_CONTROL = ("grpc", "google.protobuf", "cri_api")
 
 
 def test_pyflakes_finds_nothing():
@@ -36,15 +41,43 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_worker_side_never_imports_the_control_side():
+def _offenders(entries: list[str], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     files = []
-    for entry in WORKER_MODULES:
+    for entry in entries:
         p = ROOT / entry
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
     offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f)
-                                                  if n.startswith(FORBIDDEN_FOR_WORKERS))
+                                                  if n.startswith(forbidden))
                  for f in files}
-    assert {f: n for f, n in offenders.items() if n} == {}
+    return {f: n for f, n in offenders.items() if n}
+
+
+def test_worker_side_never_imports_the_control_side():
+    assert _offenders(WORKER_MODULES, FORBIDDEN_FOR_WORKERS) == {}
+
+
+def test_control_side_never_imports_grpc_or_protobuf():
+    assert _offenders(CONTROL_MODULES, FORBIDDEN_FOR_CONTROL) == {}
+
+
+_LOAD_CONTROL = """
+import importlib, pkgutil, sys
+import kiamfast.control.main
+for package in ("kiamfast.control", "kiamfast.container_credentials"):
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if not info.name.endswith(".__main__"):   # that one runs the process
+            importlib.import_module(info.name)
+print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "cri_api")
+                      or m.startswith("google.protobuf"))))
+"""
+
+
+def test_control_process_modules_load_neither_grpc_nor_protobuf():
+    """Also what they import in turn (kubernetes, botocore...), in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _LOAD_CONTROL], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == []
 
 
 def test_no_two_test_modules_share_a_name():

@@ -34,7 +34,9 @@ fails again only that sandbox is left out of the view (it owns nothing there) an
 asked again on the next poll (one log line per episode). Any failure to get the list
 (socket missing, timeout, gRPC error, runtime restarting) is `RuntimeUnavailable`.
 
-Only the control process imports this module; server workers never import grpc.
+The calls go through `kiamfast.control.cri` (unary gRPC on the unix socket with `h2`, and a
+codec for the few CRI messages used): neither grpcio nor protobuf is imported, and only the
+control process imports this module.
 """
 from __future__ import annotations
 
@@ -44,7 +46,6 @@ import ipaddress
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -52,14 +53,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-# The control process starts iptables and ip while its channels are open. gRPC's fork
-# handlers, if a child were ever forked rather than vforked, would restart gRPC's pollers in
-# it and can kill it before exec (seen in the test suite). No child uses gRPC.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-
-import grpc  # noqa: E402  (after the setting above, which gRPC reads when it starts)
-from cri_api.v1 import api_pb2 as cri
-from cri_api.v1 import api_pb2_grpc as cri_grpc
+from kiamfast.control.cri import messages as cri
+from kiamfast.control.cri.transport import GrpcError, StatusCode, UnixChannel
 
 log = logging.getLogger("kiamfast.runtime")
 
@@ -78,16 +73,7 @@ SKIP_RECHECK_MAX = 30.0    # doubling up to this
 # this much longer than the runtime's answer, a seventh of --wait-budget's 0.35 s.
 DEMAND_FLOOR = 0.05
 
-# gRPC's own reconnect backoff starts at 1 s and grows to 2 min; a restarted runtime should
-# be reached on the poller's schedule instead, so keep gRPC's short (we also rebuild the
-# channel after every failure). No proxy: the endpoint is a local socket.
-_CHANNEL_OPTIONS = (
-    ("grpc.enable_http_proxy", 0),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-)
+_SERVICE = "/runtime.v1.RuntimeService/"
 
 
 def resolve_endpoint(value: str) -> str | None:
@@ -188,12 +174,6 @@ def sandbox_from_status(status: Any) -> Sandbox:
                    created_ns=status.created_at)
 
 
-def _describe(exc: grpc.RpcError) -> str:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return f"{code.name if code else 'error'}: {details}"
-
-
 class RuntimeClient:
     """Synchronous CRI client; call `poll()` from one thread (the poller's)."""
 
@@ -202,9 +182,7 @@ class RuntimeClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self._clock_ns = clock_ns
-        self._lock = threading.Lock()
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
+        self._channel = UnixChannel(endpoint)
         self._status_pool: ThreadPoolExecutor | None = None
         self._cache: dict[str, Sandbox] = {}        # listed READY sandboxes' entries, by id
         self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
@@ -217,30 +195,25 @@ class RuntimeClient:
                                       "status_errors": 0, "skipped_sandboxes": 0,
                                       "conflicts": 0}
 
-    def _runtime(self) -> Any:
-        with self._lock:
-            if self._stub is None:
-                self._channel = grpc.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
-                self._stub = cri_grpc.RuntimeServiceStub(self._channel)
-            return self._stub
-
     def _reset(self) -> None:
-        """Drop the channel after a failure: the next call dials afresh (a restarted
-        runtime is a new socket, and a half-dead channel would only add its own backoff)."""
-        with self._lock:
-            channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            channel.close()
+        """Drop the idle connections after a failure: the next call dials afresh (a
+        restarted runtime is a new socket)."""
+        self._channel.close()
 
-    def _call(self, method: str, request: Any) -> Any:
+    def _rpc(self, method: str, request: Any, answer_type: type) -> Any:
+        """One unary call: the decoded answer, or GrpcError / cri.DecodeError."""
+        answer = self._channel.unary(_SERVICE + method, cri.encode(request),
+                                     timeout=self.timeout)
+        return cri.decode(answer_type, answer)
+
+    def _call(self, method: str, request: Any, answer_type: type) -> Any:
         try:
-            return getattr(self._runtime(), method)(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
+            return self._rpc(method, request, answer_type)
+        except GrpcError as exc:
             self.stats["errors"] += 1
             self._reset()
-            raise RuntimeUnavailable(
-                f"CRI endpoint {self.endpoint}: {method}: {_describe(exc)}") from None
-        except Exception as exc:   # e.g. a malformed target; still "no usable answer"
+            raise RuntimeUnavailable(f"CRI endpoint {self.endpoint}: {method}: {exc}") from None
+        except Exception as exc:   # e.g. an answer that does not decode: "no usable answer"
             self.stats["errors"] += 1
             self._reset()
             raise RuntimeUnavailable(
@@ -248,14 +221,15 @@ class RuntimeClient:
 
     def version(self) -> str:
         """Runtime name and version, for the start log line."""
-        answer = self._call("Version", cri.VersionRequest(version="v1"))
+        answer = self._call("Version", cri.VersionRequest(version="v1"), cri.VersionResponse)
         return f"{answer.runtime_name} {answer.runtime_version} (CRI {answer.runtime_api_version})"
 
     def poll(self) -> RuntimeView:
         """One observation of the node's READY sandboxes and the addresses they own."""
         ready_only = cri.PodSandboxFilter(state=cri.PodSandboxStateValue(state=cri.SANDBOX_READY))
         started_ns = self._clock_ns()   # before the request leaves: the freshness proof's S
-        listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only)).items
+        listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only),
+                            cri.ListPodSandboxRefs).items   # ids and states only
         self.stats["polls"] += 1
         ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
         changed = ready_ids != self._listed_ids
@@ -300,14 +274,15 @@ class RuntimeClient:
         request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
         for calls in (1, 2):
             try:
-                return self._runtime().PodSandboxStatus(request, timeout=self.timeout).status, calls
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return self._rpc("PodSandboxStatus", request,
+                                 cri.PodSandboxStatusResponse).status, calls
+            except GrpcError as exc:
+                if exc.code is StatusCode.NOT_FOUND:
                     return _GONE, calls
-                failure = _StatusFailed(_describe(exc))
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                failure = _StatusFailed(str(exc))
+                if exc.code is StatusCode.DEADLINE_EXCEEDED:
                     break
-            except Exception as exc:   # a malformed answer the stub could not even raise for
+            except Exception as exc:   # a malformed answer (cri.DecodeError), or a bug
                 failure = _StatusFailed(f"{type(exc).__name__}: {exc}")
         return failure, calls
 

@@ -66,10 +66,12 @@ class AgentDied(DemoError):
 
 
 def check_extra() -> None:
-    """Raise :class:`MissingExtra` unless moto's server can be imported."""
+    """Raise :class:`MissingExtra` unless moto's server and the CRI fault double (grpcio and
+    the generated CRI stubs) can be imported."""
     import importlib.util
 
-    missing = [m for m in ("moto", "flask", "boto3") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("moto", "flask", "boto3", "grpc", "cri_api")
+               if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingExtra(f"the demo needs {', '.join(missing)}: "
                            f"pip install -e '.[demo]'  (or: pip install 'kiamfast[demo]')")

@@ -164,6 +164,25 @@ def test_new_sandboxes_asked_together_each_own_their_own_addresses(containerd, c
 
 
 @pytest.mark.root
+@pytest.mark.slow
+def test_a_list_beyond_the_flow_control_window_arrives_whole(containerd, client):
+    """120 sandboxes with 30 annotations of 400 bytes: containerd's ListPodSandbox answer
+    is about 1.5 MiB, beyond the client's 1 MiB window, so it arrives only if the client
+    hands the window back (WINDOW_UPDATE) as it reads."""
+    annotations = {f"example.com/note-{k}": "n" * 400 for k in range(30)}
+    labels = {f"app.example.com/label-{k}": f"value-{k}" for k in range(10)}
+    pods = [containerd.run_sandbox(f"big-{i}", labels=labels,
+                                   annotations={**annotations, ROLE: f"role-{i}"})
+            for i in range(120)]
+    view = client.poll()
+    assert {ip: (s.id, s.pod_uid) for ip, s in view.owners.items()} == \
+        {ip: (p.id, p.uid) for p in pods for ip in (p.ip, *p.additional_ips)}
+    assert all(s.annotations[ROLE] == f"role-{s.name.removeprefix('big-')}"
+               and len(s.annotations) == 31 for s in view.sandboxes)
+    assert client.stats["status_errors"] == 0 and client.stats["errors"] == 0
+
+
+@pytest.mark.root
 def test_host_network_sandbox_owns_nothing(containerd, client, caplog):
     host = containerd.run_sandbox("node-exporter", host_network=True, annotations={ROLE: "x"})
     pod = containerd.run_sandbox("app")

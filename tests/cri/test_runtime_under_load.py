@@ -161,6 +161,29 @@ def test_answers_arriving_out_of_order_go_to_their_own_sandbox(cri_fault, client
         {p.ip: (p.id, p.uid, p.name) for p in pods}
 
 
+# -- a big node ----------------------------------------------------------------------------
+
+def test_500_sandboxes_with_many_labels_and_annotations_arrive_whole(cri_fault):
+    """The list is several MiB, beyond the client's 1 MiB flow-control window: it arrives
+    only if the client hands the window back (WINDOW_UPDATE) as it reads."""
+    labels = {f"app.example.com/label-{k}": "l" * 60 for k in range(20)}
+    annotations = {f"example.com/annotation-{k}": "a" * 200 for k in range(20)}
+    pods = [fake_sandbox(name=f"pod-{i}", ip=f"10.1.{i // 250}.{i % 250 + 1}",
+                         labels=labels, annotations={**annotations, "i": str(i)})
+            for i in range(500)]
+    cri_fault.put(*pods)
+    client = RuntimeClient(cri_fault.endpoint, timeout=10.0)
+    try:
+        view = client.poll()
+    finally:
+        client.close()
+    assert {ip: (s.id, s.pod_uid) for ip, s in view.owners.items()} == \
+        {p.ip: (p.id, p.uid) for p in pods}
+    assert all(s.annotations["i"] == s.name.removeprefix("pod-")
+               and len(s.annotations) == 21 for s in view.sandboxes)
+    assert client.stats["status_calls"] == 500 and client.stats["status_errors"] == 0
+
+
 # -- the floor between demand polls -------------------------------------------------------
 
 class CountingClient:
