@@ -17,7 +17,7 @@ from cryptography import x509
 from test_chart import (CHART, NAMESPACE, NEWEST_VERSION, SCHEMA_VERSION, helm, notes,
                         of_kind, one, render, values_file)
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
 
 ENABLED = {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}
 CERT_MANAGER = {"containerCredentials": {"enabled": True, "webhook": {
@@ -68,7 +68,7 @@ def test_the_api_server_reaches_the_webhook_over_tls_it_can_verify(tmp_path):
     container = pod["spec"]["containers"][0]
     assert {"name": port["targetPort"], "containerPort": 8443, "protocol": "TCP"} \
         in container["ports"]
-    args = webhook.parse_args(container["args"][1:])
+    args = webhook_cli.parse_args(container["args"][1:])
     assert container["args"][0] == "webhook"
     assert args.listen == ("0.0.0.0", 8443)
 
@@ -113,7 +113,7 @@ def test_the_token_expiration_is_the_values(tmp_path):
         "enabled": True, "webhook": {"enabled": True, "tokenExpirationSeconds": 900}}})
     container = webhook_objects(render(values))["Deployment"]["spec"]["template"]["spec"][
         "containers"][0]
-    assert webhook.parse_args(container["args"][1:]).token_expiration == 900
+    assert webhook_cli.parse_args(container["args"][1:]).token_expiration == 900
 
 
 # ---- certManager.enabled: cert-manager issues the serving certificate ------------------------
@@ -142,7 +142,7 @@ def test_cert_manager_issues_a_certificate_for_the_service_and_injects_its_ca(tm
     assert pod["spec"]["volumes"] == [{"name": "tls", "secret": {
         "secretName": certificate["spec"]["secretName"]}}]
     assert "annotations" not in pod["metadata"]
-    args = webhook.parse_args(pod["spec"]["containers"][0]["args"][1:])
+    args = webhook_cli.parse_args(pod["spec"]["containers"][0]["args"][1:])
     assert (args.tls_cert, args.tls_key) == ("/tls/tls.crt", "/tls/tls.key")
     # The Secret is not the chart's own Secret's name: switching to cert-manager never has
     # helm delete the Secret cert-manager just wrote.

@@ -14,7 +14,8 @@ import time
 import kube
 import pytest
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
+from kiamfast.webhook import server as webhook_server
 
 SETTINGS = {"role_key": "iam.amazonaws.com/role", "audience": "kiamfast.io/container-credentials",
             "expiration": 600}
@@ -23,7 +24,7 @@ SETTINGS = {"role_key": "iam.amazonaws.com/role", "audience": "kiamfast.io/conta
 @pytest.fixture
 def server(tmp_path):
     pki = kube.make_pki(tmp_path / "pki")
-    srv = webhook.make_server(listen=("127.0.0.1", 0), cert=str(pki["cert"]),
+    srv = webhook_server.make_server(listen=("127.0.0.1", 0), cert=str(pki["cert"]),
                               key=str(pki["key"]), settings=SETTINGS, max_connections=2)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -57,7 +58,7 @@ def test_a_review_over_tls_is_answered(server):
 
 
 def test_a_body_over_the_bound_is_refused_unread(server):
-    status, _ = post(server, b"", {"Content-Length": str(webhook.MAX_REVIEW_BYTES + 1)})
+    status, _ = post(server, b"", {"Content-Length": str(webhook_server.MAX_REVIEW_BYTES + 1)})
     assert status == 413
 
 
@@ -72,7 +73,7 @@ def test_connections_beyond_the_bound_are_closed_and_served_again_once_freed(ser
     idle = [socket.create_connection(server.server_address) for _ in range(2)]
     with socket.create_connection(server.server_address) as third:
         # Closed at once, not after the handshake's read timeout as an idle one would be.
-        third.settimeout(webhook.READ_TIMEOUT / 2)
+        third.settimeout(webhook_server.READ_TIMEOUT / 2)
         assert third.recv(1) == b""
     for s in idle:
         s.close()
@@ -96,7 +97,7 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 def test_an_empty_audience_is_refused_at_start(capsys):
     # A projected token without an audience is one for the API server: never inject that.
     with pytest.raises(SystemExit):
-        webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
+        webhook_cli.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
     assert "--audience: must not be empty" in capsys.readouterr().err
 
 
