@@ -46,9 +46,25 @@ def review_answer(body: bytes, *, accounts: AccountAnnotations | None = None,
     """The AdmissionReview answer to the request ``body``: always allowed; patched only for
     a pod creation that opts in (``accounts``: where its ServiceAccount's annotations are
     read, None to read none); a review it cannot read is logged and left unpatched."""
+    return answer(parse(body), accounts=accounts, **settings)
+
+
+def parse(body: bytes) -> Any:
+    """The body's JSON, or the `MalformedReview` saying why it is none (`answer` admits it
+    unchanged).  The caller bounds its memory (`limits.parse_cost`)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        return MalformedReview(f"not JSON: {str(e)[:200]}")
+
+
+def answer(review: Any, *, accounts: AccountAnnotations | None = None,
+           **settings: Any) -> dict[str, Any]:
+    """The answer to a parsed review (`parse`), as `review_answer`."""
     uid = ""
     try:
-        review = json.loads(body)
+        if isinstance(review, MalformedReview):
+            raise review
         request = review.get("request") if isinstance(review, dict) else None
         if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
             raise MalformedReview("no request.uid")
