@@ -20,6 +20,7 @@ ON = {"containerCredentials": {"enabled": True}}
 FLAGS = ("--container-credentials-addr", "--container-credentials-link",
          "--container-credentials-audience")
 TOKEN_REVIEW = ("authentication.k8s.io", "tokenreviews", "create")
+EVENTS = ("", "events", "create")   # the Event on a pod created without its injection
 
 
 def cc_args(objs: list[dict]) -> list[str]:
@@ -86,8 +87,9 @@ def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
         (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
 
 
-def test_on_the_cluster_role_adds_token_reviews_and_nothing_else(tmp_path):
-    assert granted(render(values_file(tmp_path, ON))) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+def test_on_the_cluster_role_adds_token_reviews_and_events_and_nothing_else(tmp_path):
+    assert granted(render(values_file(tmp_path, ON))) == \
+        set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_path):
@@ -119,7 +121,7 @@ def test_ipv6_only_pods_are_sent_to_the_ipv6_address(tmp_path):
 
 def test_rbac_off_says_what_the_service_account_needs(tmp_path):
     text = notes(tmp_path, values_file(tmp_path, {"rbac": {"create": False}, **ON}))
-    assert "and create on tokenreviews.authentication.k8s.io" in text
+    assert "and create on tokenreviews.authentication.k8s.io and on events" in text
     assert "Container credentials: the agents serve http://169.254.170.23/v1/credentials" \
         in text
     other = tmp_path / "rbac-alone"
@@ -154,7 +156,7 @@ def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod[
         "serviceAccountName"], "namespace": NAMESPACE}]
     # The agent's own role gains nothing from it.
-    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_path):
