@@ -28,6 +28,7 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -344,7 +345,6 @@ class _BoundedServer(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that ended badly (a failed handshake, a reset, an eviction): one
         debug line, not the stdlib's traceback on stderr."""
-        import sys
         log.debug("connection from %s ended: %s", client_address[0] if client_address
                   else "?", sys.exc_info()[1])
 
