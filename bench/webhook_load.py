@@ -19,7 +19,7 @@ or trickle bytes to hold its connections.  This starts the real ``kiamfast webho
 
 Throughout each scenario an "API server" (a client doing what client-go does for an admission
 call: a new connection, a 5 s deadline, retrying a 429/5xx that carries ``Retry-After``
-within the deadline) sends a small review every 100 ms; the scenario reports how many it got
+within the deadline), from an address of its own, sends a small review every 100 ms; the scenario reports how many it got
 answered (200 with an AdmissionReview) and their latency.  The goal: the peak RSS stays
 under the chart's memory limit (96 MiB) and every API server call is answered.
 
@@ -51,6 +51,7 @@ import kube  # noqa: E402
 CHART_LIMIT_MIB = 96            # values.yaml containerCredentials.webhook.resources.limits
 API_DEADLINE = 5.0              # the chart's timeoutSeconds
 API_INTERVAL = 0.1
+API_SOURCE = "127.0.0.2"        # the API server's own address; the hostile pods' is 127.0.0.1
 
 
 @dataclass
@@ -160,9 +161,10 @@ class Webhook:
         self.log.close()
 
 
-def post(webhook: Webhook, body: bytes, timeout: float) -> tuple[int, dict[str, str], bytes]:
+def post(webhook: Webhook, body: bytes, timeout: float,
+         source: str = "127.0.0.1") -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPSConnection("127.0.0.1", webhook.port, context=webhook.context,
-                                       timeout=timeout)
+                                       timeout=timeout, source_address=(source, 0))
     try:
         conn.request("POST", "/mutate?timeout=5s", body,
                      {"Content-Type": "application/json", "Accept": "application/json"})
@@ -193,7 +195,8 @@ class ApiServer:
             while True:
                 try:
                     status, headers, body = post(self.webhook, review(f"api-{n}"),
-                                                 max(0.1, deadline - time.monotonic()))
+                                                 max(0.1, deadline - time.monotonic()),
+                                                 source=API_SOURCE)
                 except OSError as e:
                     error = type(e).__name__
                     break

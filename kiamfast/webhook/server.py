@@ -4,8 +4,9 @@ that reaches its Service, so that the API server's calls are still answered.
 The API server calls it for pod creations and sends each review whole at once, so a thread
 per connection is enough; what any pod can do to it is bounded:
 
-* at most `MAX_CONNECTIONS` connections; a newcomer beyond them closes the one that has waited
-  longest for a request's bytes (idle, or sending slowly), never one being answered;
+* at most `MAX_CONNECTIONS` connections; a newcomer beyond them closes one that waits for a
+  request's bytes (in its handshake, idle, or sending slowly; never one being answered): of
+  the address holding the most slots, the one waiting longest;
 * a whole-request deadline: the TLS handshake and the first request within
   `REQUEST_DEADLINE` of the accept, each later request within it of its first byte (a
   sender of a byte a second is cut there, whatever its reads do), an idle keep-alive
@@ -255,38 +256,55 @@ class _Refusals:
 
 
 class _Connections:
-    """The connections holding a slot, and since when each has waited for a request's bytes
-    (none while its request is being answered): at the cap, a newcomer closes the one that
-    has waited longest."""
+    """The connections holding a slot, their source addresses, and since when each has waited
+    for a request's bytes (none while its request is being answered).  At the cap a newcomer
+    closes a waiting connection of the address that holds the most slots, the one waiting
+    longest: a pod that opens many connections loses its own first, and the API server's
+    call, from an address of its own, is not cut by them however fast they come."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._count = 0
+        self._address: dict[Any, str] = {}
         self._waiting: dict[Any, float] = {}
+        # Closed for a newcomer, their threads not ended yet: no longer counted, so the
+        # accept loop need not wait for them (at most `limit` of them).
+        self._leaving: set[Any] = set()
         self._freed = threading.Condition()
         self.evicted = 0
         self._logged = -LOG_EVERY
 
-    def admit(self, sock: Any) -> bool:
+    def _held(self) -> int:
+        return len(self._address) - len(self._leaving)
+
+    def admit(self, sock: Any, address: str) -> bool:
         with self._freed:
-            if self._count >= self.limit and self._waiting:
-                victim = min(self._waiting, key=self._waiting.__getitem__)
-                del self._waiting[victim]
-                self.evicted += 1
-                try:        # the TCP socket under the TLS one: its reader wakes with EOF
-                    socket.socket.shutdown(victim, socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                if time.monotonic() - self._logged >= LOG_EVERY:
-                    self._logged = time.monotonic()
-                    log.warning("%d connections held: closing the ones waiting longest for "
-                                "a request (%d so far) to take new ones", self.limit,
-                                self.evicted)
-            if not self._freed.wait_for(lambda: self._count < self.limit, ADMIT_WAIT):
+            if self._held() >= self.limit and self._waiting \
+                    and len(self._leaving) < self.limit:
+                self._evict()
+            if not self._freed.wait_for(lambda: self._held() < self.limit, ADMIT_WAIT):
                 return False
-            self._count += 1
+            self._address[sock] = address
             self._waiting[sock] = time.monotonic()
             return True
+
+    def _evict(self) -> None:
+        held: dict[str, int] = {}
+        for sock, address in self._address.items():
+            if sock not in self._leaving:
+                held[address] = held.get(address, 0) + 1
+        victim = min(self._waiting, key=lambda s: (-held[self._address[s]], self._waiting[s]))
+        del self._waiting[victim]
+        self._leaving.add(victim)
+        self.evicted += 1
+        try:            # the TCP socket under the TLS one: its reader wakes with EOF
+            socket.socket.shutdown(victim, socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if time.monotonic() - self._logged >= LOG_EVERY:
+            self._logged = time.monotonic()
+            log.warning("%d connections held: closing the ones of the addresses holding the "
+                        "most that wait longest for a request (%d so far; last from %s) to "
+                        "take new ones", self.limit, self.evicted, self._address[victim])
 
     def answering(self, sock: Any) -> None:
         with self._freed:
@@ -294,12 +312,14 @@ class _Connections:
 
     def waiting(self, sock: Any) -> None:
         with self._freed:
-            self._waiting[sock] = time.monotonic()
+            if sock in self._address:
+                self._waiting[sock] = time.monotonic()
 
     def release(self, sock: Any) -> None:
         with self._freed:
             self._waiting.pop(sock, None)
-            self._count -= 1
+            self._address.pop(sock, None)
+            self._leaving.discard(sock)
             self._freed.notify()
 
 
@@ -327,7 +347,7 @@ class _BoundedServer(ThreadingHTTPServer):
                                               do_handshake_on_connect=False), address
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.connections.admit(request):
+        if not self.connections.admit(request, client_address[0] if client_address else ""):
             self.shutdown_request(request)
             return
         try:

@@ -60,10 +60,11 @@ def post(server, body: bytes, headers: dict | None = None, timeout: float = 10.0
     return status, answer
 
 
-def tls_connection(server) -> ssl.SSLSocket:
+def tls_connection(server, source: str = "127.0.0.1") -> ssl.SSLSocket:
     context = ssl.create_default_context(cafile=str(server.ca))
-    return context.wrap_socket(socket.create_connection(server.server_address, timeout=5),
-                               server_hostname="127.0.0.1")
+    sock = socket.create_connection(server.server_address, timeout=5,
+                                    source_address=(source, 0))
+    return context.wrap_socket(sock, server_hostname="127.0.0.1")
 
 
 def review(uid: str, padding: int = 0) -> bytes:
@@ -158,6 +159,26 @@ def test_a_newcomer_at_the_cap_closes_the_connection_waiting_longest(server):
         assert time.monotonic() - started < webhook_server.IDLE_TIMEOUT / 2
         first.settimeout(2)
         assert first.recv(1024) == b""
+
+
+def test_the_api_servers_connection_outlives_newcomers_of_an_address_holding_more(tmp_path):
+    # The API server's call (127.0.0.2) begins first and is the oldest waiting; newcomers
+    # of a pod (127.0.0.1) at the cap close that pod's own connections, not it.
+    srv = start(tmp_path, max_connections=3)
+    try:
+        api = tls_connection(srv, source="127.0.0.2")
+        body = review("u-api")
+        api.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {len(body)}\r\n".encode())
+        pod = [tls_connection(srv) for _ in range(4)]    # two fill the cap, two more evict
+        time.sleep(0.2)
+        api.sendall(b"\r\n" + body)
+        api.settimeout(5)
+        answer = api.recv(65536)
+        assert answer.startswith(b"HTTP/1.0 200"), answer
+        for conn in [api, *pod]:
+            conn.close()
+    finally:
+        stop(srv)
 
 
 def test_many_slow_connections_never_keep_the_api_servers_call_out(server):
