@@ -328,6 +328,7 @@ class _BoundedServer(ThreadingHTTPServer):
     body within the budgets of `limits.py`."""
 
     daemon_threads = True
+    request_queue_size = 128        # the listen backlog (the stdlib's 5 drops SYNs in a burst)
 
     def __init__(self, listen: tuple[str, int], handler: type, max_connections: int,
                  tls: ServingCertificate) -> None:

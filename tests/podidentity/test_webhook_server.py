@@ -17,6 +17,7 @@ import pytest
 from kiamfast.webhook import cli as webhook_cli
 from kiamfast.webhook import server as webhook_server
 
+API = "127.0.0.2"          # the API server's address; a pod's is 127.0.0.1
 SETTINGS = {"role_key": "iam.amazonaws.com/role", "audience": "kiamfast.io/container-credentials",
             "expiration": 600}
 
@@ -43,10 +44,11 @@ def server(tmp_path):
     stop(srv)
 
 
-def post_full(server, body: bytes, headers: dict | None = None, timeout: float = 10.0):
+def post_full(server, body: bytes, headers: dict | None = None, timeout: float = 10.0,
+              source: str = "127.0.0.1"):
     context = ssl.create_default_context(cafile=str(server.ca))
     conn = http.client.HTTPSConnection("127.0.0.1", server.server_address[1], context=context,
-                                       timeout=timeout)
+                                       timeout=timeout, source_address=(source, 0))
     try:
         conn.request("POST", "/mutate", body, headers or {})
         r = conn.getresponse()
@@ -55,8 +57,9 @@ def post_full(server, body: bytes, headers: dict | None = None, timeout: float =
         conn.close()
 
 
-def post(server, body: bytes, headers: dict | None = None, timeout: float = 10.0):
-    status, _, answer = post_full(server, body, headers, timeout)
+def post(server, body: bytes, headers: dict | None = None, timeout: float = 10.0,
+         source: str = "127.0.0.1"):
+    status, _, answer = post_full(server, body, headers, timeout, source)
     return status, answer
 
 
@@ -155,7 +158,7 @@ def test_a_newcomer_at_the_cap_closes_the_connection_waiting_longest(server):
         first.sendall(b"P")
         time.sleep(0.1)
         started = time.monotonic()
-        assert post(server, review("u-newcomer"), timeout=5)[0] == 200
+        assert post(server, review("u-newcomer"), timeout=5, source=API)[0] == 200
         assert time.monotonic() - started < webhook_server.IDLE_TIMEOUT / 2
         first.settimeout(2)
         assert first.recv(1024) == b""
@@ -166,7 +169,7 @@ def test_the_api_servers_connection_outlives_newcomers_of_an_address_holding_mor
     # of a pod (127.0.0.1) at the cap close that pod's own connections, not it.
     srv = start(tmp_path, max_connections=3)
     try:
-        api = tls_connection(srv, source="127.0.0.2")
+        api = tls_connection(srv, source=API)
         body = review("u-api")
         api.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {len(body)}\r\n".encode())
         pod = [tls_connection(srv) for _ in range(4)]    # two fill the cap, two more evict
@@ -191,8 +194,8 @@ def test_many_slow_connections_never_keep_the_api_servers_call_out(server):
                 continue
             conn.sendall(b"\x16")                # a TLS record begun, never finished
             senders.append(conn)
-        for i in range(5):
-            assert post(server, review(f"u-busy-{i}"), timeout=5)[0] == 200
+        for i in range(5):               # the API server, from an address of its own
+            assert post(server, review(f"u-busy-{i}"), timeout=5, source=API)[0] == 200
     finally:
         for conn in senders:
             conn.close()
