@@ -18,7 +18,8 @@ call with the runtime view on and off; needs root and tests/k8s/build.sh's binar
 hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers),
 ``container-credentials`` (bench/container_credentials.py: the token path beside the same
 agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's cost to
-the others).
+the others), ``webhook`` (bench/webhook_load.py: the injection webhook's RSS and the API
+server's calls under large bodies and slow senders).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -44,7 +45,7 @@ import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
 SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
-            "container-credentials")
+            "container-credentials", "webhook")
 
 
 @dataclass
@@ -550,10 +551,24 @@ def section_container_credentials(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_webhook(quick: bool, out: Path, log) -> Section:
+    import webhook_load as wl
+    outcomes = wl.run(wl.QUICK if quick else wl.Options(), log=log)
+    sec = Section("The injection webhook under hostile clients: memory, and the API server's "
+                  "calls")
+    sec.body = wl.markdown(outcomes)
+    sec.headline = wl.headline(outcomes)
+    sec.raw = {o.name: {"peak_rss_mib": o.peak_rss_mib, "idle_rss_mib": o.idle_rss_mib,
+                        "api_sent": o.api_sent, "api_answered": o.api_answered,
+                        "api_errors": o.api_errors, "attack": o.attack} for o in outcomes}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
-           "container-credentials": section_container_credentials}
+           "container-credentials": section_container_credentials,
+           "webhook": section_webhook}
 
 
 # ---- the report ------------------------------------------------------------------------------

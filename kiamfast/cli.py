@@ -13,7 +13,7 @@ The parser is generated from :data:`kiamfast.config.FLAGS`, as are ``--help`` an
 :func:`render_flag_reference` (the README's configuration reference).
 
 ``kiamfast demo ...`` runs the demo (:mod:`kiamfast.demo`), ``kiamfast webhook ...`` the
-injection webhook (:mod:`kiamfast.container_credentials.webhook`); anything else parses the
+injection webhook (:mod:`kiamfast.webhook`); anything else parses the
 flags and hands the :class:`~kiamfast.config.Config` to :func:`kiamfast.supervisor.run`. All are
 imported only when needed, so ``--help`` and ``--version`` work without them.
 """
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return int(demo.main(args[1:]) or 0)
     if args and args[0] == "webhook":
-        from kiamfast.container_credentials import webhook
+        from kiamfast.webhook import cli as webhook
         return webhook.main(args[1:])
     try:
         values = _scan(args)

@@ -80,6 +80,44 @@ def test_control_process_modules_load_neither_grpc_nor_protobuf():
     assert proc.stdout.split() == []
 
 
+# The injection webhook is a Deployment of its own (kiamfast/webhook/): the agent's processes
+# never load it (only the CLI's `webhook` command does), and it never loads the agent's side:
+# of kiamfast it may import itself, the flag table (defaults it shares) and the log setup.
+WEBHOOK = ROOT / "kiamfast" / "webhook"
+WEBHOOK_MAY_IMPORT = ("kiamfast.webhook", "kiamfast.config", "kiamfast.logs")
+
+
+def _of_kiamfast(name: str) -> bool:
+    return name == "kiamfast" or name.startswith("kiamfast.")
+
+
+def test_the_agent_never_imports_the_webhook():
+    files = [f for f in [*sorted((ROOT / "kiamfast").rglob("*.py")),
+                         *sorted((ROOT / "ext").glob("*.pyx"))]
+             if WEBHOOK not in f.parents and f != ROOT / "kiamfast" / "cli.py"]
+    offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f)
+                                                  if n.startswith("kiamfast.webhook"))
+                 for f in files}
+    assert {f: n for f, n in offenders.items() if n} == {}
+
+
+def test_the_webhook_never_imports_the_agent():
+    offenders = {str(f.relative_to(ROOT)): sorted(
+        n for n in _imports(f) if _of_kiamfast(n) and n != "kiamfast"
+        and not any(n == m or n.startswith(m + ".") for m in WEBHOOK_MAY_IMPORT))
+        for f in sorted(WEBHOOK.rglob("*.py"))}
+    assert {f: n for f, n in offenders.items() if n} == {}
+    # What `kiamfast webhook` loads in fact, the imports of what it imports included.
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, kiamfast.webhook.cli, kiamfast.webhook.server; "
+         "print(' '.join(sorted(m for m in sys.modules if m.startswith('kiamfast'))))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [m for m in loaded if m.startswith(("kiamfast.control", "kiamfast.server",
+                                                   "kiamfast.container_credentials",
+                                                   "kiamfast.supervisor", "kiamfast.table",
+                                                   "kiamfast._"))], loaded
+
+
 def test_no_two_test_modules_share_a_name():
     # pytest imports test files by basename (no packages under tests/): two of one name
     # stop the whole run at collection.

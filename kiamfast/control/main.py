@@ -64,6 +64,7 @@ class ControlProcess:
         self.config = config
         self.container_socks = container_socks or []   # --container-credentials-addr, bound
         self.container: Any = None
+        self.uninjected: Any = None      # container_credentials/uninjected.py
         self.table = table
         self.channels = channels
         self._wake_scheduled = False
@@ -146,6 +147,7 @@ class ControlProcess:
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
         self.watcher = PodWatcher.from_config(self.config, model=self.model)
+        self.uninjected = self._uninjected_pods(loop)
         tasks = [
             asyncio.create_task(self.manager.run(), name="credentials"),
             asyncio.create_task(self.watcher.run(), name="pod-watch"),
@@ -204,6 +206,25 @@ class ControlProcess:
         from kiamfast.container_credentials.token_only import predicate
         addr = self.config.container_credentials_addr
         return predicate(container_credentials_addrs(addr) if addr else ())
+
+    def _uninjected_pods(self, loop: asyncio.AbstractEventLoop) -> Any:
+        """With a container-credentials listener: an Event on each pod of the node that
+        asked for injection and was created without it (container_credentials/uninjected.py),
+        posted on a thread through the watch's API client."""
+        if not self.config.container_credentials_addr:
+            return None
+        from kubernetes import client as kclient
+
+        from kiamfast.container_credentials.uninjected import UninjectedPods
+        core = kclient.CoreV1Api(self.watcher.api_client)
+        reporter = UninjectedPods(
+            role_key=self.config.iam_role_key, node=self.config.node,
+            create_event=lambda body: core.create_namespaced_event(
+                body["metadata"]["namespace"], body, _preload_content=False,
+                _request_timeout=10),
+            run_in_thread=lambda post: loop.run_in_executor(None, post))
+        self.watcher.on_pod = reporter.seen
+        return reporter
 
     def _runtime_poller(self) -> runtime.RuntimePoller | None:
         if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:
@@ -451,6 +472,13 @@ class ControlProcess:
                       if isinstance(v, int) and not isinstance(v, bool)]
         if self.container is not None:
             lines += self.container.metrics()
+        if self.uninjected is not None:
+            lines += ["# HELP kiamfast_container_credentials_uninjected_pods_total Pods of this "
+                      "node that asked for container credentials and were created without them "
+                      "(an Event ContainerCredentialsNotInjected is posted on each).",
+                      "# TYPE kiamfast_container_credentials_uninjected_pods_total counter",
+                      "kiamfast_container_credentials_uninjected_pods_total "
+                      f"{self.uninjected.reported}"]
         if self.watcher is not None:
             stats = self.watcher.stats()
             lines += ["# HELP kiamfast_pods Pods of this node the agent knows.",

@@ -170,6 +170,9 @@ class PodWatcher:
         }
         self._not_streaming: dict[str, int] = {}   # resource -> watches in a row that were not
         self.sync_seconds: float | None = None
+        # Told of every pod applied from the API, on the loop (container_credentials/
+        # uninjected.py); must be cheap and never raise.
+        self.on_pod: Callable[[dict[str, Any]], None] | None = None
 
     @classmethod
     def from_config(cls, config: Any, *, model: Ownership, api_client: Any = None,
@@ -260,6 +263,8 @@ class PodWatcher:
                         m.delete_pod(obj)
                     else:
                         m.apply_pod(obj)
+                        if self.on_pod is not None:
+                            self.on_pod(obj)
                 else:
                     if typ == "DELETED":
                         m.delete_namespace(obj)
@@ -269,6 +274,9 @@ class PodWatcher:
             items, list_rv, _ = payload
             if res == "pods":
                 m.replace_pods(items, list_rv=list_rv)
+                if self.on_pod is not None:
+                    for obj in items:
+                        self.on_pod(obj)
             else:
                 m.replace_namespaces(items)
                 self._ns_listed.set()

@@ -14,12 +14,13 @@ from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes,
                         render, render_error, values_file)
 from test_deploy_manifests import AGENT_CALLS
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
 
 ON = {"containerCredentials": {"enabled": True}}
 FLAGS = ("--container-credentials-addr", "--container-credentials-link",
          "--container-credentials-audience")
 TOKEN_REVIEW = ("authentication.k8s.io", "tokenreviews", "create")
+EVENTS = ("", "events", "create")   # the Event on a pod created without its injection
 
 
 def cc_args(objs: list[dict]) -> list[str]:
@@ -86,8 +87,9 @@ def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
         (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
 
 
-def test_on_the_cluster_role_adds_token_reviews_and_nothing_else(tmp_path):
-    assert granted(render(values_file(tmp_path, ON))) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+def test_on_the_cluster_role_adds_token_reviews_and_events_and_nothing_else(tmp_path):
+    assert granted(render(values_file(tmp_path, ON))) == \
+        set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_path):
@@ -97,7 +99,7 @@ def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_pa
                                  "webhook": {"enabled": True}}}))
     cfg = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in cc_args(objs)}
     deployment = next(o for o in objs if o["kind"] == "Deployment")
-    args = webhook.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
+    args = webhook_cli.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
         "args"][1:])
     assert args.audience == cfg["--container-credentials-audience"] == "sts.example.com"
     assert args.iam_role_key == "example.com/role"
@@ -111,7 +113,7 @@ def test_ipv6_only_pods_are_sent_to_the_ipv6_address(tmp_path):
     objs = render(values_file(tmp_path, {"containerCredentials": {
         "enabled": True, "webhook": {"enabled": True, "uriFamily": "ipv6"}}}))
     deployment = next(o for o in objs if o["kind"] == "Deployment")
-    args = webhook.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
+    args = webhook_cli.parse_args(deployment["spec"]["template"]["spec"]["containers"][0][
         "args"][1:])
     assert args.full_uri == "http://[fd00:ec2::23]/v1/credentials"
     assert "[fd00:ec2::23]:80" in cc_args(objs)[0].split("=", 1)[1].split(",")
@@ -119,7 +121,7 @@ def test_ipv6_only_pods_are_sent_to_the_ipv6_address(tmp_path):
 
 def test_rbac_off_says_what_the_service_account_needs(tmp_path):
     text = notes(tmp_path, values_file(tmp_path, {"rbac": {"create": False}, **ON}))
-    assert "and create on tokenreviews.authentication.k8s.io" in text
+    assert "and create on tokenreviews.authentication.k8s.io and on events" in text
     assert "Container credentials: the agents serve http://169.254.170.23/v1/credentials" \
         in text
     other = tmp_path / "rbac-alone"
@@ -139,7 +141,7 @@ def webhook_pod(objs: list[dict]) -> dict:
 def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
     objs = render(values_file(tmp_path, WEBHOOK))
     pod = webhook_pod(objs)
-    args = webhook.parse_args(pod["containers"][0]["args"][1:])
+    args = webhook_cli.parse_args(pod["containers"][0]["args"][1:])
     assert args.service_account_opt_in is True
     assert args.kubeconfig == ""                                   # in-cluster
     assert "automountServiceAccountToken" not in pod               # it needs its token
@@ -154,11 +156,11 @@ def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod[
         "serviceAccountName"], "namespace": NAMESPACE}]
     # The agent's own role gains nothing from it.
-    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW}
+    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_path):
-    from kiamfast.container_credentials import accounts
+    from kiamfast.webhook import accounts
     config = next(o for o in render(values_file(tmp_path, WEBHOOK))
                   if o["kind"] == "MutatingWebhookConfiguration")
     assert config["webhooks"][0]["timeoutSeconds"] > accounts.READ_TIMEOUT + 1
@@ -167,7 +169,7 @@ def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_pat
 def test_without_the_service_account_opt_in_the_webhook_calls_no_api(tmp_path):
     objs = render(values_file(tmp_path, NO_SA_OPT_IN))
     pod = webhook_pod(objs)
-    assert webhook.parse_args(pod["containers"][0]["args"][1:]).service_account_opt_in is False
+    assert webhook_cli.parse_args(pod["containers"][0]["args"][1:]).service_account_opt_in is False
     assert pod["automountServiceAccountToken"] is False
     assert "serviceAccountName" not in pod
     assert not [o for o in objs if o["metadata"]["name"].endswith("-webhook")

@@ -15,9 +15,9 @@ import datetime
 import kubernetes_validate
 from cryptography import x509
 from test_chart import (CHART, NAMESPACE, NEWEST_VERSION, SCHEMA_VERSION, helm, notes,
-                        of_kind, one, render, values_file)
+                        of_kind, one, render, render_error, values_file)
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
 
 ENABLED = {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}}
 CERT_MANAGER = {"containerCredentials": {"enabled": True, "webhook": {
@@ -68,7 +68,7 @@ def test_the_api_server_reaches_the_webhook_over_tls_it_can_verify(tmp_path):
     container = pod["spec"]["containers"][0]
     assert {"name": port["targetPort"], "containerPort": 8443, "protocol": "TCP"} \
         in container["ports"]
-    args = webhook.parse_args(container["args"][1:])
+    args = webhook_cli.parse_args(container["args"][1:])
     assert container["args"][0] == "webhook"
     assert args.listen == ("0.0.0.0", 8443)
 
@@ -113,7 +113,7 @@ def test_the_token_expiration_is_the_values(tmp_path):
         "enabled": True, "webhook": {"enabled": True, "tokenExpirationSeconds": 900}}})
     container = webhook_objects(render(values))["Deployment"]["spec"]["template"]["spec"][
         "containers"][0]
-    assert webhook.parse_args(container["args"][1:]).token_expiration == 900
+    assert webhook_cli.parse_args(container["args"][1:]).token_expiration == 900
 
 
 # ---- certManager.enabled: cert-manager issues the serving certificate ------------------------
@@ -142,7 +142,7 @@ def test_cert_manager_issues_a_certificate_for_the_service_and_injects_its_ca(tm
     assert pod["spec"]["volumes"] == [{"name": "tls", "secret": {
         "secretName": certificate["spec"]["secretName"]}}]
     assert "annotations" not in pod["metadata"]
-    args = webhook.parse_args(pod["spec"]["containers"][0]["args"][1:])
+    args = webhook_cli.parse_args(pod["spec"]["containers"][0]["args"][1:])
     assert (args.tls_cert, args.tls_key) == ("/tls/tls.crt", "/tls/tls.key")
     # The Secret is not the chart's own Secret's name: switching to cert-manager never has
     # helm delete the Secret cert-manager just wrote.
@@ -188,3 +188,40 @@ def test_cert_manager_objects_lint_clean_and_the_rest_validate(tmp_path):
 def test_cert_manager_notes_say_it_must_be_installed(tmp_path):
     text = notes(tmp_path, values_file(tmp_path, CERT_MANAGER))
     assert "Its certificate comes from cert-manager, which must be installed" in text
+
+
+# ---- networkPolicy: only the API server reaches the webhook ----------------------------------
+
+def network_policy(cidrs: list[str]) -> dict:
+    return {"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "networkPolicy": {"enabled": True, "apiServerCIDRs": cidrs}}}}
+
+
+def test_no_network_policy_unless_asked(tmp_path):
+    assert not of_kind(render(values_file(tmp_path, ENABLED)), "NetworkPolicy")
+
+
+def test_the_network_policy_admits_the_api_server_cidrs_to_the_webhook_port_alone(tmp_path):
+    cidrs = ["10.0.0.0/16", "fd00:10::/64"]
+    objs = render(values_file(tmp_path, network_policy(cidrs)))
+    (policy,) = of_kind(objs, "NetworkPolicy")
+    for version in (SCHEMA_VERSION, NEWEST_VERSION):
+        kubernetes_validate.validate(policy, version, strict=True)
+    deployment = webhook_objects([o for o in objs if o["kind"] != "NetworkPolicy"])[
+        "Deployment"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], labels)
+    assert not selects(policy["spec"]["podSelector"]["matchLabels"],
+                       one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{
+        "from": [{"ipBlock": {"cidr": c}} for c in cidrs],
+        "ports": [{"protocol": "TCP", "port": 8443}]}]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert webhook_cli.parse_args(container["args"][1:]).listen[1] == 8443
+
+
+def test_a_network_policy_without_cidrs_is_refused(tmp_path):
+    # An ingress rule with no sources admits every source: the opposite of what is asked.
+    assert "networkPolicy.enabled needs apiServerCIDRs" in render_error(
+        tmp_path, network_policy([]))

@@ -36,12 +36,16 @@ PLURALS = {"DaemonSet": "daemonsets", "ServiceAccount": "serviceaccounts",
            "Service": "services", "Secret": "secrets", "ConfigMap": "configmaps",
            "Deployment": "deployments",
            "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
-           "Certificate": "certificates", "Issuer": "issuers"}
+           "Certificate": "certificates", "Issuer": "issuers",
+           "NetworkPolicy": "networkpolicies"}
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration"}
 CONTAINER_CREDENTIALS = {
     "helm-ca": {"containerCredentials": {"enabled": True, "webhook": {"enabled": True}}},
     "cert-manager": {"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True}}}},
+    "helm-ca-network-policy": {"containerCredentials": {"enabled": True, "webhook": {
+        "enabled": True, "networkPolicy": {"enabled": True,
+                                           "apiServerCIDRs": ["10.0.0.0/16", "fd00:10::/64"]}}}},
     "cert-manager-own-issuer": {"containerCredentials": {"enabled": True, "ipv6": False,
         "webhook": {"enabled": True, "certManager": {
             "enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer",
@@ -109,6 +113,7 @@ def test_container_credentials_render_is_accepted_by_a_real_api_server(
     accepted = dry_run(kube_cluster, docs, name)
     expected = {"DaemonSet", "ClusterRole", "Deployment", "MutatingWebhookConfiguration"}
     expected |= {"Certificate"} if "cert-manager" in name else {"Secret"}
+    expected |= {"NetworkPolicy"} if "network-policy" in name else set()
     assert expected <= set(accepted), accepted
 
 

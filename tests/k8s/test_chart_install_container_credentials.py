@@ -82,7 +82,7 @@ from chart_cluster import (CHART, CONTROLLERS, NAMESPACE, ChartControlPlane, Cha
 from kubelet_node import KubePod, go_time, wait_untainted
 
 from e2e_cluster import BASE_ARN, ROLE_KEY, assert_own_role
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import patch
 from runtime_node import wait_until
 
 pytestmark = [pytest.mark.kubelet, pytest.mark.kube_apiserver, pytest.mark.root,
@@ -160,7 +160,7 @@ def rotating() -> dict[str, Any]:
 
 
 def opted_in(role: str) -> dict[str, str]:
-    return {"iam.amazonaws.com/role": role, webhook.OPT_IN_ANNOTATION: "true"}
+    return {"iam.amazonaws.com/role": role, patch.OPT_IN_ANNOTATION: "true"}
 
 
 def webhook_pods(node: ChartNode) -> list[dict[str, Any]]:
@@ -186,7 +186,7 @@ def webhook_deployment(node: ChartNode) -> str:
 
 
 def injected(pod: dict[str, Any]) -> bool:
-    return any(v["name"] == webhook.VOLUME for v in pod["spec"].get("volumes", []))
+    return any(v["name"] == patch.VOLUME for v in pod["spec"].get("volumes", []))
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:
@@ -215,8 +215,8 @@ def projected_file(node: ChartNode, uid: str, volume: str, name: str) -> bytes:
 
 def token_sha256(node: ChartNode, pod: KubePod) -> str:
     """The SHA-256 of the token the kubelet wrote into the pod's injected volume."""
-    return hashlib.sha256(projected_file(node, pod.uid, webhook.VOLUME,
-                                         webhook.TOKEN_FILE)).hexdigest()
+    return hashlib.sha256(projected_file(node, pod.uid, patch.VOLUME,
+                                         patch.TOKEN_FILE)).hexdigest()
 
 
 def jwt_claims(token: bytes) -> dict[str, Any]:
@@ -327,13 +327,13 @@ def test_opted_in_apps_get_their_own_roles_by_token_and_others_by_imds(reported)
     apps = [node.create_pod(f"token-{i}", role=f"token-{i}", loop=3, interval=0.5,
                             refetch=True, annotations=opted_in(f"token-{i}")) for i in range(2)]
     plain = node.create_pod("imds-app", role="imds-app", loop=3, interval=0.5, refetch=True)
-    token_file = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
+    token_file = f"{patch.MOUNT_PATH}/{patch.TOKEN_FILE}"
     stored = by_account.get()
     assert stored["metadata"].get("annotations") == {ROLE_KEY: ACCOUNT_ROLE}, stored["metadata"]
     for app in [by_account, *apps]:
         pod = app.get()
         assert injected(pod), pod["spec"]
-        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.VOLUME)
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == patch.VOLUME)
         assert volume["projected"]["sources"][0]["serviceAccountToken"][
             "expirationSeconds"] == TOKEN_SECONDS
         env = env_of(pod)

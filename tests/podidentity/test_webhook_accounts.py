@@ -1,4 +1,4 @@
-"""The webhook's ServiceAccount cache (kiamfast.container_credentials.accounts), with a clock
+"""The webhook's ServiceAccount cache (kiamfast.webhook.accounts), with a clock
 and a read of the test's; the real GET against a real API server: test_webhook_apiserver.py.
 
 What a user checks: a burst of pods of one ServiceAccount is one read, an annotation changed
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kiamfast.container_credentials.accounts import FAILED_TTL, TTL, AccountAnnotations
+from kiamfast.webhook.accounts import FAILED_TTL, TTL, AccountAnnotations
 
 
 class Clock:
@@ -111,7 +111,7 @@ def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_
 
     import yaml
 
-    from kiamfast.container_credentials.accounts import (
+    from kiamfast.webhook.accounts import (
         READ_TIMEOUT,
         api_client_without_retries,
         service_account_read,

@@ -23,14 +23,14 @@ import kube
 import pytest
 from podid import AUDIENCE
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import patch
 
 pytestmark = pytest.mark.kube_apiserver
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "deploy"))
 ROLE_KEY = "iam.amazonaws.com/role"
-OPTED_IN = {ROLE_KEY: "role-a", webhook.OPT_IN_ANNOTATION: "true"}
+OPTED_IN = {ROLE_KEY: "role-a", patch.OPT_IN_ANNOTATION: "true"}
 CONFIGS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 TEST_LABEL = "kiamfast.io/webhook-test"
 
@@ -119,7 +119,7 @@ def create_pod(admin, ns: str, name: str, annotations: dict[str, str], *,
 
 
 def injected(pod: dict) -> bool:
-    return any(v["name"] == webhook.VOLUME for v in pod["spec"].get("volumes", []))
+    return any(v["name"] == patch.VOLUME for v in pod["spec"].get("volumes", []))
 
 
 def env_of(container: dict) -> dict[str, str]:
@@ -171,19 +171,19 @@ def test_the_api_server_stores_an_opting_in_pod_with_the_variables_and_token(sco
     admin, ns, _ = scoped_webhook
     create_pod(admin, ns, "opted-in", OPTED_IN)
     pod = admin.get_pod(ns, "opted-in")
-    token_file = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
+    token_file = f"{patch.MOUNT_PATH}/{patch.TOKEN_FILE}"
     for c in (pod["spec"]["initContainers"][0], pod["spec"]["containers"][0]):
         assert env_of(c) == {"AWS_CONTAINER_CREDENTIALS_FULL_URI":
                              "http://169.254.170.23/v1/credentials",
                              "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": token_file}
-        assert {"name": webhook.VOLUME, "mountPath": webhook.MOUNT_PATH,
+        assert {"name": patch.VOLUME, "mountPath": patch.MOUNT_PATH,
                 "readOnly": True} in c["volumeMounts"]
     own = pod["spec"]["containers"][1]
     assert env_of(own) == {"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://127.0.0.1:9/own"}
     assert not own.get("volumeMounts")
-    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.VOLUME)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == patch.VOLUME)
     assert volume["projected"]["sources"] == [{"serviceAccountToken": {
-        "audience": AUDIENCE, "expirationSeconds": 600, "path": webhook.TOKEN_FILE}}]
+        "audience": AUDIENCE, "expirationSeconds": 600, "path": patch.TOKEN_FILE}}]
 
 
 def test_pods_that_do_not_opt_in_or_are_elsewhere_are_stored_as_sent(scoped_webhook):

@@ -10,7 +10,7 @@ import test_container_credentials
 from podid import BASE_ARN
 from test_webhook_apiserver import OPTED_IN, ROLE_KEY, env_of, registered_webhook
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import patch
 
 pytestmark = pytest.mark.kube_apiserver
 
@@ -21,7 +21,7 @@ sdk_identity = test_container_credentials.sdk_identity
 def kubelet_token(admin, pod: dict) -> str:
     """The token the kubelet writes into the injected volume: bound to the pod, with the
     volume's audience and expirationSeconds."""
-    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.VOLUME)
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == patch.VOLUME)
     source = volume["projected"]["sources"][0]["serviceAccountToken"]
     meta = pod["metadata"]
     out = admin.call(
@@ -63,9 +63,9 @@ def test_a_pod_of_an_opted_in_service_account_gets_the_accounts_role(node, webho
     from test_webhook_service_account import annotate_service_account
     admin = node.admin
     annotate_service_account(admin, node.ns, "by-account", {
-        ROLE_KEY: "role-b", webhook.OPT_IN_ANNOTATION: "true"})
+        ROLE_KEY: "role-b", patch.OPT_IN_ANNOTATION: "true"})
     annotate_service_account(admin, node.ns, "by-account-denied", {
-        ROLE_KEY: "role-c", webhook.OPT_IN_ANNOTATION: "true"})     # not allowed here
+        ROLE_KEY: "role-c", patch.OPT_IN_ANNOTATION: "true"})     # not allowed here
     full_uri = f"http://127.0.0.1:{node.port}/v1/credentials"
     with registered_webhook(admin, node.ns, tmp_path, "--full-uri", full_uri,
                             "--service-account-opt-in", "--kubeconfig", str(webhook_reader)):

@@ -13,13 +13,15 @@ import json
 import jsonpatch
 import pytest
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
+from kiamfast.webhook import patch
+from kiamfast.webhook import review as webhook_review
 
 ROLE_KEY = "iam.amazonaws.com/role"
 SETTINGS = {"role_key": ROLE_KEY, "audience": "kiamfast.io/container-credentials",
             "expiration": 600}
-OPTED_IN = {ROLE_KEY: "role-a", webhook.OPT_IN_ANNOTATION: "true"}
-TOKEN_PATH = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
+OPTED_IN = {ROLE_KEY: "role-a", patch.OPT_IN_ANNOTATION: "true"}
+TOKEN_PATH = f"{patch.MOUNT_PATH}/{patch.TOKEN_FILE}"
 
 
 def pod(annotations=None, **spec):
@@ -38,7 +40,7 @@ def review(obj, *, operation="CREATE", kind="Pod", uid="uid-1"):
 
 def admitted(obj, **kw):
     """The pod as the API server stores it after the webhook's answer."""
-    answer = webhook.review_answer(review(obj, **kw), **SETTINGS)
+    answer = webhook_review.review_answer(review(obj, **kw), **SETTINGS)
     assert answer["apiVersion"] == "admission.k8s.io/v1"
     assert answer["kind"] == "AdmissionReview"
     assert answer["response"]["allowed"] is True
@@ -67,21 +69,21 @@ def test_every_container_of_an_opting_in_pod_gets_the_variables_and_the_token():
         env = env_of(c)
         assert env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] == "http://169.254.170.23/v1/credentials"
         assert env["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] == TOKEN_PATH
-        assert {"name": webhook.VOLUME, "mountPath": webhook.MOUNT_PATH,
+        assert {"name": patch.VOLUME, "mountPath": patch.MOUNT_PATH,
                 "readOnly": True} in c["volumeMounts"]
     assert env_of(out["spec"]["initContainers"][0])["A"] == "1"
     assert {"name": "data", "mountPath": "/data"} in out["spec"]["containers"][1]["volumeMounts"]
     assert out["spec"]["volumes"] == [
         {"name": "data", "emptyDir": {}},
-        {"name": webhook.VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+        {"name": patch.VOLUME, "projected": {"sources": [{"serviceAccountToken": {
             "audience": "kiamfast.io/container-credentials", "expirationSeconds": 600,
             "path": "token"}}]}}]
 
 
 @pytest.mark.parametrize("annotations", [
-    {}, {ROLE_KEY: "role-a"}, {webhook.OPT_IN_ANNOTATION: "true"},
-    {ROLE_KEY: "role-a", webhook.OPT_IN_ANNOTATION: "yes"},
-    {ROLE_KEY: "", webhook.OPT_IN_ANNOTATION: "true"}])
+    {}, {ROLE_KEY: "role-a"}, {patch.OPT_IN_ANNOTATION: "true"},
+    {ROLE_KEY: "role-a", patch.OPT_IN_ANNOTATION: "yes"},
+    {ROLE_KEY: "", patch.OPT_IN_ANNOTATION: "true"}])
 def test_a_pod_that_does_not_opt_in_is_untouched(annotations):
     original = pod(annotations)
     assert admitted(original) == original
@@ -108,7 +110,7 @@ def test_null_lists_are_replaced_not_appended_to():
                                               "volumeMounts": None}], volumes=None))
     assert env_of(out["spec"]["containers"][0])["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] \
         == TOKEN_PATH
-    assert [v["name"] for v in out["spec"]["volumes"]] == [webhook.VOLUME]
+    assert [v["name"] for v in out["spec"]["volumes"]] == [patch.VOLUME]
 
 
 def test_a_pod_already_injected_is_not_changed_again():
@@ -129,7 +131,7 @@ def test_only_pod_creations_are_patched():
     review(pod(OPTED_IN, containers=[{"name": "app", "env": {"A": "1"}}])),
     review(None)])
 def test_a_review_it_cannot_read_admits_without_a_patch_and_says_so(body, caplog):
-    answer = webhook.review_answer(body, **SETTINGS)
+    answer = webhook_review.review_answer(body, **SETTINGS)
     assert answer["kind"] == "AdmissionReview"
     assert answer["response"]["allowed"] is True
     assert "patch" not in answer["response"]
@@ -138,7 +140,7 @@ def test_a_review_it_cannot_read_admits_without_a_patch_and_says_so(body, caplog
 
 def test_token_expiration_below_the_api_minimum_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
-        webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--token-expiration", "599"])
+        webhook_cli.parse_args(["--tls-cert", "c", "--tls-key", "k", "--token-expiration", "599"])
     assert e.value.code == 2
     assert "at least 600" in capsys.readouterr().err
 
@@ -158,7 +160,7 @@ class Accounts:
 
 
 def admitted_with(obj, accounts):
-    answer = webhook.review_answer(review(obj), accounts=accounts, **SETTINGS)
+    answer = webhook_review.review_answer(review(obj), accounts=accounts, **SETTINGS)
     assert answer["response"]["allowed"] is True
     if "patch" not in answer["response"]:
         return obj
@@ -167,7 +169,7 @@ def admitted_with(obj, accounts):
 
 
 def injected(obj):
-    return any(v["name"] == webhook.VOLUME for v in obj["spec"].get("volumes") or [])
+    return any(v["name"] == patch.VOLUME for v in obj["spec"].get("volumes") or [])
 
 
 @pytest.mark.parametrize("annotations", [None, {}, {"other": "x"}])
@@ -179,7 +181,7 @@ def test_a_pod_of_an_opted_in_account_gets_the_accounts_role_and_the_injection(a
     out = admitted_with(original, accounts)
     assert accounts.asked == [("ns", "app")]      # the request's namespace, the pod's account
     assert out["metadata"]["annotations"] == {**(annotations or {}), ROLE_KEY: "role-a"}
-    assert webhook.OPT_IN_ANNOTATION not in out["metadata"]["annotations"]
+    assert patch.OPT_IN_ANNOTATION not in out["metadata"]["annotations"]
     assert env_of(out["spec"]["containers"][0])["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"] \
         == TOKEN_PATH
     assert injected(out)
@@ -187,9 +189,9 @@ def test_a_pod_of_an_opted_in_account_gets_the_accounts_role_and_the_injection(a
 
 def test_a_role_key_with_a_slash_is_escaped_in_the_patch():
     settings = {**SETTINGS, "role_key": "example.com/role~x"}
-    accounts = Accounts({"example.com/role~x": "role-b", webhook.OPT_IN_ANNOTATION: "true"})
+    accounts = Accounts({"example.com/role~x": "role-b", patch.OPT_IN_ANNOTATION: "true"})
     original = pod({"keep": "1"})
-    answer = webhook.review_answer(review(original), accounts=accounts, **settings)
+    answer = webhook_review.review_answer(review(original), accounts=accounts, **settings)
     out = jsonpatch.apply_patch(original, json.loads(base64.b64decode(
         answer["response"]["patch"])))
     assert out["metadata"]["annotations"] == {"keep": "1", "example.com/role~x": "role-b"}
@@ -197,31 +199,31 @@ def test_a_role_key_with_a_slash_is_escaped_in_the_patch():
 
 @pytest.mark.parametrize("own, account, role", [
     ({ROLE_KEY: "own-role"}, OPTED_IN, "own-role"),                  # the pod's role wins
-    ({webhook.OPT_IN_ANNOTATION: "true"}, {ROLE_KEY: "role-a"}, "role-a"),
-    ({ROLE_KEY: "own-role"}, {webhook.OPT_IN_ANNOTATION: "true"}, "own-role"),
-    ({webhook.OPT_IN_ANNOTATION: "false"}, OPTED_IN, None),           # the pod opts out
-    ({webhook.OPT_IN_ANNOTATION: "no"}, OPTED_IN, None),              # only "true" opts in
+    ({patch.OPT_IN_ANNOTATION: "true"}, {ROLE_KEY: "role-a"}, "role-a"),
+    ({ROLE_KEY: "own-role"}, {patch.OPT_IN_ANNOTATION: "true"}, "own-role"),
+    ({patch.OPT_IN_ANNOTATION: "false"}, OPTED_IN, None),           # the pod opts out
+    ({patch.OPT_IN_ANNOTATION: "no"}, OPTED_IN, None),              # only "true" opts in
     ({ROLE_KEY: ""}, OPTED_IN, None),                                 # its own empty role
     ({}, {ROLE_KEY: "role-a"}, None),                                 # the account: no opt-in
-    ({}, {webhook.OPT_IN_ANNOTATION: "true"}, None),                  # ... no role
-    ({}, {ROLE_KEY: "role-a", webhook.OPT_IN_ANNOTATION: "True"}, None)])
+    ({}, {patch.OPT_IN_ANNOTATION: "true"}, None),                  # ... no role
+    ({}, {ROLE_KEY: "role-a", patch.OPT_IN_ANNOTATION: "True"}, None)])
 def test_the_pods_own_annotations_win_over_its_accounts(own, account, role):
     out = admitted_with(pod(own), Accounts(account))
     assert injected(out) == (role is not None)
     assert out["metadata"]["annotations"].get(ROLE_KEY) == (role or own.get(ROLE_KEY))
 
 
-@pytest.mark.parametrize("own", [OPTED_IN, {webhook.OPT_IN_ANNOTATION: "false"},
-                                 {ROLE_KEY: "r", webhook.OPT_IN_ANNOTATION: "false"},
-                                 {webhook.OPT_IN_ANNOTATION: "yes"},
-                                 {ROLE_KEY: "", webhook.OPT_IN_ANNOTATION: "true"}])
+@pytest.mark.parametrize("own", [OPTED_IN, {patch.OPT_IN_ANNOTATION: "false"},
+                                 {ROLE_KEY: "r", patch.OPT_IN_ANNOTATION: "false"},
+                                 {patch.OPT_IN_ANNOTATION: "yes"},
+                                 {ROLE_KEY: "", patch.OPT_IN_ANNOTATION: "true"}])
 def test_the_account_is_not_read_when_the_pod_decides(own):
     accounts = Accounts(OPTED_IN)
     admitted_with(pod(own), accounts)
     assert accounts.asked == []
 
 
-@pytest.mark.parametrize("own", [{}, {ROLE_KEY: "r"}, {webhook.OPT_IN_ANNOTATION: "true"}])
+@pytest.mark.parametrize("own", [{}, {ROLE_KEY: "r"}, {patch.OPT_IN_ANNOTATION: "true"}])
 def test_the_account_is_read_when_the_pod_leaves_an_annotation_to_it(own):
     accounts = Accounts({})
     admitted_with(pod(own), accounts)
@@ -253,16 +255,16 @@ def test_reinvoked_after_injection_nothing_changes_again():
 
 
 def test_the_flags_parse():
-    args = webhook.parse_args(["--tls-cert", "c", "--tls-key", "k"])
+    args = webhook_cli.parse_args(["--tls-cert", "c", "--tls-key", "k"])
     assert args.service_account_opt_in is False and args.kubeconfig == ""
-    args = webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
+    args = webhook_cli.parse_args(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
                                "--kubeconfig", "/k"])
     assert args.service_account_opt_in is True and args.kubeconfig == "/k"
 
 
 def test_a_kubeconfig_that_does_not_load_is_a_one_line_error(capsys, tmp_path):
     missing = tmp_path / "missing"
-    assert webhook.main(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
+    assert webhook_cli.main(["--tls-cert", "c", "--tls-key", "k", "--service-account-opt-in",
                          "--kubeconfig", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--kubeconfig {missing}" in err
@@ -271,7 +273,7 @@ def test_a_kubeconfig_that_does_not_load_is_a_one_line_error(capsys, tmp_path):
 def test_without_in_cluster_credentials_a_read_fails_and_the_pod_opt_in_still_works(
         monkeypatch, caplog):
     """Outside a pod (no KUBERNETES_SERVICE_HOST): the webhook is not down for it."""
-    from kiamfast.container_credentials import accounts
+    from kiamfast.webhook import accounts
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     cache = accounts.AccountAnnotations(accounts.service_account_read(
         accounts.api_client_without_retries))

@@ -20,7 +20,7 @@ from pathlib import Path
 import kube
 import pytest
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import server as webhook_server
 
 SETTINGS = {"role_key": "iam.amazonaws.com/role", "audience": "kiamfast.io/container-credentials",
             "expiration": 600}
@@ -87,7 +87,7 @@ def serve(volume):
     servers = []
 
     def start():
-        srv = webhook.make_server(listen=("127.0.0.1", 0), cert=str(volume.cert),
+        srv = webhook_server.make_server(listen=("127.0.0.1", 0), cert=str(volume.cert),
                                   key=str(volume.key), settings=SETTINGS)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
@@ -137,7 +137,7 @@ def test_files_rewritten_in_place_half_written_then_whole(tmp_path, caplog):
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_bytes(first[0])
     key.write_bytes(first[1])
-    server = webhook.make_server(listen=("127.0.0.1", 0), cert=str(cert), key=str(key),
+    server = webhook_server.make_server(listen=("127.0.0.1", 0), cert=str(cert), key=str(key),
                                  settings=SETTINGS)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -158,5 +158,5 @@ def test_a_pair_that_does_not_load_at_start_stops_the_webhook(tmp_path, volume):
     good, other = new_pair(tmp_path / "good"), new_pair(tmp_path / "other")
     volume.publish(other[0], good[1])
     with pytest.raises(ssl.SSLError):
-        webhook.make_server(listen=("127.0.0.1", 0), cert=str(volume.cert),
+        webhook_server.make_server(listen=("127.0.0.1", 0), cert=str(volume.cert),
                             key=str(volume.key), settings=SETTINGS)

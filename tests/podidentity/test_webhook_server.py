@@ -14,40 +14,66 @@ import time
 import kube
 import pytest
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import cli as webhook_cli
+from kiamfast.webhook import server as webhook_server
 
+API = "127.0.0.2"          # the API server's address; a pod's is 127.0.0.1
 SETTINGS = {"role_key": "iam.amazonaws.com/role", "audience": "kiamfast.io/container-credentials",
             "expiration": 600}
 
 
-@pytest.fixture
-def server(tmp_path):
+def start(tmp_path, max_connections: int = 2):
     pki = kube.make_pki(tmp_path / "pki")
-    srv = webhook.make_server(listen=("127.0.0.1", 0), cert=str(pki["cert"]),
-                              key=str(pki["key"]), settings=SETTINGS, max_connections=2)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv = webhook_server.make_server(listen=("127.0.0.1", 0), cert=str(pki["cert"]),
+                                     key=str(pki["key"]), settings=SETTINGS,
+                                     max_connections=max_connections)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
     srv.ca = pki["ca"]
-    yield srv
+    return srv
+
+
+def stop(srv) -> None:
     srv.shutdown()
     srv.server_close()
 
 
-def post(server, body: bytes, headers: dict | None = None, timeout: float = 10.0):
+@pytest.fixture
+def server(tmp_path):
+    srv = start(tmp_path)
+    yield srv
+    stop(srv)
+
+
+def post_full(server, body: bytes, headers: dict | None = None, timeout: float = 10.0,
+              source: str = "127.0.0.1"):
     context = ssl.create_default_context(cafile=str(server.ca))
     conn = http.client.HTTPSConnection("127.0.0.1", server.server_address[1], context=context,
-                                       timeout=timeout)
+                                       timeout=timeout, source_address=(source, 0))
     try:
         conn.request("POST", "/mutate", body, headers or {})
         r = conn.getresponse()
-        return r.status, r.read()
+        return r.status, dict(r.getheaders()), r.read()
     finally:
         conn.close()
 
 
-def review(uid: str) -> bytes:
+def post(server, body: bytes, headers: dict | None = None, timeout: float = 10.0,
+         source: str = "127.0.0.1"):
+    status, _, answer = post_full(server, body, headers, timeout, source)
+    return status, answer
+
+
+def tls_connection(server, source: str = "127.0.0.1") -> ssl.SSLSocket:
+    context = ssl.create_default_context(cafile=str(server.ca))
+    sock = socket.create_connection(server.server_address, timeout=5,
+                                    source_address=(source, 0))
+    return context.wrap_socket(sock, server_hostname="127.0.0.1")
+
+
+def review(uid: str, padding: int = 0) -> bytes:
+    pod = {"metadata": {"annotations": {"x": "y" * padding}} if padding else {}, "spec": {}}
     return json.dumps({"request": {"uid": uid, "operation": "CREATE", "kind": {"kind": "Pod"},
-                                   "object": {"metadata": {}, "spec": {}}}}).encode()
+                                   "object": pod}}).encode()
 
 
 def test_a_review_over_tls_is_answered(server):
@@ -56,27 +82,160 @@ def test_a_review_over_tls_is_answered(server):
     assert json.loads(body)["response"] == {"uid": "u-1", "allowed": True}
 
 
-def test_a_body_over_the_bound_is_refused_unread(server):
-    status, _ = post(server, b"", {"Content-Length": str(webhook.MAX_REVIEW_BYTES + 1)})
+def test_a_body_over_the_bound_is_refused_by_its_length(server):
+    status, _ = post(server, b"", {"Content-Length": str(webhook_server.MAX_REVIEW_BYTES + 1)})
     assert status == 413
 
 
-def test_a_client_that_never_handshakes_does_not_hold_up_others(server):
-    with socket.create_connection(server.server_address):    # TCP only, no TLS hello
-        status, _ = post(server, review("u-2"))
+def test_a_body_over_the_bound_sent_whole_gets_its_413_not_a_reset(server):
+    # As the API server sends it: all at once.  Closing with its bytes unread would reset
+    # the connection under the answer; the webhook drops them as they come instead.
+    status, body = post(server, b" " * (webhook_server.MAX_REVIEW_BYTES + 1))
+    assert status == 413 and body == b"review too large\n"
+    assert post(server, review("u-after"))[0] == 200
+
+
+def test_a_bound_fits_what_the_api_server_sends_for_the_largest_pod_etcd_stores():
+    # Measured on the real ones: a pod of 1.48 MiB of strings is stored, its review is
+    # 2 KiB larger; the API server refuses request bodies over 3 MiB, etcd values over 1.5.
+    assert 1.5 * 2**20 + 64 * 2**10 < webhook_server.MAX_REVIEW_BYTES < 3 * 2**20
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"request": {"uid": "u-t", "kind"',
+                                  json.dumps({"request": {
+                                      "uid": "u-k", "operation": "CREATE",
+                                      "kind": {"kind": "Service"}, "object": {}}}).encode()])
+def test_non_json_truncated_and_other_kinds_are_admitted_unpatched(server, body):
+    status, answer = post(server, body)
     assert status == 200
+    response = json.loads(answer)["response"]
+    assert response["allowed"] is True and "patch" not in response
 
 
-def test_connections_beyond_the_bound_are_closed_and_served_again_once_freed(server):
-    # Accepted in order by the one accepting thread: the two idle ones take both slots.
-    idle = [socket.create_connection(server.server_address) for _ in range(2)]
-    with socket.create_connection(server.server_address) as third:
-        # Closed at once, not after the handshake's read timeout as an idle one would be.
-        third.settimeout(webhook.READ_TIMEOUT / 2)
-        assert third.recv(1) == b""
-    for s in idle:
-        s.close()
-    wait_until(lambda: _served(server))
+def test_a_body_shorter_than_announced_is_dropped_and_others_still_served(server):
+    with tls_connection(server) as conn:
+        conn.sendall(b"POST /mutate HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{\"req")
+    assert post(server, review("u-short"))[0] == 200
+
+
+def test_a_header_flood_is_refused_with_431(server):
+    flood = {f"X-Flood-{i}": "x" * 1000 for i in range(60)}     # 60 KiB, 60 headers
+    status, _ = post(server, review("u-flood"), flood)
+    assert status == 431
+    assert post(server, review("u-after-flood"))[0] == 200
+
+
+def test_a_slow_sender_is_cut_at_the_request_deadline_whatever_its_reads_do(
+        server, monkeypatch):
+    monkeypatch.setattr(webhook_server, "REQUEST_DEADLINE", 1.0)
+    with tls_connection(server) as conn:
+        started = time.monotonic()
+        head = b"POST /mutate HTTP/1.1\r\nContent-Length: 10\r\n\r\n0123456789"
+        closed = False
+        for i in range(len(head)):               # a byte every 0.2 s: no read times out
+            try:
+                conn.sendall(head[i:i + 1])
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.2)
+            if time.monotonic() - started > 4:
+                break
+        conn.settimeout(2)
+        try:
+            closed = closed or conn.recv(1024) == b""
+        except OSError:
+            closed = True
+    assert closed
+    assert time.monotonic() - started < 4
+
+
+def test_a_newcomer_at_the_cap_closes_the_connection_waiting_longest(server):
+    # Both slots held by connections that handshook and sent nothing: the API server's
+    # call is served at once, and the oldest of them is closed.
+    first, second = tls_connection(server), tls_connection(server)
+    with first, second:
+        first.sendall(b"P")
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert post(server, review("u-newcomer"), timeout=5, source=API)[0] == 200
+        assert time.monotonic() - started < webhook_server.IDLE_TIMEOUT / 2
+        first.settimeout(2)
+        assert first.recv(1024) == b""
+
+
+def test_the_api_servers_connection_outlives_newcomers_of_an_address_holding_more(tmp_path):
+    # The API server's call (127.0.0.2) begins first and is the oldest waiting; newcomers
+    # of a pod (127.0.0.1) at the cap close that pod's own connections, not it.
+    srv = start(tmp_path, max_connections=3)
+    try:
+        api = tls_connection(srv, source=API)
+        body = review("u-api")
+        api.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {len(body)}\r\n".encode())
+        pod = [tls_connection(srv) for _ in range(4)]    # two fill the cap, two more evict
+        time.sleep(0.2)
+        api.sendall(b"\r\n" + body)
+        api.settimeout(5)
+        answer = api.recv(65536)
+        assert answer.startswith(b"HTTP/1.0 200"), answer
+        for conn in [api, *pod]:
+            conn.close()
+    finally:
+        stop(srv)
+
+
+def test_many_slow_connections_never_keep_the_api_servers_call_out(server):
+    senders = []
+    try:
+        for _ in range(20):                       # ten times the cap of this server
+            try:
+                conn = socket.create_connection(server.server_address, timeout=2)
+            except OSError:
+                continue
+            conn.sendall(b"\x16")                # a TLS record begun, never finished
+            senders.append(conn)
+        for i in range(5):               # the API server, from an address of its own
+            assert post(server, review(f"u-busy-{i}"), timeout=5, source=API)[0] == 200
+    finally:
+        for conn in senders:
+            conn.close()
+
+
+def test_bodies_over_the_budget_are_told_to_try_again_and_small_ones_still_served(
+        tmp_path, monkeypatch):
+    from kiamfast.webhook import limits
+    monkeypatch.setattr(limits, "BODY_BUDGET", 3 * limits.SMALL_BODY)
+    monkeypatch.setattr(limits, "BUDGET_WAIT", 0.2)
+    srv = start(tmp_path)
+    try:
+        big = 2 * limits.SMALL_BODY
+        with tls_connection(srv) as holder:       # announces a big body, sends none
+            holder.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {big}\r\n\r\n"
+                           .encode())
+            time.sleep(0.2)
+            status, headers, _ = post_full(srv, review("u-big", padding=big))
+            assert status == 429 and headers["Retry-After"] == "1"
+            assert post(srv, review("u-small"))[0] == 200
+        wait_until(lambda: post_full(srv, review("u-big2", padding=big))[0] == 200)
+    finally:
+        stop(srv)
+
+
+def test_a_review_too_costly_to_parse_is_refused_and_the_memory_is_never_taken(
+        tmp_path, monkeypatch):
+    from kiamfast.webhook import limits
+    monkeypatch.setattr(limits, "PARSE_BUDGET", 2 << 20)
+    monkeypatch.setattr(limits, "KEEP_FOR_SMALL", 0)
+    srv = start(tmp_path)
+    try:
+        dense = b'{"request": {"uid": "u-dense", "x": [' + b",".join([b"{}"] * 30000) + b"]}}"
+        assert limits.parse_cost(dense) > 2 << 20
+        status, _, body = post_full(srv, dense)
+        assert status == 413 and body == b"review too large to parse\n"
+        assert srv.parsed.used == 0
+        assert post(srv, review("u-after-dense"))[0] == 200
+    finally:
+        stop(srv)
 
 
 def _served(server) -> bool:
@@ -96,7 +255,7 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 def test_an_empty_audience_is_refused_at_start(capsys):
     # A projected token without an audience is one for the API server: never inject that.
     with pytest.raises(SystemExit):
-        webhook.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
+        webhook_cli.parse_args(["--tls-cert", "c", "--tls-key", "k", "--audience", ""])
     assert "--audience: must not be empty" in capsys.readouterr().err
 
 

@@ -21,12 +21,12 @@ from test_webhook_apiserver import (
     unique,
 )
 
-from kiamfast.container_credentials import webhook
+from kiamfast.webhook import patch
 
 pytestmark = pytest.mark.kube_apiserver
 
-OPT_IN = webhook.OPT_IN_ANNOTATION
-TOKEN_FILE = f"{webhook.MOUNT_PATH}/{webhook.TOKEN_FILE}"
+OPT_IN = patch.OPT_IN_ANNOTATION
+TOKEN_FILE = f"{patch.MOUNT_PATH}/{patch.TOKEN_FILE}"
 
 
 def annotate_service_account(admin, ns: str, name: str, annotations: dict[str, str]) -> None:
@@ -68,11 +68,11 @@ def test_pods_of_an_opted_in_account_are_stored_with_its_role_and_the_injection(
         assert env_of(app) == {
             "AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials",
             "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": TOKEN_FILE}
-        assert {"name": webhook.VOLUME, "mountPath": webhook.MOUNT_PATH,
+        assert {"name": patch.VOLUME, "mountPath": patch.MOUNT_PATH,
                 "readOnly": True} in app["volumeMounts"]
-        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == webhook.VOLUME)
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == patch.VOLUME)
         assert volume["projected"]["sources"] == [{"serviceAccountToken": {
-            "audience": AUDIENCE, "expirationSeconds": 600, "path": webhook.TOKEN_FILE}}]
+            "audience": AUDIENCE, "expirationSeconds": 600, "path": patch.TOKEN_FILE}}]
     assert injected(own_role) and own_role["metadata"]["annotations"] == {ROLE_KEY: "role-own"}
     assert not injected(opted_out)
     assert opted_out["metadata"]["annotations"] == {OPT_IN: "false"}

@@ -218,7 +218,7 @@ by kiamfast.validate, which every template includes first; it is idempotent.
 {{- if not (hasKey $cc $key) }}{{ $_ := set $cc $key $value }}{{ end -}}
 {{- end -}}
 {{- $webhook := $cc.webhook -}}
-{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) "serviceAccountOptIn" true "extraEnv" (dict) -}}
+{{- range $key, $value := dict "uriFamily" "ipv4" "certManager" (dict "enabled" false "issuerRef" (dict)) "serviceAccountOptIn" true "extraEnv" (dict) "networkPolicy" (dict "enabled" false "apiServerCIDRs" (list)) -}}
 {{- if not (hasKey $webhook $key) }}{{ $_ := set $webhook $key $value }}{{ end -}}
 {{- end -}}
 {{- end -}}

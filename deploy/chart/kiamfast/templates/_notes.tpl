@@ -50,7 +50,7 @@ agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities, and ho
 
 NOTE: rbac.create is false: the ServiceAccount "{{ .Values.rbac.serviceAccountName }}" needs get, list, watch
 on pods and namespaces and get, patch on nodes (for the startup taint){{ if .Values.containerCredentials.enabled }},
-and create on tokenreviews.authentication.k8s.io (for container credentials){{ end }}
+and create on tokenreviews.authentication.k8s.io and on events (for container credentials){{ end }}
 {{- with .Values.containerCredentials.webhook }}{{ if and .enabled .serviceAccountOptIn }};
 the injection webhook runs as it too and needs get on serviceaccounts (the opt-in by ServiceAccount){{ end }}{{ end }}.
 {{- end }}

@@ -149,6 +149,11 @@ would render as Go's text of it, which no program means). */}}
 {{- fail (printf "containerCredentials.webhook.serviceAccountOptIn %v: true or false (a string such as \"false\" would read as on)" $cc.webhook.serviceAccountOptIn) -}}
 {{- end -}}
 {{- include "kiamfast.validateEnv" (list "containerCredentials.webhook.extraEnv" $cc.webhook.extraEnv) -}}
+{{- with $cc.webhook.networkPolicy -}}
+{{- if and .enabled (or (not (kindIs "slice" .apiServerCIDRs)) (not .apiServerCIDRs)) -}}
+{{- fail "containerCredentials.webhook.networkPolicy.enabled needs apiServerCIDRs: the API server's source addresses as CIDRs, e.g. [10.0.0.0/16] (a rule without sources would admit every pod)" -}}
+{{- end -}}
+{{- end -}}
 {{- with $cc.webhook.certManager.issuerRef -}}
 {{- if not (and (kindIs "map" .) (kindIs "string" .name) .name) -}}
 {{- fail "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA issuer) or a cert-manager issuerRef with a name, e.g. {name: my-ca, kind: ClusterIssuer}" -}}

@@ -58,12 +58,17 @@ def service_account_read(make_client: Callable[[], Any]) -> Callable[[str, str],
 
 
 def api_client_without_retries(*, kubeconfig: str = "") -> Any:
-    """The webhook's API client: like the agent's (`--kubeconfig`, else in-cluster), with
-    urllib3's retries off so `READ_TIMEOUT` bounds a whole read."""
+    """The webhook's API client: `--kubeconfig`, else in-cluster (as the agent's, which the
+    webhook does not import), with urllib3's retries off so `READ_TIMEOUT` bounds a whole
+    read."""
     from kubernetes import client as kclient
+    from kubernetes import config as kconfig
 
-    from kiamfast.control.pods import make_api_client
-    configuration = make_api_client(kubeconfig=kubeconfig).configuration
+    configuration = kclient.Configuration()
+    if kubeconfig:
+        kconfig.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        kconfig.load_incluster_config(client_configuration=configuration)
     configuration.retries = False
     return kclient.ApiClient(configuration)
 
