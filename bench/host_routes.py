@@ -1,7 +1,7 @@
 """What the route watch (kiamfast/control/cri/routes.py) costs the control process on a node
 with ``pods`` pods routed as the CNI ``ptp`` plugin routes them (a veth per pod, the peer in
-the pod's namespace, a /32 host route on the host end; IPv6 link-local routes as the kernel
-adds them), in a host namespace of its own (root).
+the pod's namespace, the gateway address and a /32 host route on the host end; IPv6
+link-local routes as the kernel adds them), in a host namespace of its own (root).
 
 Measured: ``open`` (subscribe and the first dumps of links, routes and rules), a
 ``refresh`` after one pod started (its notifications read, then links and routes dumped
@@ -56,6 +56,13 @@ def address(n: int) -> str:
     return f"10.9.{n // 200}.{n % 200 + 1}"
 
 
+def pod_lines(n: int, netns: str) -> list[str]:
+    return [f"link add kfv{n} type veth peer name eth0 netns {netns}",
+            f"addr add 10.9.255.1/32 dev kfv{n}",            # ptp's gateway, on every end
+            f"link set kfv{n} up",
+            f"route add {address(n)}/32 dev kfv{n} scope host"]
+
+
 def pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
@@ -72,10 +79,9 @@ def main() -> None:
         for name in [host, *pods]:
             subprocess.run(["ip", "netns", "add", name], check=True)
             made.append(name)
-        ip_batch(host, [line for n in range(args.pods) for line in (
-            f"link add kfv{n} type veth peer name eth0 netns {pods[n]}",
-            f"link set kfv{n} up",
-            f"route add {address(n)}/32 dev kfv{n} scope link")])
+        ip_batch(host, [line for n in range(args.pods) for line in pod_lines(n, pods[n])])
+        for name in pods[:args.pods]:                       # the pods' ends up: carrier
+            ip_batch(name, ["link set eth0 up"])
         time.sleep(1.0)                                     # IPv6 link-local settles
         opens, idle, after_start, asks = [], [], [], []
         for r in range(args.rounds):
@@ -87,9 +93,8 @@ def main() -> None:
             w.refresh()
             idle.append(time.perf_counter() - t0)
             n = args.pods + r                               # one more pod starts
-            ip_batch(host, [f"link add kfv{n} type veth peer name eth0 netns {pods[n]}",
-                            f"link set kfv{n} up",
-                            f"route add {address(n)}/32 dev kfv{n} scope link"])
+            ip_batch(host, pod_lines(n, pods[n]))
+            ip_batch(pods[n], ["link set eth0 up"])
             t0 = time.perf_counter()
             w.refresh()
             after_start.append(time.perf_counter() - t0)
@@ -99,10 +104,12 @@ def main() -> None:
             asks.append(time.perf_counter() - t0)
             assert kept == [True] * args.pods, kept
             w.close()
-        dumps = in_netns(host, lambda: subprocess.run(
-            ["ip", "-o", "route", "show", "table", "all"], capture_output=True,
-            text=True).stdout.count("\n"))
-        print(f"{args.pods} pods ({dumps} routes in all tables), {args.rounds} rounds")
+        routes = sum(len(subprocess.run(["ip", "-n", host, *family, "-o", "route", "show",
+                                         "table", "all"], capture_output=True,
+                                        text=True).stdout.splitlines())
+                     for family in (["-4"], ["-6"]))
+        print(f"{args.pods} pods ({routes} IPv4 and IPv6 routes in all tables), "
+              f"{args.rounds} rounds")
         for what, values in (("open (subscribe + first dumps)", opens),
                              ("refresh, nothing changed", idle),
                              ("refresh after one pod started", after_start),

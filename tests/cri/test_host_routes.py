@@ -238,6 +238,20 @@ def test_policy_rules_that_may_divert_replies_leave_no_evidence(host, namespaces
     assert w.path_kept("10.9.0.5", view_now(w)) is True
 
 
+def test_a_unicast_route_in_the_local_table_leaves_no_evidence(host, namespaces):
+    """The local table is asked before main: a route there may take replies elsewhere."""
+    w = watch_in(host)
+    pod_veth(host, namespaces("a"), "kfv1", "10.9.0.5/32")
+    pod_veth(host, namespaces("b"), "kfv2")
+    since = view_now(w)
+    host.ip("route", "add", "10.9.0.0/24", "dev", "kfv2", "table", "local")
+    w.drain()
+    assert w.path_kept("10.9.0.5", since) is None
+    assert w.path_kept("10.9.0.5", view_now(w)) is None
+    host.ip("route", "del", "10.9.0.0/24", "dev", "kfv2", "table", "local")
+    assert w.path_kept("10.9.0.5", view_now(w)) is True
+
+
 def test_a_local_address_inside_a_source_rule_leaves_no_evidence(host, namespaces):
     """`from P lookup T` is harmless only while the host holds no address in P: a reply
     leaves from the address the pod connected to."""

@@ -209,9 +209,10 @@ def inert(rule: Rule, local: Counter) -> bool:
     """Can this rule, in front of the main table, never send the agent's reply to a pod
     anywhere but where the main table does?
 
-    * a lookup of the main table (whatever selects it), or of the local table (an address
-      the local table covers never gets a reply out of the host), a nop, or a drop (a
-      dropped reply reaches nobody);
+    * a lookup of the main table (whatever selects it), or of the local table (its routes
+      to the host's own addresses keep a reply in the host; a unicast route someone put
+      there leaves no evidence, `path_kept`), a nop, or a drop (a dropped reply reaches
+      nobody);
     * a rule for traffic arriving on an interface other than ``lo``: the agent's replies
       are generated locally (the kernel matches them as arriving on ``lo``);
     * a rule for traffic from a prefix that holds no local address of the host: a reply
@@ -253,6 +254,7 @@ class _Family:
     """What the watch knows of one address family."""
     host: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)  # ip -> (oif, plain)
     local: Counter = field(default_factory=Counter)    # prefixes of the host's own addresses
+    local_unicast: int = 0     # unicast routes in the local table (it is asked before main)
     rules: list[Rule] = field(default_factory=list)
     from_prefixes: Counter = field(default_factory=Counter)  # rules harmless by their source
     inert: bool = False
@@ -351,7 +353,7 @@ class RouteWatch:
         fam = self._fam[6 if ":" in ip else 4]
         if (touched > fam.routes_ns or self._reset_ns > min(fam.routes_ns, fam.rules_ns)
                 or fam.local_dirty or fam.rules_dirty or fam.policy_changed_ns > since_ns
-                or not fam.inert):
+                or not fam.inert or fam.local_unicast):
             return None                 # state older than its last change, or policy
         entries = fam.host.get(ip)
         if not entries or len(entries) != 1:
@@ -409,6 +411,9 @@ class RouteWatch:
                 self._veths.add(index)
             else:
                 self._veths.discard(index)
+            for fam in self._fam.values():
+                if fam.local_unicast and kind == RTM_DELLINK:
+                    fam.local_dirty = True  # its routes went silently: count them again
         elif kind in (RTM_NEWROUTE, RTM_DELROUTE) and len(payload) >= RTMSG.size:
             self._note_route(kind, payload, touched, policy)
         elif kind in (RTM_NEWRULE, RTM_DELRULE) and len(payload) >= RTMSG.size:
@@ -440,6 +445,11 @@ class RouteWatch:
                 if RTA_OIF in attrs:
                     self._on_link.setdefault(U32.unpack(attrs[RTA_OIF][:4])[0], set()).add(ip)
                 fam.routes_dirty = True
+        elif rtype == RTN_UNICAST:
+            # the local table is asked first: a unicast route there may take replies away
+            fam.local_unicast = max(0, fam.local_unicast + (1 if kind == RTM_NEWROUTE else -1))
+            if kind == RTM_NEWROUTE:
+                policy.add(fam_no)
         elif rtype == RTN_LOCAL:
             dst = _attrs(payload, RTMSG.size).get(RTA_DST)
             if dst is None:
@@ -535,10 +545,9 @@ class RouteWatch:
         self._veths, self._links_dirty = veths, False
         return True
 
-    def _route_dump(self, family: int, table: int, rtype: int) -> tuple[int, list[bytes]] | None:
-        # with strict checking the kernel sends only that table (and type)
-        header = RTMSG.pack(family, 0, 0, 0, table if self._strict else 0, 0, 0,
-                            rtype if self._strict else 0, 0)
+    def _route_dump(self, family: int, table: int) -> tuple[int, list[bytes]] | None:
+        # with strict checking the kernel sends only that table
+        header = RTMSG.pack(family, 0, 0, 0, table if self._strict else 0, 0, 0, 0, 0)
         return self._consistent_dump(RTM_GETROUTE, header)
 
     def _dump_routes(self, fam_no: int) -> bool:
@@ -546,18 +555,21 @@ class RouteWatch:
         fam = self._fam[fam_no]
         host_len = HOST_LEN[fam_no]
         if fam.local_dirty:
-            got = self._route_dump(family, RT_TABLE_LOCAL, RTN_LOCAL)
+            got = self._route_dump(family, RT_TABLE_LOCAL)
             if got is None:
                 return False
             local: Counter = Counter()
+            fam.local_unicast = 0
             for payload in got[1]:
                 _, dst_len, _, _, table, _, _, rtype, _ = RTMSG.unpack_from(payload)
-                if table == RT_TABLE_LOCAL and rtype == RTN_LOCAL:
+                if table == RT_TABLE_LOCAL and rtype == RTN_UNICAST:
+                    fam.local_unicast += 1
+                elif table == RT_TABLE_LOCAL and rtype == RTN_LOCAL:
                     dst = _attrs(payload, RTMSG.size).get(RTA_DST)
                     if dst is not None:
                         local[_prefix(dst, dst_len)] += 1
             fam.local, fam.local_dirty = local, False
-        got = self._route_dump(family, RT_TABLE_MAIN, 0)
+        got = self._route_dump(family, RT_TABLE_MAIN)
         if got is None:
             return False
         started, payloads = got
