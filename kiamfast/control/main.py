@@ -36,6 +36,7 @@ from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config, container_credentials_addrs
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
+from kiamfast.control.cri import routes as host_routes
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher
@@ -72,6 +73,8 @@ class ControlProcess:
         self.watcher = None
         self.manager: CredentialManager | None = None
         self.poller: runtime.RuntimePoller | None = None
+        self.routes: host_routes.RouteWatch | None = None   # the runtime fallback's witness
+        self._routes_fd = -1
         self.runtime_state = "disabled"       # for /healthz: disabled | ok | unreachable: ...
         # Whether addresses follow the runtime: an endpoint was given or found, or the table
         # a previous control process left was decided by one (never drop its freshness
@@ -136,13 +139,15 @@ class ControlProcess:
         # again (ownership.py, "Restarts").
         self.manager.adopt(self._credential_slots())
         self.poller = self._runtime_poller()
+        self.routes = self._watch_host_routes(loop)
         self.model = Ownership(policy=RolePolicy.from_config(self.config), table=self.table,
                                sink=self.manager, notify=self.notify,
                                adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
                                                    ip["cred_slot"])
                                         for ip in self.table.snapshot()},
                                expect_runtime=self.runtime_expected,
-                               token_only=self._token_only(), slot_refs=slot_refs)
+                               token_only=self._token_only(), slot_refs=slot_refs,
+                               routes=self.routes)
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
@@ -254,14 +259,38 @@ class ControlProcess:
                                      on_state=self._on_runtime_state,
                                      on_failure=self._on_runtime_failure, backoff_max=5.0)
 
+    def _watch_host_routes(self, loop: asyncio.AbstractEventLoop
+                           ) -> host_routes.RouteWatch | None:
+        """The host's routes to pod addresses, the runtime fallback's second witness
+        (ownership.py, `_agreement_holds`); only where there is a runtime to fall back from.
+        Notifications are read as they come, so each change is dated when it happened."""
+        if self.poller is None:
+            return None
+        watch = host_routes.RouteWatch()
+        if not watch.open():
+            return None
+        self._routes_fd = watch.fileno()
+        loop.add_reader(self._routes_fd, self._drain_routes)
+        return watch
+
+    def _drain_routes(self) -> None:
+        assert self.routes is not None
+        self.routes.drain()
+        if not self.routes.watching:   # it gave up (logged): every answer is None now
+            asyncio.get_running_loop().remove_reader(self._routes_fd)
+
     def _on_view(self, view: runtime.RuntimeView) -> None:
         self.runtime_expected = True
+        if self.routes is not None:   # re-read what changed, for the next outage
+            self.routes.refresh(prune_before_ns=view.started_ns)
         self.model.apply_runtime(view)
         self.model.commit()
         self.runtime_settled.set()
 
     def _on_runtime_failure(self, started_ns: int) -> None:
         if self.runtime_expected:     # else: an 'auto' socket not found yet (API mode)
+            if self.routes is not None:   # every change until after this attempt began
+                self.routes.refresh()
             self.model.runtime_failed(started_ns)
             self.model.commit()
         self.runtime_settled.set()
@@ -509,6 +538,10 @@ class ControlProcess:
             self.sts.close()
         if self.container is not None:
             self.container.close()
+        if self.routes is not None:
+            if self.routes.watching:
+                asyncio.get_running_loop().remove_reader(self._routes_fd)
+            self.routes.close()
         if self.config.iptables and self.config.iptables_remove_on_exit:
             try:
                 iptables.remove_rules(self.config)

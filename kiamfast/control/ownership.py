@@ -24,7 +24,11 @@ Two sources, one rule each:
   the agent has not seen yet.  Where no runtime is configured, the API is also the source
   of ownership, with the rules below.  While a configured runtime cannot be asked, its last
   view may only take owners away: an address keeps an owner only where that view and the
-  API's rules name the same pod (`_fallback`).
+  API's rules name the same pod, and only while nothing says the sandbox behind it may
+  have changed (`_fallback`): where the CNI routes each pod's address to its own veth,
+  the host's route to it unchanged since that view began (`RouteEvidence`,
+  `kiamfast.control.cri.routes`); elsewhere, no pod of the API that could sit on an
+  address unseen by both.
 
 API ownership (only without a runtime view):
 
@@ -156,6 +160,16 @@ class _Written(dict):
         return written
 
 
+class HostRoutesLike(Protocol):
+    """The kernel's second witness while the runtime cannot be asked
+    (`kiamfast.control.cri.routes.RouteWatch`)."""
+    generation: int   # bumped whenever an answer of path_kept may have changed
+
+    def path_kept(self, ip: str, since_ns: int) -> bool | None:
+        """True: replies to `ip` have gone down one pod veth ever since `since_ns`; False:
+        its host route or link changed since; None: no evidence either way."""
+
+
 def _default_request_factory(**fields: Any) -> Any:
     from kiamfast.control.iam.keys import CredentialRequest
     return CredentialRequest(**fields)
@@ -233,6 +247,38 @@ class _Pod:
                              and self.phase in LIVE_PHASES)
 
 
+class RouteEvidence:
+    """What the host's routes say about each address of the runtime's last view, as of the
+    last commit: True (the path to it is unchanged since that view began), False (it
+    changed), None (no evidence).  Asked again only when the routes or the view changed."""
+
+    def __init__(self, routes: HostRoutesLike | None) -> None:
+        self.routes = routes
+        self._kept: dict[str, bool | None] = {}
+        self._asked: tuple[int, int] | None = None   # (routes generation, since_ns)
+
+    def kept(self, ip: str) -> bool | None:
+        return self._kept.get(ip)
+
+    def refresh(self, addresses: Iterable[str], *, since_ns: int) -> set[str]:
+        """Ask again for every address; returns those whose answer changed."""
+        if self.routes is None:
+            return set()
+        asked = (self.routes.generation, since_ns)
+        if asked == self._asked:
+            return set()
+        self._asked = asked
+        kept = {ip: self.routes.path_kept(ip, since_ns) for ip in addresses}
+        changed = {ip for ip in kept.keys() | self._kept.keys()
+                   if kept.get(ip) != self._kept.get(ip)}
+        self._kept = kept
+        return changed
+
+    def forget(self) -> None:
+        """A new outage: nothing asked yet."""
+        self._kept, self._asked = {}, None
+
+
 class Ownership:
     """The node's pods, their identities and their addresses; the table's only writer of
     IP slots.  Feed it events and runtime views, then `commit()`."""
@@ -252,6 +298,7 @@ class Ownership:
         expect_runtime: bool = False,
         token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
         slot_refs: Counter | None = None,
+        routes: HostRoutesLike | None = None,
     ) -> None:
         self.policy = policy
         self.token_only = token_only   # container_credentials/token_only.py
@@ -282,6 +329,7 @@ class Ownership:
         # applied.
         self._runtime_stale = False
         self._newcomer_unplaced = False             # the fallback's guard, as last applied
+        self._route_evidence = RouteEvidence(routes)  # the kernel's word per agreed address
         self._failed_ns = 0
         self._published_failed = 0
         self._runtime_ips: dict[str, set[str]] = {}  # uid -> ips, the same view inverted
@@ -533,6 +581,7 @@ class Ownership:
             for ip, uid in self._runtime.items():
                 self._runtime_ips.setdefault(uid, set()).add(ip)
         self._newcomer_unplaced = self._unplaced_newcomer()
+        self._route_evidence.forget()
         self._dirty_ips.update(self._written)
         self._dirty_ips.update(self._claimants)
         self._dirty_ips.update(self._runtime)
@@ -604,6 +653,8 @@ class Ownership:
             if unplaced != self._newcomer_unplaced:
                 self._newcomer_unplaced = unplaced
                 self._dirty_ips.update(self._runtime)   # the guard moves every agreement
+            self._dirty_ips.update(self._route_evidence.refresh(self._runtime or {},
+                                                                since_ns=self._verified_ns))
         claims: list[tuple[str, Written]] = []
         releases: list[tuple[str, str]] = []
         for ip in sorted(self._dirty_ips):
@@ -776,18 +827,32 @@ class Ownership:
         Its last view is old evidence: the agent's link to the runtime can break while the
         kubelet goes on stopping and starting sandboxes, so that view may only ever take an
         owner away.  The address keeps an owner only where the last view and the API name
-        the same pod, and only while no pod of the node could hold an address unseen by
-        both (a pod the last view did not show, whose address the API has not published:
-        it may sit on an address a dead pod freed while the API still shows the dead one).
-        Where they disagree nobody owns the address: it is written undecided (workers wait,
-        then answer 503: the SDK retries) until a poll succeeds.  Where neither names a
-        pod, it is free (404)."""
+        the same pod, and only while nothing says the sandbox behind it may have changed
+        (`_agreement_holds`).  Otherwise nobody owns the address: it is written undecided
+        (workers wait, then answer 503: the SDK retries) until a poll succeeds.  Where
+        neither names a pod, it is free (404)."""
         seen = self._runtime.get(ip) if self._runtime is not None else None
         if seen is None and api_owner is None:
             return None
-        if seen == api_owner and not self._newcomer_unplaced:
+        if seen == api_owner and self._agreement_holds(ip):
             return self._entry(seen)
         return (api_owner or seen, POD_UNDECIDED, -1)   # type: ignore[return-value]
+
+    def _agreement_holds(self, ip: str) -> bool:
+        """Does an address the last view and the API agree on keep its owner?
+
+        The host's route to it decides where it has one (`RouteEvidence`): unchanged since
+        the last view began, the replies still go to that view's sandbox, whoever else
+        started meanwhile; changed, the sandbox may have changed.  Without that evidence
+        (bridge CNIs, policy routing that may divert replies) the strict rule: only while
+        no pod of the node could hold an address unseen by both (a pod the last view did
+        not show, whose address the API has not published: it may sit on an address a dead
+        pod freed while the API still shows the dead one).  That pod's own requests wait
+        either way (pending_pods)."""
+        kept = self._route_evidence.kept(ip)
+        if kept is not None:
+            return kept
+        return not self._newcomer_unplaced
 
     def _unplaced_newcomer(self) -> bool:
         """A live pod of the API that the last view did not show and whose address the API

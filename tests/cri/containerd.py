@@ -70,7 +70,7 @@ def unavailable_reason() -> str | None:
     for tool in ("containerd", "runc", "ctr", "containerd-shim-runc-v2"):
         if shutil.which(tool) is None:
             return f"real-containerd tests need `{tool}` (containerd): run `{SETUP}`"
-    for plugin in ("bridge", "host-local", "loopback"):
+    for plugin in ("bridge", "ptp", "host-local", "loopback"):
         if not (CNI_BIN / plugin).exists():
             return (f"real-containerd tests need {CNI_BIN / plugin} "
                     f"(containernetworking-plugins): run `{SETUP}`")
@@ -206,8 +206,11 @@ class Containerd:
     """One containerd with its own everything; `start()`, use, `close()`."""
 
     def __init__(self, *, netns: str | None = None, subnet: str = "10.88.0.0/24",
-                 subnet6: str | None = None, call_timeout: float = 10.0) -> None:
+                 subnet6: str | None = None, call_timeout: float = 10.0,
+                 cni: str = "bridge") -> None:
         sweep_stale_runs()
+        assert cni in ("bridge", "ptp"), cni
+        self.cni = cni        # ptp: a veth and a host route per pod, as Calico or the AWS CNI
         self.netns = netns
         self.subnet = ipaddress.ip_network(subnet)
         self.subnet6 = ipaddress.ip_network(subnet6) if subnet6 else None
@@ -241,10 +244,12 @@ class Containerd:
                 (self.dir / sub).mkdir(parents=True)
             (self.dir / "config.toml").write_text(self._config())
             # what a sweep after a killed run needs to find the bridge again
-            (self.dir / "owner.json").write_text(json.dumps({"bridge": self.bridge,
+            bridge = self.bridge if self.cni == "bridge" else None
+            (self.dir / "owner.json").write_text(json.dumps({"bridge": bridge,
                                                               "netns": self.netns}))
             self._write_conflist()
-            self._make_bridge()
+            if self.cni == "bridge":
+                self._make_bridge()
         self._spawn()
         if first:
             self.import_image(build_pause_image())
@@ -392,11 +397,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if self.subnet6:
             ranges.append([{"subnet": str(self.subnet6), "gateway": self.gateway6}])
             routes.append({"dst": "::/0"})
-        conflist = {"cniVersion": "0.4.0", "name": f"kiamfast-{self.dir.name}", "plugins": [{
-            "type": "bridge", "bridge": self.bridge, "isGateway": False, "ipMasq": False,
-            "ipam": {"type": "host-local", "dataDir": str(self.dir / "ipam"),
-                     "ranges": ranges, "routes": routes},
-        }]}
+        ipam = {"type": "host-local", "dataDir": str(self.dir / "ipam"), "ranges": ranges,
+                "routes": routes}
+        # ptp puts the gateway address on every host end and a host route to the pod on it
+        plugin = ({"type": "ptp", "ipMasq": False, "ipam": ipam} if self.cni == "ptp" else
+                  {"type": "bridge", "bridge": self.bridge, "isGateway": False,
+                   "ipMasq": False, "ipam": ipam})
+        conflist = {"cniVersion": "0.4.0", "name": f"kiamfast-{self.dir.name}",
+                    "plugins": [plugin]}
         target = self.dir / "cni" / "10-kiamfast.conflist"
         tmp = self.dir / "cni" / ".conflist.tmp"   # not a name libcni loads
         tmp.write_text(json.dumps(conflist, indent=1))

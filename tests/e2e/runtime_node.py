@@ -109,23 +109,26 @@ class RuntimeNode(Node):
     """A :class:`Node` with a real containerd in its network namespace; pods are sandboxes."""
 
     def __init__(self, workdir: Path, *, taint: bool = True, host_ip: str = "10.77.0.1",
-                 subnet: str = "10.88.0.0/24", subnet6: str | None = "fd00:88::/64") -> None:
+                 subnet: str = "10.88.0.0/24", subnet6: str | None = "fd00:88::/64",
+                 cni: str = "bridge") -> None:
         self.runtime: Containerd | None = None
+        self.cni = cni
         super().__init__(workdir, taint=taint, host_ip=host_ip)
         try:
             self.runtime = self._new_runtime(subnet=subnet, subnet6=subnet6).start()
-            # A bridge whose MAC was never set takes the lowest MAC of its ports, so it
-            # changes when a sandbox's veth leaves; pods that cached the old one lose the
-            # node for up to half a minute (netns.py pins kfbr0's for the same reason).
-            self.net.ns.run(["ip", "link", "set", self.runtime.bridge, "address",
-                             SANDBOX_BRIDGE_MAC], check=True)
+            if cni == "bridge":
+                # A bridge whose MAC was never set takes the lowest MAC of its ports, so it
+                # changes when a sandbox's veth leaves; pods that cached the old one lose
+                # the node for up to half a minute (netns.py pins kfbr0's for that reason).
+                self.net.ns.run(["ip", "link", "set", self.runtime.bridge, "address",
+                                 SANDBOX_BRIDGE_MAC], check=True)
         except BaseException:
             self.close()
             raise
 
     def _new_runtime(self, *, subnet: str, subnet6: str | None) -> Containerd:
         """The node's containerd, not started yet (a subclass may run it elsewhere)."""
-        return Containerd(netns=self.net.name, subnet=subnet, subnet6=subnet6)
+        return Containerd(netns=self.net.name, subnet=subnet, subnet6=subnet6, cni=self.cni)
 
     @property
     def containerd(self) -> Containerd:
@@ -134,7 +137,8 @@ class RuntimeNode(Node):
 
     @property
     def host_interface(self) -> str:   # type: ignore[override]
-        return self.containerd.bridge
+        # ptp names each pod's host end veth<random hex>
+        return self.containerd.bridge if self.cni == "bridge" else "veth+"
 
     @property
     def cri_endpoint(self) -> str:   # type: ignore[override]

@@ -130,7 +130,7 @@ class StartupTaint:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
 
-    def _on_list(self, items: list[dict[str, Any]]) -> None:
+    def _on_list(self, items: list[dict[str, Any]], list_rv: int) -> None:
         for node in items:
             self._check(node)
 

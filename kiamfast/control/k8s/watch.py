@@ -68,14 +68,14 @@ class WatchTimings:
 
 @dataclass
 class ResourceWatch:
-    """LIST + WATCH of ``path`` (e.g. ``/api/v1/pods``), handing ``on_list(items)`` and
+    """LIST + WATCH of ``path`` (e.g. ``/api/v1/pods``), handing ``on_list(items, list_rv)`` and
     ``on_event(type, object)`` to the caller on the event loop, in order (the caller
     coalesces its commits: a burst of events read at once costs one)."""
 
     client: Any                                   # kiamfast.kube.client.Client
     name: str                                     # for logs and counters
     path: str
-    on_list: Callable[[list[dict[str, Any]]], None]
+    on_list: Callable[[list[dict[str, Any]], int], None]
     on_event: Callable[[str, dict[str, Any]], None]
     params: Mapping[str, str] = field(default_factory=dict)   # e.g. a fieldSelector
     timings: WatchTimings = field(default_factory=WatchTimings)
@@ -154,7 +154,7 @@ class ResourceWatch:
         items = body.get("items") or []
         rv = (body.get("metadata") or {}).get("resourceVersion") or ""
         log.debug("%s list: %d items at resourceVersion %s", self.name, len(items), rv)
-        self.on_list(items)
+        self.on_list(items, _int_rv(rv))
         self.listed.set()
         return rv
 
@@ -206,6 +206,13 @@ def watch_event(line: bytes) -> Event:
         raise WatchNotStreaming(f"the body was not watch events ({_excerpt(line)})",
                                 kind="bad_watch_bodies")
     return ev["type"], ev.get("object") or {}
+
+
+def _int_rv(rv: str) -> int:
+    try:
+        return int(rv)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _excerpt(data: bytes, limit: int = 80) -> str:
