@@ -3,7 +3,9 @@
 Each option runs in a fresh interpreter (``python bench/sts_client.py --child OPTION ...``),
 seven times by default, the options interleaved; the table gives medians of
 
-  * ``create``: import of what the option needs and the first client ready to call (s);
+  * ``create``: import of what the option needs and the first client ready to call (s,
+    wall clock; ``create CPU``: the process's CPU seconds for it, less disturbed by whatever
+    else the machine runs);
   * ``peak``: the process's peak RSS after that first call (VmHWM, MiB); with
     ``--base control`` the child first imports what the control process has imported once
     its pod watch runs (``kiamfast.control.main`` and kubernetes' client) and the table shows
@@ -26,19 +28,20 @@ Options:
 The AWS clients here use static credentials and AWS_EC2_METADATA_DISABLED=true; the only
 STS is moto's server on 127.0.0.1.  ``python bench/sts_client.py [--runs 7] [--base control]``.
 
-Measured here (2 shared cores, Python 3.11.7, botocore 1.44.8; create times are noisy):
+Measured here (2 shared cores, Python 3.11.7, botocore 1.44.8, median of 7; wall times
+are noisy on this machine, CPU seconds less so):
 
-| option   | bare: create s / peak MiB | control: create s / added MiB | first AssumeRole s |
-|----------|---------------------------|-------------------------------|--------------------|
-| today    | 0.38 / 41.7               | 0.35 / 15.9                   | 0.016-0.019        |
-| kiamfast | 0.34 / 35.9 (with asyncio) | 0.21 / 7.5                   | 0.014-0.021        |
-| signer   | 0.30 / 33.6               | 0.11 / 6.4                    | 0.008-0.015        |
-| floor    | 0.31 / 33.2               | 0.11 / 6.0                    | -                  |
-| bare     | - / 13.9                  | - / 0 (88.0 MiB base)         | -                  |
+| option   | control base: create wall / CPU s, MiB added | bare: peak MiB | first AssumeRole s |
+|----------|-----------------------------------------------|----------------|--------------------|
+| today    | 0.395 / 0.152, 15.9                           | 41.7           | 0.017-0.036        |
+| kiamfast | 0.132 / 0.066, 7.4                            | 35.9 (asyncio) | 0.017-0.029        |
+| signer   | 0.176 / 0.075, 6.4                            | 33.7           | 0.018-0.026        |
+| floor    | 0.094 / 0.060, 6.0                            | 33.3           | -                  |
+| bare     | 88.0 MiB base                                 | 14.0           | -                  |
 
-Of kiamfast's build beyond ``import botocore.session`` (about 70 ms profiled), half is
-botocore's loader listing every service directory (~900 listdir) to check that ``sts``
-exists; the legacy table it no longer loads was 8 MiB and ~40 ms.
+kiamfast's client left out botocore's legacy endpoint table (8 MiB, ~40 ms) and its
+loader's walk of every service directory (~35 ms); what is left above the floor is the STS
+model and botocore's client object (1.4 MiB, ~6 ms of CPU).
 """
 from __future__ import annotations
 
@@ -154,12 +157,14 @@ def child(option: str, url: str, base: str) -> dict:
         for name in ("kiamfast.control.main", "kubernetes.client", "kubernetes.config"):
             importlib.import_module(name)
     before = _rss_kib()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     make = {"today": _today, "kiamfast": _kiamfast, "signer": _signer, "floor": _floor,
             "bare": lambda url: None}[option]
     call = make(url)
     created = time.perf_counter() - t0
-    out = {"create": created, "rss_before": before, "peak_created": _peak_kib()}
+    out = {"create": created, "create_cpu": time.process_time() - cpu0,
+           "rss_before": before, "peak_created": _peak_kib()}
     if call is not None:
         t1 = time.perf_counter()
         assert call("bench-1").startswith("ASIA")
@@ -197,13 +202,14 @@ def table(results: dict[str, list[dict]], base: str) -> str:
         return statistics.median(vals) if vals else float("nan")
 
     mib = 1 / 1024
-    head = ("| option | create (s) | peak RSS (MiB) | " +
+    head = ("| option | create (s) | create CPU (s) | peak RSS (MiB) | " +
             ("added over the control imports (MiB) | " if base == "control" else "") +
             "first AssumeRole (s) | second (s) | botocore modules |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for option, rows in results.items():
         added = [(r["peak"] - r["rss_before"]) * mib for r in rows]
-        cells = [option, f"{med(rows, 'create'):.3f}", f"{med(rows, 'peak', mib):.1f}"]
+        cells = [option, f"{med(rows, 'create'):.3f}", f"{med(rows, 'create_cpu'):.3f}",
+                 f"{med(rows, 'peak', mib):.1f}"]
         if base == "control":
             cells.append(f"{statistics.median(added):.1f}")
         cells += [f"{med(rows, 'first'):.4f}", f"{med(rows, 'second'):.4f}",

@@ -8,8 +8,10 @@ Cheap to import, cheap to build (issue 32). Importing this module imports no bot
 ``StsClient(...)`` builds the botocore client at once; ``StsClient.from_config`` starts
 building it on the pool's thread and returns, so the control process lists its pods while
 botocore loads, and the first call waits for it. The client is botocore's own (signer,
-serialiser, parser, error model, retries, credential chain, proxies, TLS), built with one
-thing left out: the 1.2 MB ``endpoints.json`` (8 MiB of peak RSS, ~40 ms). botocore resolves
+serialiser, parser, error model, retries, credential chain, proxies, TLS), built without
+two things STS does not need: the 1.2 MB ``endpoints.json`` (8 MiB of peak RSS, ~40 ms)
+and the loader's walk of every service directory to check that ``sts`` is one (~35 ms).
+botocore resolves
 STS's URL and signing region from STS's endpoint rule set; the legacy table only supplies
 the credential scope of pseudo-regions (``aws-global``, ``us-east-1-fips``) and refuses
 dualstack where it lists no dualstack host. So the table is left out only for a region of a
@@ -166,10 +168,14 @@ def classify(exc: BaseException, *, role_arn: str = "") -> StsError:
 def _lean_loader(loader: Any) -> Any:
     """A botocore Loader with the same search paths as ``loader`` that answers the legacy
     endpoint table with an empty one when the table would come from botocore's own data
-    (a table the user put in a ``data_path`` is loaded as before)."""
+    (a table the user put in a ``data_path`` is loaded as before), and finds a service by
+    its own directory."""
     import botocore.loaders
 
     class StsOnlyLoader(botocore.loaders.Loader):
+        def list_available_services(self, type_name: str) -> Any:
+            return _KnownServices(self, type_name)
+
         def load_data_with_path(self, name: str) -> Any:
             if name == "endpoints":
                 for path in self.search_paths:
@@ -184,6 +190,33 @@ def _lean_loader(loader: Any) -> Any:
                          include_default_search_paths=False)
 
 
+class _KnownServices:
+    """What botocore's loader asks its list of services before it loads a model: whether the
+    one it loads is there. Answered for that name alone (botocore walks ~450 service
+    directories for it, ~17 ms a model type); iterated, it is botocore's own list."""
+
+    def __init__(self, loader: Any, type_name: str):
+        self._loader = loader
+        self._type_name = type_name
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or not name or os.sep in name or name.startswith("."):
+            return False
+        for path in self._loader.search_paths:
+            service = os.path.join(path, name)
+            if os.path.isdir(service) and any(
+                    self._loader.file_loader.exists(os.path.join(service, version,
+                                                                 self._type_name))
+                    for version in os.listdir(service)):
+                return True
+        return False
+
+    def __iter__(self) -> Any:
+        import botocore.loaders
+        return iter(botocore.loaders.Loader.list_available_services(self._loader,
+                                                                     self._type_name))
+
+
 def _in_a_partition(region: str, partitions: Mapping[str, Any]) -> bool:
     """A region of a partition by its name's form (``partitions.json``'s ``regionRegex``),
     which pseudo-regions such as ``aws-global`` do not have although that file lists them."""
@@ -195,10 +228,10 @@ def _sts_session(region: str) -> Any:
     decides alone: a region of a known partition, no dualstack."""
     import botocore.session
     session = botocore.session.get_session()
-    loader = session.get_component("data_loader")
+    lean = _lean_loader(session.get_component("data_loader"))
     if (not session.get_config_variable("use_dualstack_endpoint")
-            and _in_a_partition(region, loader.load_data("partitions"))):
-        session.register_component("data_loader", _lean_loader(loader))
+            and _in_a_partition(region, lean.load_data("partitions"))):
+        session.register_component("data_loader", lean)
     return session
 
 
@@ -323,6 +356,8 @@ class StsClient:
 
     @property
     def endpoint_url(self) -> str:
+        """Where AssumeRole goes: the endpoint given or configured, else the client's own
+        resolution (builds the client if it is not yet)."""
         self.load()
         return self._endpoint
 

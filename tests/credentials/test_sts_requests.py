@@ -308,3 +308,19 @@ def test_tls_is_verified_against_the_system_bundle_or_aws_ca_bundle(proxy, tmp_p
         assert len(proxy.assume_role_calls()) == 1
     finally:
         front.close()
+
+
+def test_the_lean_loader_finds_a_service_by_its_own_directory_as_botocore_would():
+    import botocore.exceptions
+    import botocore.loaders
+    from kiamfast.control.sts import _lean_loader
+    stock = botocore.loaders.Loader()
+    lean = _lean_loader(stock)
+    services = lean.list_available_services("service-2")
+    assert "sts" in services and "sso" in services            # the chain's own clients
+    assert "no-such-service" not in services and "../sts" not in services
+    assert list(services) == stock.list_available_services("service-2")
+    assert lean.load_service_model("sso", "service-2") == stock.load_service_model(
+        "sso", "service-2")
+    with pytest.raises(botocore.exceptions.UnknownServiceError):
+        lean.load_service_model("no-such-service", "service-2")
