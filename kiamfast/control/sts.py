@@ -4,19 +4,16 @@ Everything kiamfast hands out comes from ``sts:AssumeRole``. This module holds a
 botocore STS client (a client is thread-safe; a Session is not) and runs ``AssumeRole`` on a
 small thread pool so the asyncio control loop never blocks on the network.
 
-Cheap to import, cheap to build (issue 32). Importing this module imports no botocore.
-``StsClient(...)`` builds the botocore client at once; ``StsClient.from_config`` starts
-building it on the pool's thread and returns, so the control process lists its pods while
-botocore loads, and the first call waits for it. The client is botocore's own (signer,
-serialiser, parser, error model, retries, credential chain, proxies, TLS), built without
-two things STS does not need: the 1.2 MB ``endpoints.json`` (8 MiB of peak RSS, ~40 ms)
-and the loader's walk of every service directory to check that ``sts`` is one (~35 ms).
-botocore resolves
-STS's URL and signing region from STS's endpoint rule set; the legacy table only supplies
-the credential scope of pseudo-regions (``aws-global``, ``us-east-1-fips``) and refuses
-dualstack where it lists no dualstack host. So the table is left out only for a region of a
-known partition (its ``regionRegex`` in ``partitions.json``) without dualstack; anything else
-loads it as before. tests/credentials/test_sts_requests.py proves the requests equal.
+Cheap to import and to build (issue 32): importing this module imports no botocore;
+``StsClient.from_config`` builds the client on the pool's thread and returns (the control
+process lists pods meanwhile; the first call waits for it). The client is botocore's own
+(signer, parser, error model, retries, credential chain, proxies, TLS) without what STS does
+not need: the 1.2 MB legacy ``endpoints.json`` (8 MiB, ~40 ms) and the loader's walk of
+every service directory (~35 ms). STS's endpoint rule set decides URL and signing region;
+the legacy table only adds pseudo-regions (``aws-global``, ``us-east-1-fips``) and refuses
+some dualstack hosts, so it is loaded as before for those (a region not of the form of a
+partition in ``partitions.json``, or dualstack). tests/credentials/test_sts_requests.py
+proves the requests equal to the stock client's.
 
 Where it talks to:
   * region: ``--sts-region``, else ``AWS_REGION``, else ``AWS_DEFAULT_REGION``, else
@@ -29,8 +26,7 @@ Where it talks to:
   * credentials: botocore's normal chain (environment, shared files, web identity, container
     provider, the node's instance profile at 169.254.169.254 or
     ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, not ``--metadata-addr``), refreshed by botocore
-    before they expire. A chain that found nothing is asked again at the next call (the
-    client is rebuilt), so a metadata service that was down at start costs no restart.
+    before they expire; a chain that found nothing is asked again at the next call.
 
 What a caller gets back is either :class:`Credentials` or one of three error types, because
 the credential manager treats them differently:
@@ -54,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as _dt
+import glob
 import logging
 import os
 import re
@@ -70,6 +67,7 @@ MIN_DURATION = 900
 MAX_DURATION = 43200
 
 _SESSION_NAME_BAD = re.compile(r"[^\w+=,.@-]", re.ASCII)
+_SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 # botocore's own check of a region name (utils.validate_region_name): a DNS label.
 _REGION_NAME = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{,63}(?<!-)$")
 
@@ -191,25 +189,16 @@ def _lean_loader(loader: Any) -> Any:
 
 
 class _KnownServices:
-    """What botocore's loader asks its list of services before it loads a model: whether the
-    one it loads is there. Answered for that name alone (botocore walks ~450 service
-    directories for it, ~17 ms a model type); iterated, it is botocore's own list."""
+    """``name in services`` looks at that name's directories alone (botocore walks all ~450
+    to answer it, ~17 ms a model type); iterated, it is botocore's own list."""
 
     def __init__(self, loader: Any, type_name: str):
-        self._loader = loader
-        self._type_name = type_name
+        self._loader, self._type_name = loader, type_name
 
     def __contains__(self, name: object) -> bool:
-        if not isinstance(name, str) or not name or os.sep in name or name.startswith("."):
-            return False
-        for path in self._loader.search_paths:
-            service = os.path.join(path, name)
-            if os.path.isdir(service) and any(
-                    self._loader.file_loader.exists(os.path.join(service, version,
-                                                                 self._type_name))
-                    for version in os.listdir(service)):
-                return True
-        return False
+        return (isinstance(name, str) and _SERVICE_NAME.match(name) is not None
+                and any(glob.glob(os.path.join(path, name, "*", self._type_name + ".json*"))
+                        for path in self._loader.search_paths))
 
     def __iter__(self) -> Any:
         import botocore.loaders
@@ -321,8 +310,8 @@ class StsClient:
                         type(exc).__name__, exc)
 
     def _build(self) -> Any:
-        """A botocore client from a new session (or the one given): nothing a failed build
-        read (a profile, a credential chain that found nothing) outlives it."""
+        """A client from a new session (or the one given): nothing a failed build read
+        (a profile, a credential chain that found nothing) outlives it."""
         started = time.monotonic()
         import botocore.config
         import botocore.configprovider
@@ -405,12 +394,11 @@ class StsClient:
 
     def _forget(self, client: Any) -> None:
         """botocore gives a client the credentials its session found when it was built, and
-        none later: a client built before any were found is dropped, and the next call
-        builds one whose session asks the chain again."""
+        none later: a client built before any were found is dropped (not closed: other
+        calls may hold it), and the next call builds one whose session asks again."""
         with self._build_lock:
             if self._client is client:
                 self._client = None
-                client.close()
 
     async def assume_role(self, role_arn: str, session_name: str, *,
                           external_id: str | None = None, duration: int = 3600,
