@@ -1,24 +1,39 @@
 """The one STS client of the control process, and what its failures mean.
 
-Everything kiamfast hands out comes from ``sts:AssumeRole``. This module builds a single
-botocore STS client at start-up (a client is thread-safe; a Session is not) and runs
-``AssumeRole`` on a small thread pool so the asyncio control loop never blocks on the network.
+Everything kiamfast hands out comes from ``sts:AssumeRole``. This module holds a single
+botocore STS client (a client is thread-safe; a Session is not) and runs ``AssumeRole`` on a
+small thread pool so the asyncio control loop never blocks on the network.
+
+Cheap to import and to build (issue 32): importing this module imports no botocore;
+``StsClient.from_config`` builds the client on the pool's thread and returns (the control
+process lists pods meanwhile; the first call waits for it). The client is botocore's own
+(signer, parser, error model, retries, credential chain, proxies, TLS) without what STS does
+not need: the 1.2 MB legacy ``endpoints.json`` (8 MiB, ~40 ms) and the loader's walk of
+every service directory (~35 ms). STS's endpoint rule set decides URL and signing region;
+the legacy table only adds pseudo-regions (``aws-global``, ``us-east-1-fips``) and refuses
+some dualstack hosts, so it is loaded as before for those (a region not of the form of a
+partition in ``partitions.json``, or dualstack). tests/credentials/test_sts_requests.py
+proves the requests equal to the stock client's.
 
 Where it talks to:
   * region: ``--sts-region``, else ``AWS_REGION``, else ``AWS_DEFAULT_REGION``, else
-    ``us-east-1``; always the *regional* endpoint (each region has its own throttle);
-  * endpoint: ``--sts-endpoint`` if given, else whatever botocore resolves, which honours the
-    standard ``AWS_ENDPOINT_URL_STS`` / ``AWS_ENDPOINT_URL`` variables (VPC endpoints, FIPS,
-    tests);
-  * credentials: botocore's normal chain (the node's instance profile in production, static
-    keys in tests).
+    ``us-east-1``; always the *regional* endpoint (each region has its own throttle):
+    ``sts.<region>.amazonaws.com``, ``.amazonaws.com.cn`` in China, FIPS hosts with
+    ``AWS_USE_FIPS_ENDPOINT`` / ``use_fips_endpoint``, all as STS's rule set says;
+  * endpoint: ``--sts-endpoint`` if given, else what botocore is configured with
+    (``AWS_ENDPOINT_URL_STS``, ``AWS_ENDPOINT_URL``, the shared config file's
+    ``endpoint_url`` and ``services`` section, unless ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``);
+  * credentials: botocore's normal chain (environment, shared files, web identity, container
+    provider, the node's instance profile at 169.254.169.254 or
+    ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, not ``--metadata-addr``), refreshed by botocore
+    before they expire; a chain that found nothing is asked again at the next call.
 
 What a caller gets back is either :class:`Credentials` or one of three error types, because
 the credential manager treats them differently:
 
   * :class:`StsThrottled`: STS said slow down; back off globally, it is account-wide;
   * :class:`StsTransient`: 5xx, timeouts, connection failures, our own credentials missing or
-    expired; retry with backoff, answer 503 meanwhile;
+    expired, a client that could not be built; retry with backoff, answer 503 meanwhile;
   * :class:`StsDenied`: STS refused this request for good (AccessDenied, ValidationError,
     MalformedPolicyDocument, ...); render the IMDS error document and cache it.
 
@@ -35,20 +50,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as _dt
+import glob
+import logging
 import os
 import re
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import botocore.config
-import botocore.exceptions
-import botocore.session
+log = logging.getLogger("kiamfast.control.sts")
 
 DEFAULT_REGION = "us-east-1"
 MIN_DURATION = 900
 MAX_DURATION = 43200
 
 _SESSION_NAME_BAD = re.compile(r"[^\w+=,.@-]", re.ASCII)
+_SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+# botocore's own check of a region name (utils.validate_region_name): a DNS label.
+_REGION_NAME = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{,63}(?<!-)$")
 
 THROTTLING_CODES = frozenset({
     "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
@@ -121,7 +142,10 @@ def classify(exc: BaseException, *, role_arn: str = "") -> StsError:
     """Map a botocore exception to StsThrottled / StsTransient / StsDenied."""
     if isinstance(exc, StsError):
         return exc
-    if isinstance(exc, botocore.exceptions.ClientError):
+    # Only an exception botocore raised can be one of its types, and then it is loaded:
+    # looking it up here keeps this module free of botocore until the client is built.
+    errors: Any = sys.modules.get("botocore.exceptions")
+    if errors is not None and isinstance(exc, errors.ClientError):
         err = exc.response.get("Error", {}) or {}
         code = str(err.get("Code") or "Unknown")
         message = str(err.get("Message") or "")
@@ -131,12 +155,93 @@ def classify(exc: BaseException, *, role_arn: str = "") -> StsError:
         if code in TRANSIENT_CODES or (status is not None and status >= 500):
             return StsTransient(code, message, role_arn=role_arn, status=status)
         return StsDenied(code, message, role_arn=role_arn, status=status)
-    if isinstance(exc, botocore.exceptions.ParamValidationError):
+    if errors is not None and isinstance(exc, errors.ParamValidationError):
         # botocore refused before sending (e.g. an ARN shorter than 20 characters).
         return StsDenied("ValidationError", str(exc), role_arn=role_arn)
     name = type(exc).__name__
     # Connection errors, timeouts, NoCredentialsError, anything unexpected: retry later.
     return StsTransient(name, str(exc), role_arn=role_arn)
+
+
+def _lean_loader(loader: Any) -> Any:
+    """A botocore Loader with the same search paths as ``loader`` that answers the legacy
+    endpoint table with an empty one when the table would come from botocore's own data
+    (a table the user put in a ``data_path`` is loaded as before), and finds a service by
+    its own directory."""
+    import botocore.loaders
+
+    class StsOnlyLoader(botocore.loaders.Loader):
+        def list_available_services(self, type_name: str) -> Any:
+            return _KnownServices(self, type_name)
+
+        def load_data_with_path(self, name: str) -> Any:
+            if name == "endpoints":
+                for path in self.search_paths:
+                    full = os.path.join(path, name)
+                    if self.file_loader.exists(full):
+                        if self.is_builtin_path(full):
+                            return {"partitions": [], "version": 3}, full
+                        break
+            return super().load_data_with_path(name)
+
+    return StsOnlyLoader(extra_search_paths=list(loader.search_paths),
+                         include_default_search_paths=False)
+
+
+class _KnownServices:
+    """``name in services`` looks at that name's directories alone (botocore walks all ~450
+    to answer it, ~17 ms a model type); iterated, it is botocore's own list."""
+
+    def __init__(self, loader: Any, type_name: str):
+        self._loader, self._type_name = loader, type_name
+
+    def __contains__(self, name: object) -> bool:
+        return (isinstance(name, str) and _SERVICE_NAME.match(name) is not None
+                and any(glob.glob(os.path.join(path, name, "*", self._type_name + ".json*"))
+                        for path in self._loader.search_paths))
+
+    def __iter__(self) -> Any:
+        import botocore.loaders
+        return iter(botocore.loaders.Loader.list_available_services(self._loader,
+                                                                     self._type_name))
+
+
+def _in_a_partition(region: str, partitions: Mapping[str, Any]) -> bool:
+    """A region of a partition by its name's form (``partitions.json``'s ``regionRegex``),
+    which pseudo-regions such as ``aws-global`` do not have although that file lists them."""
+    return any(re.match(p["regionRegex"], region) for p in partitions.get("partitions", []))
+
+
+def _sts_session(region: str) -> Any:
+    """A botocore session that leaves the legacy endpoint table out where STS's rule set
+    decides alone: a region of a known partition, no dualstack."""
+    import botocore.session
+    session = botocore.session.get_session()
+    lean = _lean_loader(session.get_component("data_loader"))
+    if (not session.get_config_variable("use_dualstack_endpoint")
+            and _in_a_partition(region, lean.load_data("partitions"))):
+        session.register_component("data_loader", lean)
+    return session
+
+
+def _assume_role_url(client: Any) -> str:
+    """Where ``client`` sends AssumeRole, as its own endpoint resolution decides: a call
+    stopped at its ``before-call`` event, before signing (nothing is sent)."""
+    import botocore.awsrequest
+    seen: list[str] = []
+
+    def stop(params: dict, **_: Any) -> tuple[Any, dict]:
+        seen.append(params["url"])
+        return botocore.awsrequest.AWSResponse(params["url"], 200, {}, None), {}
+
+    event = "before-call.sts.AssumeRole"
+    client.meta.events.register_first(event, stop, unique_id="kiamfast-sts-url")
+    try:
+        client.assume_role(RoleArn="arn:aws:iam::123456789012:role/where",
+                           RoleSessionName="where")
+    finally:
+        client.meta.events.unregister(event, unique_id="kiamfast-sts-url")
+    return seen[0].removesuffix("/")
 
 
 class StsClient:
@@ -145,34 +250,107 @@ class StsClient:
     def __init__(self, *, region: str | None = None, endpoint_url: str | None = None,
                  max_attempts: int = 1, connect_timeout: float = 2.0,
                  read_timeout: float = 5.0, max_pool_connections: int = 8,
-                 session: botocore.session.Session | None = None):
+                 session: Any = None, defer: bool = False):
+        """``defer``: build the botocore client on the pool's thread (started now) instead
+        of before returning; a failure to build is then raised by the calls (classified
+        StsTransient), each of which tries again."""
         self.region = resolve_region(region)
+        if not _REGION_NAME.match(self.region):
+            raise ValueError(f"not a region name: {self.region!r} (--sts-region, "
+                             f"AWS_REGION or AWS_DEFAULT_REGION)")
         self.max_workers = max(1, max_pool_connections)
-        session = session or botocore.session.get_session()
+        self._endpoint_arg = endpoint_url or None
+        self._max_attempts = max(1, max_attempts)
+        self._timeouts = (connect_timeout, read_timeout)
+        self._session = session
+        self._client: Any = None
+        self._endpoint = ""
+        self._closed = False
+        self._build_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.max_workers, thread_name_prefix="kiamfast-sts")
+        self._background: concurrent.futures.Future | None = None
+        if defer:
+            self._background = self._pool.submit(self._load_quietly)
+        else:
+            self.load()
+
+    @classmethod
+    def from_config(cls, config, **overrides) -> "StsClient":
+        """From a ``kiamfast.config.Config`` (``--sts-region``, ``--sts-endpoint``); the
+        botocore client is built in the background (``defer``)."""
+        kwargs = dict(region=config.sts_region or None,
+                      endpoint_url=config.sts_endpoint or None, defer=True)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # ---- building the botocore client -------------------------------------------------------
+
+    def load(self) -> Any:
+        """The botocore client, built now if it is not yet (blocking; safe from any thread).
+        A build started by ``defer`` is waited for, not raced."""
+        client = self._client
+        if client is not None:
+            return client
+        if self._background is not None:
+            concurrent.futures.wait([self._background])
+        return self._build_once()
+
+    def _build_once(self) -> Any:
+        with self._build_lock:
+            if self._client is None:
+                self._client = self._build()
+            return self._client
+
+    def _load_quietly(self) -> None:
+        try:
+            self._build_once()
+        except Exception as exc:  # the first call raises it again, classified
+            log.warning("STS client not built yet (%s: %s); the next call tries again",
+                        type(exc).__name__, exc)
+
+    def _build(self) -> Any:
+        """A client from a new session (or the one given): nothing a failed build read
+        (a profile, a credential chain that found nothing) outlives it."""
+        started = time.monotonic()
+        import botocore.config
+        import botocore.configprovider
+
+        session = self._session or _sts_session(self.region)
         session.set_config_variable("sts_regional_endpoints", "regional")
+        endpoint = self._endpoint_arg
+        if endpoint is None and not session.get_config_variable(
+                "ignore_configured_endpoint_urls"):
+            endpoint = botocore.configprovider.ConfiguredEndpointProvider(
+                full_config=session.full_config, scoped_config=session.get_scoped_config(),
+                client_name="sts").provide()
+        connect_timeout, read_timeout = self._timeouts
         config = botocore.config.Config(
-            retries={"mode": "standard", "total_max_attempts": max(1, max_attempts)},
+            retries={"mode": "standard", "total_max_attempts": self._max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=self.max_workers,
             user_agent_extra="kiamfast",
         )
-        self._client = session.create_client("sts", region_name=self.region,
-                                             endpoint_url=endpoint_url or None, config=config)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.max_workers, thread_name_prefix="kiamfast-sts")
-
-    @classmethod
-    def from_config(cls, config, **overrides) -> "StsClient":
-        """From a ``kiamfast.config.Config`` (``--sts-region``, ``--sts-endpoint``)."""
-        kwargs = dict(region=config.sts_region or None,
-                      endpoint_url=config.sts_endpoint or None)
-        kwargs.update(overrides)
-        return cls(**kwargs)
+        client = session.create_client("sts", region_name=self.region, endpoint_url=endpoint,
+                                       config=config)
+        # Not client.meta.endpoint_url: that is the legacy table's answer (a guess without
+        # the table), which STS's rule set overrides for every call.
+        self._endpoint = endpoint or _assume_role_url(client)
+        log.info("STS client for %s at %s built in %.0f ms", self.region, self._endpoint,
+                 (time.monotonic() - started) * 1000)
+        if self._closed:
+            client.close()
+        return client
 
     @property
     def endpoint_url(self) -> str:
-        return self._client.meta.endpoint_url
+        """Where AssumeRole goes: the endpoint given or configured, else the client's own
+        resolution (builds the client if it is not yet)."""
+        self.load()
+        return self._endpoint
+
+    # ---- calls ------------------------------------------------------------------------------
 
     def assume_role_sync(self, role_arn: str, session_name: str, *,
                          external_id: str | None = None, duration: int = 3600,
@@ -192,10 +370,15 @@ class StsClient:
             params["Tags"] = [{"Key": k, "Value": v} for k, v in tags]
             if transitive:
                 params["TransitiveTagKeys"] = [k for k, _ in tags]
+        client = None
         try:
-            resp = self._client.assume_role(**params)
+            client = self.load()
+            resp = client.assume_role(**params)
         except Exception as exc:  # classified below; nothing escapes unclassified
-            raise classify(exc, role_arn=role_arn) from exc
+            error = classify(exc, role_arn=role_arn)
+            if error.code == "NoCredentialsError" and client is not None:
+                self._forget(client)
+            raise error from exc
         try:
             c = resp["Credentials"]
             expiration = c["Expiration"]
@@ -209,6 +392,14 @@ class StsClient:
         except (KeyError, TypeError, AttributeError) as exc:
             raise StsTransient("MalformedResponse", repr(exc), role_arn=role_arn) from exc
 
+    def _forget(self, client: Any) -> None:
+        """botocore gives a client the credentials its session found when it was built, and
+        none later: a client built before any were found is dropped (not closed: other
+        calls may hold it), and the next call builds one whose session asks again."""
+        with self._build_lock:
+            if self._client is client:
+                self._client = None
+
     async def assume_role(self, role_arn: str, session_name: str, *,
                           external_id: str | None = None, duration: int = 3600,
                           tags: Sequence[tuple[str, str]] | None = None,
@@ -220,8 +411,11 @@ class StsClient:
                 transitive=transitive))
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self._client.close()
-        except Exception:  # pragma: no cover - best effort on shutdown
-            pass
+        client = self._client
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # pragma: no cover - best effort on shutdown
+                pass

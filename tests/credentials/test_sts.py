@@ -169,3 +169,103 @@ def test_from_config(proxy):
         assert client.endpoint_url == "https://sts.us-east-1.amazonaws.com"
     finally:
         client.close()
+
+
+# ---- built cheaply, off the event loop, and again when it found nothing --------------------------
+
+_IMPORTS_AND_BUILDS = r"""
+import sys, threading
+import kiamfast.control.main, kiamfast.control.credentials, kiamfast.control.sts as sts
+print(sorted(m for m in sys.modules if m.startswith("botocore")))
+builders = []
+
+class Spy:          # records which thread imports botocore's session module
+    def find_spec(self, name, path=None, target=None):
+        if name == "botocore.session":
+            builders.append(threading.current_thread().name)
+        return None
+
+sys.meta_path.insert(0, Spy())
+from kiamfast.config import Config
+client = sts.StsClient.from_config(Config(sts_endpoint=sys.argv[1]))
+print(client.assume_role_sync("arn:aws:iam::123456789012:role/team/app", "n1").access_key_id)
+print(builders)
+client.close()
+"""
+
+
+def test_importing_the_control_side_loads_no_botocore_and_from_config_builds_on_the_sts_thread(
+        proxy):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_AND_BUILDS, proxy.url], check=True,
+                         capture_output=True, text=True, timeout=60).stdout.splitlines()
+    assert out[0] == "[]"                                  # nothing of botocore at import
+    assert out[1].startswith("ASIA")
+    (thread,) = eval(out[2])
+    assert thread.startswith("kiamfast-sts")               # not the caller's (event loop's)
+
+
+def test_a_deferred_build_that_fails_is_tried_again_by_the_next_call(proxy, monkeypatch):
+    from kiamfast.config import Config
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")   # botocore: ProfileNotFound
+    client = StsClient.from_config(Config(sts_endpoint=proxy.url))
+    try:
+        with pytest.raises(StsTransient) as info:
+            client.assume_role_sync(ROLE, "n1")
+        assert info.value.code == "ProfileNotFound"
+        monkeypatch.delenv("AWS_PROFILE")
+        assert client.assume_role_sync(ROLE, "n1").access_key_id.startswith("ASIA")
+    finally:
+        client.close()
+    assert len(proxy.assume_role_calls()) == 1
+
+
+def test_credentials_that_appear_after_the_client_was_built_are_used(proxy, monkeypatch):
+    # botocore hands a client the credentials its session found when it was built, and
+    # none later: a node whose metadata service answered nothing at start must not need a
+    # restart of the agent to get its credentials.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    client = StsClient(endpoint_url=proxy.url)
+    try:
+        with pytest.raises(StsTransient) as info:
+            client.assume_role_sync(ROLE, "n1")
+        assert info.value.code == "NoCredentialsError"
+        assert proxy.assume_role_calls() == []
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        assert client.assume_role_sync(ROLE, "n1").access_key_id.startswith("ASIA")
+    finally:
+        client.close()
+
+
+def test_own_credentials_come_from_the_instance_profile_at_botocores_metadata_address(
+        proxy, monkeypatch):
+    # The agent's own identity: botocore's chain down to the instance profile, read from
+    # 169.254.169.254 or AWS_EC2_METADATA_SERVICE_ENDPOINT (here a fake IMDS on loopback),
+    # as botocore does for any process on the node; --metadata-addr plays no part.
+    from kiamfast.testing.fake_imds import FakeImds
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED"):
+        monkeypatch.delenv(var)
+    with FakeImds() as imds:
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds.url)
+        client = StsClient(endpoint_url=proxy.url)
+        signed_by = []
+        client.load().meta.events.register(
+            "before-send.sts.AssumeRole",
+            lambda request, **_: signed_by.append(request.headers["Authorization"]))
+        try:
+            assert client.assume_role_sync(ROLE, "n1").access_key_id.startswith("ASIA")
+        finally:
+            client.close()
+        node = imds.identity
+        paths = [r.path for r in imds.requests]
+    assert f"/latest/meta-data/iam/security-credentials/{node.node_role}" in paths
+    (authorization,) = signed_by
+    assert f"Credential={node.node_access_key}/".encode() in authorization
+
+
+def test_a_name_that_is_no_region_is_refused_before_anything_loads():
+    with pytest.raises(ValueError, match="--sts-region"):
+        StsClient(region="eu-west-1/../x", defer=True)
