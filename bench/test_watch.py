@@ -54,7 +54,7 @@ def child_main(url: str, token: str, table_path: str) -> None:
     import importlib
 
     from kiamfast import table as tablemod
-    from kiamfast.control.ownership import Ownership
+    from kiamfast.control.mappings.model import NodeModel
     from kiamfast.control.pods import PodWatcher, make_api_client
     from kiamfast.control.iam.policy import RolePolicy
 
@@ -74,7 +74,7 @@ def child_main(url: str, token: str, table_path: str) -> None:
     table = tablemod.Table.attach(table_path, writer=True)
 
     async def main():
-        model = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=Sink())
+        model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=Sink())
         watcher = PodWatcher(api_client=make_api_client(api_server=url, api_token=token),
                              model=model, node=NODE)
         task = asyncio.create_task(watcher.run())

@@ -91,7 +91,7 @@ def container_document(imds_document: bytes, role_arn: str) -> bytes:
 
 
 class OwnershipView:
-    """The control process's pods of this node (`Ownership`), their decisions and slots."""
+    """The node model's decisions (``NodeModel.decision``) and the credential slots."""
 
     def __init__(self, *, model: Any, manager: Any, table: Any, node: str) -> None:
         self.model = model
@@ -100,29 +100,30 @@ class OwnershipView:
         self.node = node or "(all nodes)"
 
     def known(self, uid: str) -> bool:
-        return uid in self.model.pods or not self.model.synced
+        return self.model.decision(uid) is not None or not self.model.synced
 
     def want(self, slot: int) -> None:
         self.manager.wanted(slot)
 
     def resolve(self, pod: BoundPod, now: float) -> bytes | Wait:
-        entry = self.model.pods.get(pod.uid)
-        if entry is None or (entry.namespace, entry.name) != (pod.namespace, pod.name):
+        decision = self.model.decision(pod.uid)
+        if decision is None or (decision.namespace, decision.name) != (pod.namespace,
+                                                                       pod.name):
             if not self.model.synced:
                 return Wait(unavailable("the agent has not synced this node's pods yet"))
             return Wait(forbidden(f"pod {pod.namespace}/{pod.name} is not on node "
                                   f"{self.node}"))
-        if entry.service_account != pod.service_account:
+        if decision.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")
-        if entry.host_network and not entry.token_only:
+        if decision.host_network and not decision.token_only:
             # The node's address is not its own: served only when every container asks by
-            # token (ownership.py, `decided`).
+            # token (the node model decides such a pod).
             raise forbidden(f"pod {pod.namespace}/{pod.name} runs on the host network and "
                             "not every container asks by token")
-        if not entry.decided:
+        if not decision.decided:
             raise forbidden(f"pod {pod.namespace}/{pod.name} is not running")
-        ident = entry.identity
+        ident = decision.identity
         if ident is None:
             return Wait(unavailable(f"the role of pod {pod.namespace}/{pod.name} is not "
                                     "decided yet"))
@@ -130,14 +131,14 @@ class OwnershipView:
             raise forbidden(f"pod {pod.namespace}/{pod.name} has no role")
         if ident.kind == IdentityKind.DENIED:
             raise forbidden(ident.reason or f"pod {pod.namespace}/{pod.name} is denied")
-        return self._credentials(entry.cred_slot, ident, now)
+        return self._credentials(decision, now)
 
-    def _credentials(self, slot: int, ident: Any, now: float) -> bytes | Wait:
-        pending = Wait(unavailable(f"credentials for {ident.role_arn} are not fetched yet"),
-                       slot)
+    def _credentials(self, decision: Any, now: float) -> bytes | Wait:
+        slot = decision.cred_slot
+        pending = Wait(unavailable(f"credentials for {decision.role_arn} are not fetched "
+                                   "yet"), slot)
         # The slot must hold this very key (the metadata path's rule for an adopted slot).
-        if slot < 0 or self.manager.role_of_slot(slot) != (ident.role_arn,
-                                                           ident.external_id or None):
+        if slot < 0 or not decision.holds(self.manager.role_of_slot(slot)):
             return Wait(pending.why)
         try:
             state, serve_until, parts = self.table.read_cred(slot)
@@ -146,7 +147,7 @@ class OwnershipView:
         if state != tbl.CRED_READY or serve_until <= now or len(parts) <= tbl.PART_DOCUMENT:
             return pending
         _, _, body = parse_response(parts[tbl.PART_DOCUMENT])
-        return container_document(body, ident.role_arn)
+        return container_document(body, decision.role_arn)
 
 
 class AddressLimits:

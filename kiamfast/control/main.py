@@ -38,7 +38,7 @@ from kiamfast.config import Config, container_credentials_addrs
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
 from kiamfast.control.cri import routes as host_routes
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.pods import PodWatcher
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.control.sts import StsClient
@@ -140,7 +140,7 @@ class ControlProcess:
         self.manager.adopt(self._credential_slots())
         self.poller = self._runtime_poller()
         self.routes = self._watch_host_routes(loop)
-        self.model = Ownership(policy=RolePolicy.from_config(self.config), table=self.table,
+        self.model = NodeModel(policy=RolePolicy.from_config(self.config), table=self.table,
                                sink=self.manager, notify=self.notify,
                                adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"],
                                                    ip["cred_slot"])

@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import orjson
 
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.budget import backoff
 
 log = logging.getLogger("kiamfast.watch")
@@ -122,7 +122,7 @@ class PodWatcher:
         self,
         *,
         api_client: Any,
-        model: Ownership,
+        model: NodeModel,
         node: str | None = None,
         watch_namespaces: bool | None = None,
         resync_period: float = 1800.0,
@@ -175,7 +175,7 @@ class PodWatcher:
         self.on_pod: Callable[[dict[str, Any]], None] | None = None
 
     @classmethod
-    def from_config(cls, config: Any, *, model: Ownership, api_client: Any = None,
+    def from_config(cls, config: Any, *, model: NodeModel, api_client: Any = None,
                     **kw: Any) -> "PodWatcher":
         """Build from `kiamfast.config.Config`: API client, node, resync."""
         if api_client is None:

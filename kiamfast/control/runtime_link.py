@@ -6,7 +6,7 @@ outage of the runtime itself.
   at every poll attempt until one exists; from then on that endpoint is the runtime, and
   its absence an outage.
 * `LinkMonitor`: while the runtime cannot be asked, the agent answers less (the fallback of
-  `ownership.py`), so a lasting outage must reach the probes.  Two cases must be told apart:
+  `mappings/merge.py`), so a lasting outage must reach the probes.  Two cases must be told apart:
   the agent's own link is dead (a bind mount of the socket *file* keeps the dead inode after
   containerd recreated its socket: only a container restart cures it) and the runtime is
   down for the whole node (restarting every agent cures nothing, and the kubelet could not

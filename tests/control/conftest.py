@@ -7,7 +7,7 @@ import pytest
 from control_support import BASE, Clock, SlotSink
 
 from kiamfast import table as tablemod
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.iam.policy import RolePolicy
 
 
@@ -39,7 +39,7 @@ def make_model(table, sink, clock):
     def make(**policy_kw: Any) -> Ownership:
         notes: list[int] = []
         policy_kw.setdefault("base_role_arn", BASE)
-        m = Ownership(policy=RolePolicy(**policy_kw), table=table, sink=sink,
+        m = NodeModel(policy=RolePolicy(**policy_kw), table=table, sink=sink,
                       notify=lambda: notes.append(1), clock=clock)
         m.notes = notes  # type: ignore[attr-defined]
         return m

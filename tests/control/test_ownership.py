@@ -1,7 +1,8 @@
 """The ownership model: which pod owns which address, as written into a real table file."""
 from kiamfast import table as tablemod
-from kiamfast.control import ownership
-from kiamfast.control.ownership import canonical_ip, pod_ips
+from kiamfast.control.iam.policy import IdentityKind, RolePolicy
+from kiamfast.control.mappings.model import NodeModel
+from kiamfast.control.mappings.addresses import canonical_ip, pod_ips
 
 from control_support import BASE, NS_KEY, lookup, namespace, pod
 
@@ -154,7 +155,7 @@ def test_address_moves_in_one_write(make_model, table):
 
     rec = Recorder(table)
     m = make_model()
-    m.table = rec
+    m.addresses.table = rec
     m.apply_pod(pod("old", ips=("10.0.0.9",), role="a", rv=1))
     m.commit()
     rec.calls.clear()
@@ -185,7 +186,7 @@ def test_relist_updates_before_removing_and_never_drops_a_listed_pod(make_model,
             assert lookup(table, "10.0.0.3")[0] == "c"
             released.append(ip)
             return real_release(ip, uid)
-    m.table = Spy()
+    m.addresses.table = Spy()
     m.replace_pods([pod("a", ips=("10.0.0.1",), role="r", rv=1),
                     pod("c", ips=("10.0.0.3",), role="r", rv=9)], list_rv=9)
     m.commit()
@@ -244,7 +245,7 @@ def test_pod_in_a_namespace_not_seen_yet_waits_then_is_denied(make_model, table,
     assert lookup(table, "10.0.0.1")[:2] == ("a", ROLE) and table.pending_pods == 0
     m.apply_pod(pod("b", ns="never", ips=("10.0.0.2",), role="app"))
     m.commit()
-    clock.advance(m.namespace_grace + 1)
+    clock.advance(m.decider.namespace_grace + 1)
     m.expire()
     m.commit()
     assert lookup(table, "10.0.0.2") == ("b", DENIED, -1) and table.pending_pods == 0
@@ -429,7 +430,7 @@ def test_view_date_is_published_after_its_addresses(make_model, table):
     real_claim, real_verified = table.claim_ip, table.set_verified
     table_calls = type("T", (), {})()
     m = make_model()
-    m.table = table_calls
+    m.addresses.table = table_calls
     table_calls.claim_ip = lambda *a, **k: (order.append("claim"), real_claim(*a, **k))
     table_calls.release_ip = table.release_ip
     table_calls.set_status = table.set_status
@@ -442,13 +443,11 @@ def test_view_date_is_published_after_its_addresses(make_model, table):
 # ---- a restarted control process -------------------------------------------------------------------
 
 def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
-    from kiamfast.control.ownership import Ownership
-    from kiamfast.control.iam.policy import RolePolicy
     table.claim_ip("10.0.0.5", "uid-a", ROLE, 0)          # what the dead process left
     table.claim_ip("10.0.0.6", "uid-b", ROLE, 1)
     adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
-    m = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink, adopted=adopted)
-    assert m.slot_in_use(0) and m.slot_in_use(1)
+    m = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink, adopted=adopted)
+    assert m.slot_refs[0] and m.slot_refs[1]
     m.replace_pods([pod("uid-b", ips=("10.0.0.6",), role="b")], list_rv=50)
     m.commit()
     assert lookup(table, "10.0.0.5") is not None           # not synced: keep serving
@@ -460,11 +459,9 @@ def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
 
 def adopted_model(table, sink, clock=None, **policy_kw):
     """A new control process over what the dead one left in `table`."""
-    from kiamfast.control.ownership import Ownership
-    from kiamfast.control.iam.policy import RolePolicy
     adopted = {e["ip"]: (e["pod_uid"], e["pod_state"], e["cred_slot"]) for e in table.snapshot()}
     kw = {} if clock is None else {"clock": clock}
-    return Ownership(policy=RolePolicy(base_role_arn=BASE, **policy_kw), table=table, sink=sink,
+    return NodeModel(policy=RolePolicy(base_role_arn=BASE, **policy_kw), table=table, sink=sink,
                      adopted=adopted, expect_runtime=True, **kw)
 
 
@@ -517,14 +514,14 @@ def test_restart_during_an_api_outage_keeps_a_pod_served_by_token_only(table, si
     the decision needs the namespace) keeps its role for the token path from that slot,
     never reads the denied address as a policy denial, and never serves it by address."""
     slot = sink.acquire("uid-t", type("R", (), {"role_arn": BASE + "app", "external_id": None}))
-    m = ownership.Ownership(
-        policy=ownership.RolePolicy(base_role_arn=BASE, namespace_restrictions=True),
+    m = NodeModel(
+        policy=RolePolicy(base_role_arn=BASE, namespace_restrictions=True),
         table=table, sink=sink, clock=clock, token_only=lambda spec: True)
     m.apply_namespace(namespace("default", {NS_KEY: '["app"]'}))
     m.apply_pod(with_containers(pod("uid-t", ips=("10.0.0.7",), role="app"), by_token()))
     m.commit()
     assert lookup(table, "10.0.0.7") == ("uid-t", DENIED, slot)   # the slot, for a successor
-    assert m.pods["uid-t"].identity.role_arn == BASE + "app"
+    assert m.decision("uid-t").role_arn == BASE + "app"
 
     restarted = adopted_model(table, sink, clock, namespace_restrictions=True)
     restarted.apply_runtime(view(("uid-t", "10.0.0.7", {"iam.amazonaws.com/role": "app"})))
@@ -532,9 +529,9 @@ def test_restart_during_an_api_outage_keeps_a_pod_served_by_token_only(table, si
     clock.advance(60)                       # past the namespace grace: still its role
     restarted.expire()
     restarted.commit()
-    adopted = restarted.sandbox_pods["uid-t"]
-    assert adopted.identity.kind == ownership.IdentityKind.ROLE
-    assert adopted.identity.role_arn == BASE + "app" and adopted.cred_slot == slot
+    adopted = restarted.decision("uid-t")
+    assert adopted.identity.kind == IdentityKind.ROLE and adopted.source == "adopted"
+    assert adopted.role_arn == BASE + "app" and adopted.cred_slot == slot
     assert lookup(table, "10.0.0.7") == ("uid-t", DENIED, slot)   # never by address
 
 
@@ -643,8 +640,8 @@ def with_containers(obj: dict, *envs: list[dict]) -> dict:
 
 def test_a_pod_that_asks_by_token_is_refused_on_the_metadata_path(table, sink, clock):
     from kiamfast.container_credentials.token_only import predicate
-    m = ownership.Ownership(
-        policy=ownership.RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
+    m = NodeModel(
+        policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
         token_only=predicate([("169.254.170.23", 80), ("fd00:ec2::23", 80)]))
     m.apply_pod(with_containers(pod("tok", ips=("10.0.0.1",), role="app"), by_token(),
                                 by_token("http://[fd00:ec2::23]:80/v1/credentials")))
@@ -659,7 +656,7 @@ def test_a_pod_that_asks_by_token_is_refused_on_the_metadata_path(table, sink, c
     for uid, ip in (("mixed", "10.0.0.2"), ("other", "10.0.0.3"), ("plain", "10.0.0.4")):
         assert lookup(table, ip)[:2] == (uid, ROLE)
     # its credentials are still fetched and kept: the token path answers from that slot
-    assert m.pods["tok"].cred_slot == sink.slot_for(BASE + "app") and "tok" in sink.holders
+    assert m.decision("tok").cred_slot == sink.slot_for(BASE + "app") and "tok" in sink.holders
     assert "tok" not in m.denials()   # not the namespace-denial text of kube2iam
 
 
@@ -678,8 +675,8 @@ def test_without_a_listener_no_pod_is_token_only():
 def test_a_host_network_pod_that_asks_by_token_is_decided_but_owns_no_address(table, sink,
                                                                               clock):
     from kiamfast.container_credentials.token_only import predicate
-    m = ownership.Ownership(
-        policy=ownership.RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
+    m = NodeModel(
+        policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink, clock=clock,
         token_only=predicate([("169.254.170.23", 80)]))
     m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app",
                                     host_network=True), by_token()))
@@ -687,11 +684,11 @@ def test_a_host_network_pod_that_asks_by_token_is_decided_but_owns_no_address(ta
                                     host_network=True), []))
     m.commit()
     assert lookup(table, "10.9.9.9") is None          # the node's address: nobody's
-    tok, plain = m.pods["host-tok"], m.pods["host-plain"]
+    tok, plain = m.decision("host-tok"), m.decision("host-plain")
     assert tok.identity.role_arn == BASE + "app" and tok.cred_slot >= 0
     assert sink.requests["host-tok"].pod_ip is None   # never named after the node's address
     assert plain.cred_slot == -1 and "host-plain" not in sink.holders
     m.apply_pod(with_containers(pod("host-tok", ips=("10.9.9.9",), role="app", rv=2,
                                     phase="Succeeded", host_network=True), by_token()))
     m.commit()
-    assert m.pods["host-tok"].cred_slot == -1         # finished: its credentials go
+    assert m.decision("host-tok").cred_slot == -1     # finished: its credentials go

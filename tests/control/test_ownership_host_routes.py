@@ -9,8 +9,8 @@ starting; changed, it loses it.  `HostRoutes` stands in for the kernel here
 (kiamfast.control.cri.routes is tested against the real one in tests/cri).
 """
 from kiamfast import table as tablemod
-from kiamfast.control.ownership import Ownership
-from kiamfast.control.roles import RolePolicy
+from kiamfast.control.mappings.model import NodeModel
+from kiamfast.control.iam.policy import RolePolicy
 
 from control_support import BASE, lookup, pod
 
@@ -47,7 +47,7 @@ def view(*sandboxes, started_ns=1_000):
 
 
 def model(table, sink, routes, **kw):
-    return Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink,
+    return NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=sink,
                      routes=routes, **kw)
 
 

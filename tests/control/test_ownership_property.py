@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from kiamfast import table as tablemod
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.iam.policy import IdentityKind, RolePolicy
 from kiamfast.control.runtime import RuntimeView, Sandbox
 
@@ -226,7 +226,7 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
     stale: list[bool] = []        # the runtime cannot be asked (the fallback decides)
 
     def start_model(adopted=None) -> Ownership:
-        m = Ownership(policy=policy, table=t, sink=sink, adopted=adopted)
+        m = NodeModel(policy=policy, table=t, sink=sink, adopted=adopted)
         for name, ann in world.ns.items():
             m.apply_namespace(namespace(name, {NS_KEY: ann}))
             oracle.ns_rules[name] = policy.namespace_rules(name, {NS_KEY: ann})

@@ -11,7 +11,7 @@ from control_support import BASE, NS_KEY, ROLE_KEY, SlotSink, lookup
 
 from kiamfast import table as tablemod
 from kiamfast.control.runtime import RuntimeView, Sandbox
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.pods import PodWatcher, make_api_client
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
@@ -44,7 +44,7 @@ class Harness:
         self.sink = SlotSink()
         self.notifications = 0
         self.policy = RolePolicy(**{"base_role_arn": BASE, **(policy or {})})
-        self.model = Ownership(policy=self.policy, table=table, sink=self.sink,
+        self.model = NodeModel(policy=self.policy, table=table, sink=self.sink,
                                notify=self._notify)
         watch_kw.setdefault("backoff", (0.02, 0.5))
         self.watcher = PodWatcher(

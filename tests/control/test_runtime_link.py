@@ -101,7 +101,7 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     from kiamfast import table as tablemod
     from kiamfast.config import Config
     from kiamfast.control.main import ControlProcess
-    from kiamfast.control.ownership import Ownership
+    from kiamfast.control.mappings.model import NodeModel
     from kiamfast.control.iam.policy import RolePolicy
     from control_support import SlotSink
 
@@ -113,7 +113,7 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     poller = cp._runtime_poller()
     assert poller is not None and isinstance(poller.client, AutoEndpointClient)
     assert cp.runtime_expected is previous_runtime_mode
-    cp.model = Ownership(policy=RolePolicy(), table=t, sink=SlotSink(),
+    cp.model = NodeModel(policy=RolePolicy(), table=t, sink=SlotSink(),
                          expect_runtime=cp.runtime_expected)
     cp._on_runtime_failure(5_000)
     assert t.runtime_mode is previous_runtime_mode

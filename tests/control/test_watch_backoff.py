@@ -17,7 +17,7 @@ import time
 import pytest
 from control_support import BASE, SlotSink, lookup
 
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.pods import PodWatcher, make_api_client
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
@@ -48,7 +48,7 @@ def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, cap
     caplog.set_level(logging.INFO, logger="kiamfast.watch")
     cluster.create_pod("default", "early", node=NODE, ips=["10.1.0.1"], phase="Running",
                        annotations={"iam.amazonaws.com/role": "early"})
-    model = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
+    model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
                       notify=lambda: None)
     # The production defaults: no test-sized backoff.
     watcher = PodWatcher(api_client=make_api_client(api_server=cluster.url,
@@ -89,7 +89,7 @@ def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, cap
 
 def test_a_quiet_watch_is_not_an_error(cluster, table):
     """A watch with nothing to report (only bookmarks) is healthy: no backoff, no count."""
-    model = Ownership(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
+    model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
                       notify=lambda: None)
     watcher = PodWatcher(api_client=make_api_client(api_server=cluster.url,
                                                     api_token=cluster.token),

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiamfast import table as tablemod
-from kiamfast.control.ownership import Ownership
+from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.pods import PodWatcher, make_api_client
 from kiamfast.control.iam.policy import RolePolicy
 
@@ -51,7 +51,7 @@ class AgentWatch:
                  **watch_kw: Any) -> None:
         self.table = table
         self.slots = RoleSlots()
-        self.model = Ownership(policy=RolePolicy(**{"base_role_arn": BASE, **(policy or {})}),
+        self.model = NodeModel(policy=RolePolicy(**{"base_role_arn": BASE, **(policy or {})}),
                                table=table, sink=self.slots)
         watch_kw.setdefault("backoff", (0.05, 0.5))
         self.watcher = PodWatcher(api_client=make_api_client(kubeconfig=str(kubeconfig)),

@@ -2,7 +2,7 @@
 second witness.
 
 While the container runtime cannot be asked, its last view is old evidence
-(`kiamfast.control.ownership`, `_fallback`).  Most CNIs give every pod a veth and put a host
+(`kiamfast.control.mappings.merge`).  Most CNIs give every pod a veth and put a host
 route to the pod's address on the veth's host end (the CNI `ptp` plugin, Calico's
 ``caliXXXX``, the AWS VPC CNI's ``eniXXXX``: ``X dev <veth> scope link``).  The agent's
 reply to X follows that route into the pod's network namespace, so only that sandbox's

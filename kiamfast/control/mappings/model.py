@@ -1,0 +1,496 @@
+"""The node model: the node's pods, their decisions and their addresses, written to the table.
+
+Every agent before kiamfast lost credentials (or handed out another pod's) in the moments
+when its picture of the node was incomplete: a pod asking before its IP reached the watch,
+an address reused while the API server still showed the old pod with it, a watch that
+dropped and came back.  This is the one place that decides who owns each address (the
+sources, merged by :mod:`.merge`) and what its requests get (:mod:`.decisions`), and it
+writes exactly that into the table (:class:`~kiamfast.control.publish.addresses
+.AddressTable`).  Synchronous, no I/O but table writes and calls into the credential sink;
+the API source feeds it pods and namespaces, the control process the runtime's views.
+
+Table entries: denied pods ``POD_DENIED`` (workers answer 404 at once), pods without a role
+``POD_NO_ROLE``, pods with a role ``POD_ROLE`` with the slot the credential sink hands out
+(``sink.acquire``, which also starts the prefetch, before the pod has an address), owners not
+decided yet ``POD_UNDECIDED`` (workers wait).  A pod that asks by token only
+(container_credentials/token_only.py) keeps its role and slot for the token path, but its
+addresses are written ``POD_DENIED`` naming its slot (so a restarted control process finds
+it again); such a pod on the host network is decided too, and owns no address.
+
+Restarts: the model starts from what the table holds (``adopted``).  The first sync (or the
+first runtime view) makes the table equal to what the model knows: every address nobody owns
+any more is released.
+
+Writes are batched: the mutators record what changed; :meth:`NodeModel.commit` decides,
+writes claims before releases, releases credentials of pods that no longer need them, then
+publishes the status words and the runtime view's date, and calls ``notify()`` once if
+anything changed.  What it must never do: map an address to a pod that does not own it,
+give an address back to a pod that lost it, or keep an address the runtime says nobody holds.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from kiamfast.control.iam.keys import CredentialRequest
+from kiamfast.control.iam.policy import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
+from kiamfast.control.mappings.addresses import canonical_ip, pod_ips, resource_version
+from kiamfast.control.mappings.api_owners import ApiOwners
+from kiamfast.control.mappings.decisions import Decider, PodDecision, PodRecord
+from kiamfast.control.mappings.merge import KEEP, HostRoutesLike, Merge, Undecided
+from kiamfast.control.mappings.runtime_owners import RuntimeOwners, RuntimeViewLike, SandboxLike
+from kiamfast.control.publish.addresses import AddressTable, TableWriter, Written
+from kiamfast.table import POD_DENIED, POD_NO_ROLE, POD_ROLE, POD_UNDECIDED
+
+log = logging.getLogger("kiamfast.ownership")
+
+
+class CredentialSink(Protocol):
+    """The credential manager as the model uses it."""
+
+    def acquire(self, pod_uid: str, req: Any) -> int: ...
+    def release(self, pod_uid: str) -> None: ...
+    def role_of_slot(self, slot: int) -> tuple[str, str | None] | None: ...
+
+
+class NodeModel:
+    """Feed it events and runtime views, then ``commit()``."""
+
+    def __init__(self, *, policy: RolePolicy, table: TableWriter, sink: CredentialSink,
+                 notify: Callable[[], None] = lambda: None, namespace_grace: float = 10.0,
+                 tombstones: int = 16384, clock: Callable[[], float] = time.monotonic,
+                 adopted: Mapping[str, Written] | None = None, expect_runtime: bool = False,
+                 token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
+                 slot_refs: Counter | None = None,
+                 routes: HostRoutesLike | None = None) -> None:
+        self.policy = policy
+        self.token_only = token_only   # container_credentials/token_only.py
+        self.sink = sink
+        self.notify = notify
+        self.clock = clock
+        self.pods: dict[str, PodRecord] = {}              # from the API
+        self.sandbox_pods: dict[str, PodRecord] = {}      # the runtime's, not (yet) the API's
+        self.namespaces: dict[str, NamespaceRules] = {}
+        self._by_ns: dict[str, set[str]] = {}
+        self.addresses = AddressTable(table, adopted=adopted or {}, refs=slot_refs)
+        self.slot_refs = self.addresses.refs
+        written = self.addresses.written
+        self.api = ApiOwners()
+        self.runtime = RuntimeOwners(expected=expect_runtime)
+        self.merge = Merge(runtime=self.runtime, routes=routes)
+        self.merge.reconciled = not written
+        # A denied address naming a slot was a pod served by token only (see the docstring).
+        self.decider = Decider(policy=policy, namespace_grace=namespace_grace, clock=clock,
+                               role_of_slot=sink.role_of_slot,
+                               adopted={uid: slot for uid, state, slot in written.values()
+                                        if state in (POD_ROLE, POD_DENIED) and slot >= 0})
+        self._adopted_token_only = {uid for uid, state, slot in written.values()
+                                    if state == POD_DENIED and slot >= 0}
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._tombstone_cap = tombstones
+        self._dirty_ips: set[str] = set()
+        self._dirty_pods: set[str] = set()
+        self._gone: set[str] = set()           # pods whose credentials to release after writes
+        self._pending: set[str] = set()
+        self._retry: set[str] = set()          # pods whose credential acquire failed
+        self.synced = False
+        self._counts: dict[str, int] = {
+            "commits": 0, "stale_events": 0, "acquire_errors": 0, "runtime_views": 0,
+            "runtime_only_pods": 0}
+
+    # ---- what the rest of the agent reads -----------------------------------------------------
+
+    @property
+    def runtime_mode(self) -> bool:
+        """Whether workers must wait for a runtime poll attempt newer than their connection."""
+        return self.runtime.expected
+
+    @property
+    def pending_pods(self) -> int:
+        return len(self._pending)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {**self._counts, **self.addresses.counters, "displaced": self.api.displaced}
+
+    def decision(self, uid: str) -> PodDecision | None:
+        """The pod's current decision (both answer paths read this), or None if unknown."""
+        pod = self._pod(uid)
+        if pod is None:
+            return None
+        ips = sorted(self._ips_of(pod)) or ([] if pod.host_network else sorted(pod.api_ips))
+        return PodDecision(uid=uid, namespace=pod.namespace, name=pod.name,
+                           service_account=pod.service_account, identity=pod.identity,
+                           cred_slot=pod.cred_slot, token_only=pod.token_only,
+                           host_network=pod.host_network, decided=pod.decided,
+                           address=ips[0] if ips else None, source=pod.source)
+
+    def owner(self, ip: str) -> str | None:
+        """The pod UID the table maps ``ip`` to (after the last commit), or None."""
+        c = canonical_ip(ip)
+        w = self.addresses.written.get(c) if c else None
+        return w[0] if w else None
+
+    def mapping(self) -> dict[str, Written]:
+        """ip -> (uid, pod state, credential slot) as written to the table."""
+        return self.addresses.snapshot()
+
+    def denials(self) -> dict[str, tuple[str, str]]:
+        """pod uid -> (role ARN, namespace) of the pods the table denies by their namespace's
+        rules: workers answer them with kube2iam's text."""
+        out = {}
+        for uid, state, _ in self.addresses.written.values():
+            pod = self._pod(uid) if state == POD_DENIED else None
+            if (pod is not None and pod.identity is not None and pod.identity.role_arn
+                    and pod.identity.kind == IdentityKind.DENIED):
+                out[uid] = (pod.identity.role_arn, pod.namespace)
+        return out
+
+    def debug_store(self) -> dict[str, Any]:
+        """kube2iam's /debug/store view: namespaceByIP, rolesByIP, rolesByNamespace."""
+        ns_by_ip: dict[str, str] = {}
+        roles_by_ip: dict[str, str] = {}
+        for ip, (uid, _, _) in sorted(self.addresses.written.items()):
+            pod = self._pod(uid)
+            if pod is None:
+                continue
+            ns_by_ip[ip] = pod.namespace
+            roles_by_ip[ip] = pod.annotations.get(self.policy.role_key, "")
+        return {"namespaceByIP": ns_by_ip, "rolesByIP": roles_by_ip,
+                "rolesByNamespace": {n: list(r.allowed_globs)
+                                     + [p.pattern for p in r.allowed_regexps]
+                                     for n, r in sorted(self.namespaces.items())}}
+
+    # ---- pods and namespaces from the API -----------------------------------------------------
+
+    def apply_pod(self, obj: Mapping[str, Any], *, seen: int | None = None) -> None:
+        """An ADDED/MODIFIED pod (watch event, or list item with ``seen`` = the list's RV)."""
+        meta = obj.get("metadata") or {}
+        uid = meta.get("uid") or ""
+        if not uid or uid in self._tombstones:
+            return
+        rv = resource_version(obj)
+        pod = self.pods.get(uid)
+        if pod is not None and rv and rv < pod.rv:
+            self._counts["stale_events"] += 1
+            return
+        if pod is None:
+            pod = PodRecord(uid=uid, namespace=meta.get("namespace") or "",
+                            name=meta.get("name") or "")
+            self.pods[uid] = pod
+            self._by_ns.setdefault(pod.namespace, set()).add(uid)
+            if self.sandbox_pods.pop(uid, None) is not None:
+                self._dirty_ips.update(self.runtime.ips.get(uid, ()))
+        spec = obj.get("spec") or {}
+        annotations = meta.get("annotations") or {}
+        keys = (self.policy.role_key, self.policy.external_id_key)
+        before = (pod.decided, pod.token_only, tuple(pod.annotations.get(k) for k in keys))
+        pod.rv = rv
+        pod.created = meta.get("creationTimestamp") or pod.created
+        pod.phase = (obj.get("status") or {}).get("phase") or ""
+        pod.host_network = bool(spec.get("hostNetwork"))
+        pod.terminating = bool(meta.get("deletionTimestamp"))
+        pod.annotations = annotations
+        pod.service_account = spec.get("serviceAccountName") or spec.get("serviceAccount") or ""
+        pod.token_only = self.token_only(spec)
+        if pod.token_only and not before[1]:
+            log.info("pod %s/%s asks by token: the metadata path refuses it credentials",
+                     pod.namespace, pod.name)
+        pod.api_ips = pod_ips(obj)
+        after = (pod.decided, pod.token_only, tuple(annotations.get(k) for k in keys))
+        if pod.identity is None or before != after:
+            self._dirty_pods.add(uid)
+        self._dirty_ips |= self.api.set_claims(pod, seen=rv if seen is None else seen)
+        if pod.cred_key is not None and pod.cred_key[2] is None and pod.api_ips:
+            self._dirty_pods.add(uid)   # tell the credential manager the pod's address
+        self._refresh_pending(pod)
+
+    def delete_pod(self, obj: Mapping[str, Any]) -> None:
+        """A DELETED pod: it loses its addresses (only where it still owns them)."""
+        uid = (obj.get("metadata") or {}).get("uid") or ""
+        if uid:
+            self._remove(uid)
+
+    def replace_pods(self, items: Iterable[Mapping[str, Any]], *, list_rv: int = 0) -> None:
+        """A full list (initial or relist) at ``list_rv``: adds and updates first, then the
+        pods that are no longer listed are removed."""
+        items = list(items)
+        if not list_rv:
+            list_rv = max([0] + [resource_version(o) for o in items])
+        listed: set[str] = set()
+        for obj in items:
+            uid = (obj.get("metadata") or {}).get("uid")
+            if uid:
+                listed.add(uid)
+                self.apply_pod(obj, seen=list_rv)
+        for uid in [u for u in self.pods if u not in listed]:
+            self._remove(uid)
+
+    def apply_namespace(self, obj: Mapping[str, Any]) -> None:
+        """A namespace's rules (a deleted namespace keeps them: its pods' deletes may come
+        later, and their identity must not flip meanwhile)."""
+        meta = obj.get("metadata") or {}
+        name = meta.get("name") or ""
+        if not name:
+            return
+        rules = self.policy.namespace_rules(name, meta.get("annotations") or {})
+        if self.namespaces.get(name) != rules:
+            self.namespaces[name] = rules
+            if self.policy.uses_namespaces:
+                self._dirty_pods.update(self._by_ns.get(name, ()))
+                self._dirty_pods.update(u for u, p in self.sandbox_pods.items()
+                                        if p.namespace == name)
+
+    def replace_namespaces(self, items: Iterable[Mapping[str, Any]]) -> None:
+        names = set()
+        for obj in items:
+            names.add((obj.get("metadata") or {}).get("name") or "")
+            self.apply_namespace(obj)
+        for name in list(self.namespaces):
+            if name not in names and not self._by_ns.get(name):
+                del self.namespaces[name]
+
+    # ---- the container runtime ----------------------------------------------------------------
+
+    def apply_runtime(self, view: RuntimeViewLike) -> None:
+        """A runtime poll: from now on its READY sandboxes own the node's addresses."""
+        self._counts["runtime_views"] += 1
+        if self.runtime.unchanged(view):
+            return
+        old_ips = self.runtime.ips
+        dirty, everything = self.runtime.apply(view)
+        self._dirty_ips |= dirty
+        if everything:
+            self._dirty_ips |= set(self.addresses.written) | set(self.api.claimants)
+        for uid, sandbox in self.runtime.sandboxes.items():
+            pod = self.pods.get(uid)
+            if pod is None:
+                self._sandbox_pod(sandbox)
+            elif pod.cred_key is not None and pod.cred_key[2] is None:
+                self._dirty_pods.add(uid)   # tell the credential manager its address
+        for uid in [u for u in self.sandbox_pods if u not in self.runtime.ips]:
+            self._forget_sandbox_pod(uid, old_ips.get(uid, ()))
+        self._reconcile()
+
+    def runtime_failed(self, started_ns: int) -> None:
+        """A poll attempt begun at ``started_ns`` failed: the merge's fallback decides."""
+        if not self.runtime.fail(started_ns, self.addresses.written):
+            return
+        self.merge.newcomer_unplaced = self._unplaced_newcomer()
+        self.merge.evidence.forget()
+        self._dirty_ips |= (set(self.addresses.written) | set(self.api.claimants)
+                            | set(self.runtime.owners or ()))
+        self._reconcile()
+
+    # ---- time and sync ------------------------------------------------------------------------
+
+    def expire(self) -> None:
+        """Retry failed credential acquires; deny pods whose namespace stayed unknown past the
+        grace period.  Call every second or so."""
+        now = self.clock()
+        self._dirty_pods.update(u for u in self._retry if self._pod(u) is not None)
+        self._retry.clear()
+        for uid, pod in [*self.pods.items(), *self.sandbox_pods.items()]:
+            if self.decider.waited_too_long(pod, now):
+                self._dirty_pods.add(uid)
+
+    def set_synced(self, synced: bool) -> None:
+        self.synced = self.decider.synced = synced
+        if synced:
+            # The API can overrule a previous process's decisions from now on.
+            self._dirty_pods.update(u for u in self.decider.adopted if self._pod(u))
+            self.decider.adopted.clear()
+            self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Once the model knows the node (synced, or a runtime view), every address a
+        previous control process left in the table is decided again."""
+        if not self.merge.reconciled:
+            self.merge.reconciled = True
+            self._dirty_ips.update(self.addresses.written)
+
+    # ---- commit -------------------------------------------------------------------------------
+
+    def commit(self) -> bool:
+        """Write everything recorded since the last commit; returns whether the table changed."""
+        for uid in sorted(self._dirty_pods):
+            pod = self._pod(uid)
+            if pod is not None:
+                self._decide(pod)
+        self._dirty_pods.clear()
+        rt = self.runtime
+        if rt.stale:
+            unplaced = self._unplaced_newcomer()
+            if unplaced != self.merge.newcomer_unplaced:
+                self.merge.newcomer_unplaced = unplaced
+                self._dirty_ips.update(rt.owners or ())   # the guard moves every agreement
+            self._dirty_ips |= self.merge.evidence.refresh(rt.owners or {},
+                                                           since_ns=rt.verified_ns)
+        # The API's owner, kept up to date (high-water marks) even while the runtime
+        # decides: the fallback needs it the moment a poll fails.
+        wanted = {ip: self._wanted(ip, self.merge.owner(ip, self.api.owner(ip, self.pods)))
+                  for ip in self._dirty_ips}
+        self._dirty_ips.clear()
+        changed = self.addresses.write(wanted)
+        for uid in self._gone:
+            pod = self._pod(uid)
+            if pod is None or pod.cred_key is None:
+                self.sink.release(uid)
+        self._gone.clear()
+        changed |= self.addresses.publish_status(pending_pods=len(self._pending),
+                                                 synced=self.synced)
+        changed |= self.addresses.publish_dates(verified_ns=rt.verified_ns,
+                                                failed_ns=rt.failed_ns, stale=rt.stale,
+                                                have_view=rt.owners is not None)
+        changed |= self.addresses.publish_mode(self.runtime_mode)
+        self._counts["commits"] += 1
+        if changed:
+            self.notify()
+        return changed
+
+    def _wanted(self, ip: str, owner: object) -> Written | None:
+        if owner is KEEP:
+            return self.addresses.written.get(ip)
+        if owner is None:
+            return None
+        if isinstance(owner, Undecided):
+            return (owner.uid, POD_UNDECIDED, -1)
+        return self._entry(owner)   # type: ignore[arg-type]
+
+    def _entry(self, uid: str) -> Written | None:
+        """The table entry of an address ``uid`` owns."""
+        pod = self._pod(uid)
+        if pod is None:
+            return None
+        ident = pod.identity
+        if ident is None:
+            return (uid, POD_UNDECIDED, -1)   # known owner, policy still open: workers wait
+        if ident.kind == IdentityKind.ROLE:
+            # Its credentials are served by token only (the slot stays the pod's).
+            return (uid, POD_DENIED if pod.token_only else POD_ROLE, pod.cred_slot)
+        if ident.kind == IdentityKind.NO_ROLE:
+            return (uid, POD_NO_ROLE, -1)
+        return (uid, POD_DENIED, -1)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _pod(self, uid: str) -> PodRecord | None:
+        return self.pods.get(uid) or self.sandbox_pods.get(uid)
+
+    def _ips_of(self, pod: PodRecord) -> Iterable[str]:
+        """The addresses this pod owns under the current source of ownership."""
+        rt = self.runtime
+        if rt.owners is not None:
+            if rt.stale:
+                return set(rt.ips.get(pod.uid, ())) | set(pod.claims)
+            return rt.ips.get(pod.uid, ())
+        return pod.claims
+
+    def _remove(self, uid: str) -> None:
+        pod = self.pods.pop(uid, None)
+        self._tombstones[uid] = None
+        self._tombstones.move_to_end(uid)
+        while len(self._tombstones) > self._tombstone_cap:
+            self._tombstones.popitem(last=False)
+        if pod is None:
+            return
+        members = self._by_ns.get(pod.namespace)
+        if members is not None:
+            members.discard(uid)
+            if not members:
+                del self._by_ns[pod.namespace]
+        self._dirty_ips |= self.api.drop_all(pod)
+        self._pending.discard(uid)
+        if pod.cred_key is not None:
+            self._gone.add(uid)
+        self._dirty_pods.discard(uid)
+        if uid in self.runtime.sandboxes and not self.runtime.stale:
+            # Deleted from the API while its sandbox still runs (a forced delete): the
+            # processes asking from its address are still this pod's.  Not from a stale
+            # view: the API's delete is the fresher evidence.
+            self._sandbox_pod(self.runtime.sandboxes[uid])
+
+    def _sandbox_pod(self, sandbox: SandboxLike) -> None:
+        pod = self.sandbox_pods.get(sandbox.pod_uid)
+        annotations = dict(sandbox.annotations)
+        if pod is None:
+            # A sandbox carries no environment: a pod the previous process served by token
+            # only stays so until the API shows its spec.
+            pod = PodRecord(uid=sandbox.pod_uid, namespace=sandbox.namespace,
+                            name=sandbox.name, from_api=False, phase="Running",
+                            annotations=annotations,
+                            token_only=sandbox.pod_uid in self._adopted_token_only)
+            self.sandbox_pods[pod.uid] = pod
+            self._dirty_pods.add(pod.uid)
+            self._counts["runtime_only_pods"] += 1
+        elif pod.annotations != annotations:
+            pod.annotations = annotations
+            self._dirty_pods.add(pod.uid)
+
+    def _forget_sandbox_pod(self, uid: str, ips: Iterable[str]) -> None:
+        pod = self.sandbox_pods.pop(uid)
+        self._dirty_ips.update(ips)
+        if pod.cred_key is not None:
+            self._gone.add(uid)
+        self._dirty_pods.discard(uid)
+
+    def _refresh_pending(self, pod: PodRecord) -> None:
+        if pod.from_api and pod.live and (not pod.api_ips or pod.identity is None):
+            self._pending.add(pod.uid)
+        else:
+            self._pending.discard(pod.uid)
+
+    def _unplaced_newcomer(self) -> bool:
+        """A live pod of the API that the last view did not show and whose address the API
+        has not published yet."""
+        return any(pod.live and not pod.api_ips and uid not in self.runtime.ips
+                   for uid, pod in self.pods.items())
+
+    def _decide(self, pod: PodRecord) -> None:
+        if not pod.decided:
+            # Terminal (or hostNetwork, unless by token): no addresses, no credentials.
+            self._drop_credentials(pod)
+            pod.identity = PodIdentity.denied("not running")
+            pod.undecided_since = None
+            self._dirty_ips.update(self._ips_of(pod))
+            self._refresh_pending(pod)
+            return
+        self._gone.discard(pod.uid)
+        ident, pod.source = self.decider.decide(pod, self.namespaces.get(pod.namespace))
+        if ident is not None and ident.kind == IdentityKind.ROLE:
+            ident = self._acquire(pod, ident)
+        else:
+            self._drop_credentials(pod)    # released after the table stops naming the slot
+        pod.identity = ident
+        self._dirty_ips.update(self._ips_of(pod))
+        self._refresh_pending(pod)
+
+    def _acquire(self, pod: PodRecord, ident: PodIdentity) -> PodIdentity | None:
+        """The pod's credential slot for its role (None: no slot, it waits and is retried)."""
+        ips = list(self._ips_of(pod)) or ([] if pod.host_network else list(pod.api_ips))
+        ip = sorted(ips)[0] if ips else None
+        want = (ident.role_arn, ident.external_id, ip)
+        if pod.cred_key == want:
+            return ident
+        try:
+            pod.cred_slot = self.sink.acquire(pod.uid, CredentialRequest(
+                role_arn=ident.role_arn, external_id=ident.external_id or None,
+                namespace=pod.namespace, pod_name=pod.name,
+                service_account=pod.service_account, pod_ip=ip))
+            pod.cred_key = want
+            return ident
+        except Exception as e:   # slots exhausted: stay undecided (503), retry later
+            self._counts["acquire_errors"] += 1
+            log.error("pod %s/%s: no credential slot for %s: %s",
+                      pod.namespace, pod.name, ident.role_arn, e)
+            self._retry.add(pod.uid)
+            return None
+
+    def _drop_credentials(self, pod: PodRecord) -> None:
+        if pod.cred_key is not None:
+            self._gone.add(pod.uid)
+            pod.cred_key = None
+            pod.cred_slot = -1
