@@ -36,7 +36,7 @@ def clock():
 
 @pytest.fixture
 def make_model(table, sink, clock):
-    def make(**policy_kw: Any) -> Ownership:
+    def make(**policy_kw: Any) -> NodeModel:
         notes: list[int] = []
         policy_kw.setdefault("base_role_arn", BASE)
         m = NodeModel(policy=RolePolicy(**policy_kw), table=table, sink=sink,

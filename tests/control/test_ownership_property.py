@@ -225,14 +225,14 @@ def test_no_address_ever_maps_to_a_pod_that_does_not_own_it(data):
     last_view: list[RuntimeView] = []
     stale: list[bool] = []        # the runtime cannot be asked (the fallback decides)
 
-    def start_model(adopted=None) -> Ownership:
+    def start_model(adopted=None) -> NodeModel:
         m = NodeModel(policy=policy, table=t, sink=sink, adopted=adopted)
         for name, ann in world.ns.items():
             m.apply_namespace(namespace(name, {NS_KEY: ann}))
             oracle.ns_rules[name] = policy.namespace_rules(name, {NS_KEY: ann})
         return m
 
-    def relist(m: Ownership) -> None:
+    def relist(m: NodeModel) -> None:
         world.queue.clear()
         items = [copy.deepcopy(o) for o in world.api.values()]
         m.replace_pods(items, list_rv=world.rv)
