@@ -299,3 +299,49 @@ def test_a_definite_refusal_is_400_and_cached():
             assert ls.api.calls == calls + 1, error             # the second was cached
         assert ls.view.resolved == 0
     serving(body)
+
+
+def test_at_the_cap_a_newcomer_takes_the_place_of_the_longest_idle_connection():
+    """32 addresses x 16 idle connections fill every place; a pod that holds none still
+    gets in, in place of the connection idle longest of an address holding the most; a
+    connection whose request is being answered is never the one closed."""
+    async def body(ls):
+        hoarders = [f"127.0.6.{i + 1}" for i in range(srv.MAX_CONNECTIONS
+                                                       // srv.MAX_CONNECTIONS_PER_ADDRESS)]
+        held = {}
+        for address in hoarders:
+            held[address] = [await asyncio.open_connection(
+                "127.0.0.1", ls.port, local_addr=(address, 0))
+                for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS)]
+        await until(lambda: ls.server.limits.total == srv.MAX_CONNECTIONS)
+        # Every place taken: one more from a hoarder is turned away (it holds its share).
+        reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
+                                                       local_addr=(hoarders[0], 0))
+        assert await closed_unanswered(reader, writer)
+        assert ls.server.limits.evicted == 0
+        # A pod holding no connection is served; the first-opened connection of a hoarder
+        # went for it.
+        status, _, _ = await ls.ask(token(uid="uid-new"), source="127.0.6.200")
+        assert status == 200
+        assert ls.server.limits.evicted == 1
+        first_reader = held[hoarders[0]][0][0]
+        assert await asyncio.wait_for(first_reader.read(), 5) == b""
+        for conns in held.values():
+            for _, w in conns:
+                w.close()
+    serving(body)
+
+
+async def until(ready, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def closed_unanswered(reader, writer) -> bool:
+    writer.write(b"GET /v1/credentials HTTP/1.1\r\n\r\n")
+    try:
+        return await asyncio.wait_for(reader.read(), 5) == b""
+    except ConnectionResetError:
+        return True
