@@ -5,19 +5,19 @@ the pod view, the role decisions and the credential slots it answers from live t
 keeps a hostile pod from slowing the table's writer or locking the other pods out: a
 bounded request head; a bound on connections per address and in all, where a newcomer takes
 the place of the longest idle connection of the address holding the most; TokenReview calls
-on their own few threads; a per-address budget of reviews (a cached verdict costs none);
-and a per-address budget of refusals: past it, that address's requests are closed unread
-and its new connections reset as they are accepted, for a cool-down, so a flood of bad
-tokens costs an accept and a reset, not a parse, a claims check, an answer and a log
-line.
+on their own few threads; a per-address budget of reviews (a cached verdict costs none); a
+per-pod budget of answers (a flood of valid tokens); and a per-address budget of refusals:
+past it, that address's requests are closed unread and its new connections reset as they
+are accepted, for a cool-down, so a flood of bad tokens costs an accept and a reset, not a
+parse, a claims check, an answer and a log line.
 
 Order of checks, each refusing with the protocol's JSON ``{"Code", "Message"}``:
 the token's own claims (400: not a JWT, wrong audience, expired, not bound to a pod) → the
 pod they name is on this node (403; 503 while the agent has not synced) → the API server's
 TokenReview (400 refused for good, 503 unreachable or undecided, 429 over the address's
-budget) → the role policy the metadata path applies (403 no role or denied) → the pod's
-credential slot (200, or 503 while it is being fetched).  Waits are bounded by
---wait-budget.
+budget) → the pod's budget of answers (429) → the role policy the metadata path applies
+(403 no role or denied) → the pod's credential slot (200, or 503 while it is being
+fetched).  Waits are bounded by --wait-budget.
 """
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ REVIEW_BURST = 10
 MAX_PENDING_REVIEWS = 64
 REFUSAL_RATE = 10.0             # refused requests per second and address, after a burst of ...
 REFUSAL_BURST = 50
+POD_ANSWER_RATE = 50.0          # requests per second and reviewed pod, after a burst of ...
+POD_ANSWER_BURST = 200          # (an SDK asks once per process and credential refresh)
 COOL_DOWN = 2.0                 # past that: the address's connections closed unread this long
 BUCKETS = 4096                  # addresses whose budgets are remembered
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
@@ -170,8 +172,8 @@ class Connection:
 
 class AddressLimits:
     """Connections held, a token bucket of TokenReviews and one of refusals, per client
-    address; an address past its refusals is cooling down (its connections closed at
-    once)."""
+    address, and one of answers per pod; an address past its refusals is cooling down (its
+    connections closed at once)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -183,6 +185,7 @@ class AddressLimits:
         # addresses seen longest ago forgotten first.
         self._reviews: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._answers: OrderedDict[str, tuple[float, float]] = OrderedDict()   # by pod uid
         self._cooling: dict[str, float] = {}      # address -> until (clock)
         self.cooled = 0                           # connections and requests closed unread
 
@@ -230,6 +233,10 @@ class AddressLimits:
 
     def allow_review(self, address: str) -> bool:
         return _take(self._reviews, address, self.clock(), REVIEW_RATE, REVIEW_BURST)
+
+    def allow_answer(self, pod_uid: str) -> bool:
+        """One answer for a reviewed pod (whatever address its token came from)."""
+        return _take(self._answers, pod_uid, self.clock(), POD_ANSWER_RATE, POD_ANSWER_BURST)
 
     def refused(self, address: str) -> bool:
         """Count one refusal; True when it used up the budget and the cool-down begins."""
@@ -474,6 +481,11 @@ class ContainerCredentialsServer:
         pod = self.reviewer.cached(token)
         if pod is None:
             pod = await self._review(token, claimed, address)
+        # By the reviewed pod, never by unverified claims (which would let anyone spend
+        # another pod's budget): one pod's flood of valid tokens cannot take the loop.
+        if not self.limits.allow_answer(pod.uid):
+            raise TokenRejected(429, "TooManyRequests",
+                                f"too many requests for pod {pod.namespace}/{pod.name}")
         return await self._resolve(pod)
 
     async def _review(self, token: str, claimed: BoundPod, address: str) -> BoundPod:

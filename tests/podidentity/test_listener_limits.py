@@ -301,6 +301,34 @@ def test_a_definite_refusal_is_400_and_cached():
     serving(body)
 
 
+def test_one_pods_flood_of_valid_tokens_is_held_to_its_budget_others_are_served():
+    """The pod is the reviewed one (never the unverified claims): one pod asking far
+    more often than any SDK gets 429 with Retry-After past its budget, whatever address
+    it asks from; another pod is answered meanwhile."""
+    async def body(ls):
+        ls.server.limits.clock = lambda: 1000.0      # no refill while the test runs
+        tok = token(uid="uid-flood")
+        reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
+                                                       local_addr=("127.0.5.1", 0))
+        statuses = []
+        for _ in range(srv.POD_ANSWER_BURST + 5):
+            writer.write(f"GET /v1/credentials HTTP/1.1\r\nAuthorization: {tok}\r\n\r\n"
+                         .encode())
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            statuses.append(int(head.split()[1]))
+            if statuses[-1] == 429:
+                assert b"\r\nRetry-After: 1\r\n" in head
+        writer.close()
+        assert statuses == [200] * srv.POD_ANSWER_BURST + [429] * 5
+        # From another address too: the budget is the pod's.
+        assert (await ls.ask(tok, source="127.0.5.2"))[0] == 429
+        assert (await ls.ask(token(uid="uid-calm"), source="127.0.5.3"))[0] == 200
+        assert ls.api.calls == 2                       # one review per token
+    serving(body)
+
+
 def test_at_the_cap_a_newcomer_takes_the_place_of_the_longest_idle_connection():
     """32 addresses x 16 idle connections fill every place; a pod that holds none still
     gets in, in place of the connection idle longest of an address holding the most; a
