@@ -18,6 +18,7 @@ import time
 
 import pytest
 from agent_process import http as agent_http
+from idle_clients import hoard, open_many
 from test_container_credentials import Node
 
 from kiamfast.container_credentials import server as srv
@@ -196,47 +197,6 @@ def test_a_deleted_pods_tokens_replayed_from_its_address_never_get_credentials(n
 
 
 # ---- connections -------------------------------------------------------------------------------
-
-async def open_many(port: int, sources: list[str], per_source: int, *,
-                    parallel: int = 200) -> list[asyncio.StreamWriter]:
-    """``per_source`` connections from each address, opened ``parallel`` at a time and left
-    idle (the agent closes or resets those it has no place for)."""
-    gate = asyncio.Semaphore(parallel)
-    opened: list[asyncio.StreamWriter] = []
-
-    async def one(source: str) -> None:
-        async with gate:
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(
-                    "127.0.0.1", port, local_addr=(source, 0)), 30)
-                opened.append(writer)
-            except (OSError, asyncio.TimeoutError):
-                pass                      # refused in the handshake: as idle as it gets
-    await asyncio.gather(*(one(s) for s in sources for _ in range(per_source)))
-    return opened
-
-
-async def hoard(port: int, source: str, keep: int, stop: asyncio.Event) -> None:
-    """Hold ``keep`` idle connections from ``source``, reconnecting each as soon as the agent
-    closes it: a leaking client, or one trying to keep the listener full."""
-    async def slot() -> None:
-        while not stop.is_set():
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port,
-                                                               local_addr=(source, 0))
-            except OSError:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                stopped = asyncio.ensure_future(stop.wait())
-                await asyncio.wait([asyncio.ensure_future(reader.read()), stopped],
-                                   return_when=asyncio.FIRST_COMPLETED)
-            except OSError:
-                pass
-            finally:
-                writer.close()
-    await asyncio.gather(*(slot() for _ in range(keep)))
-
 
 def ask_in_thread(node: Node, source: str) -> tuple[int, dict]:
     return node.ask(node.steady, source=source)
