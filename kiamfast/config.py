@@ -414,7 +414,8 @@ FLAGS: tuple[Flag, ...] = (
        "credentials protocol (AWS_CONTAINER_CREDENTIALS_FULL_URI, a projected service-"
        "account token as Authorization) at these comma-separated ip:port, e.g. "
        "169.254.170.23:80,[fd00:ec2::23]:80 (each address must be local to the node: see "
-       "--container-credentials-link); \"\" = off. Needs RBAC to create tokenreviews."),
+       "--container-credentials-link); \"\" = off. Needs --node (a token of another "
+       "node's pod is refused) and RBAC to create tokenreviews."),
     _f("container-credentials-link", "str", "", "Before listening, make sure a dummy link "
        "of this name exists and holds each --container-credentials-addr address (/32, "
        "/128), adding what is missing; kept when the agent stops. An IPv6 address that "
@@ -734,6 +735,11 @@ def _normalise_and_validate(c: Config) -> None:
 
     if c.container_credentials_link:
         _container_credentials_link(c)
+    if c.container_credentials_addr and not c.node:
+        # Without it the pod view holds every node's pods: any valid token of any pod of
+        # the cluster would be answered here.
+        raise ConfigError("node", "must be set with --container-credentials-addr (else "
+                          "this agent would answer the tokens of every node's pods)")
 
     # URLs.
     if c.cri_endpoint not in ("", "none", "auto") and not (

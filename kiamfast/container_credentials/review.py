@@ -8,6 +8,10 @@ ServiceAccount and whose extras name the bound pod.  The verdict is cached by th
 hash until the token expires (the kubelet rotates a projected token at 80 % of its life, so
 a pod brings a new token, and one review, every few minutes); whether the pod still exists
 on this node is asked of the pod view on every request, never cached here.
+
+A review can also complete unauthenticated because the API server could not check the token
+right now (its own lookup of the ServiceAccount or pod failed): that is answered 503 and
+never cached; only the API server's definite refusals are (`definite_refusal`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import re
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +38,7 @@ SA_PREFIX = "system:serviceaccount:"
 REVIEW_TIMEOUT = 1.0           # the SDKs allow 1 s (JS) to 2 s (botocore) per attempt
 REJECTED_TTL = 60.0            # a refused token is refused again without asking
 CACHE_SIZE = 4096
+LOG_EVERY = 10.0               # one info line per kind of event this often; debug else
 
 
 class TokenRejected(Exception):
@@ -109,11 +115,53 @@ def precheck(token: str, audience: str, now: float) -> BoundPod:
     return pod
 
 
+# What kube-apiserver's service-account authenticator says when it refuses a token for
+# good (k8s.io/kubernetes v1.34 pkg/serviceaccount/{jwt,claims}.go, go-jose v2): the token
+# is another's, expired, forged, or its ServiceAccount or pod is gone or was replaced.  The
+# same token is refused again however often it is asked.  `status.error` joins the messages
+# of every authenticator that failed, e.g. "[invalid bearer token, service account token has
+# expired]" from the real server, so these are searched for, not matched.
+_DEFINITE = re.compile("|".join((
+    r"service account token has expired",
+    r"is invalid for the target audiences",                 # another audience
+    r"token issuer \".*\" is invalid",
+    r"go-jose/go-jose",                                     # bad signature, mangled claims
+    r"service account UID \(.*\) does not match claim",    # the account was recreated
+    r"service account \S+ has been deleted",
+    r'serviceaccounts "[^"]*" not found',                   # its lookup: NotFound
+    r"pod UID \(.*\) does not match service account pod ref claim",   # pod recreated
+)))
+# Everything else is "could not check right now", answered 503 and asked again next time:
+# * "service account token has been invalidated": the bound pod's lookup failed, and
+#   claims.go says so for a NotFound (a deleted pod) and for any other error alike (its
+#   storage timing out); the pod view tells the deleted pod apart (403) once the watch
+#   delivers the deletion;
+# * the raw text of a ServiceAccount lookup that failed otherwise than NotFound;
+# * "not valid yet" / "issued in the future": clock skew between API servers, gone soon;
+# * "invalid signature, no keys found": also an external signer whose keys the API server
+#   could not fetch (externaljwt keycache.go);
+# * another authenticator's outage (a webhook's), anything this list does not know.
+# "invalid bearer token" alone is definite: no authenticator took the token for its own
+# (another issuer) and none failed (bearertoken.go gives that text when none erred).  No
+# text at all is too: the API server has no token authenticator to ask.
+_NOBODY_KNEW = "invalid bearer token"
+
+
+def definite_refusal(error: str) -> bool:
+    """Whether a review's `status.error` refuses the token for good (cacheable)."""
+    return error in ("", _NOBODY_KNEW) or _DEFINITE.search(error) is not None
+
+
 def verdict(status: dict[str, Any], claimed: BoundPod, audience: str) -> BoundPod:
-    """The bound pod if the review's status authenticates `claimed` for `audience`."""
+    """The bound pod if the review's status authenticates `claimed` for `audience`; 400 if
+    the API server refused the token for good, 503 if it could not check it just now."""
     if not status.get("authenticated"):
+        error = str(status.get("error") or "")
+        if not definite_refusal(error):
+            raise unavailable("the API server could not check the token just now: "
+                              + error[:200])
         raise invalid("the API server did not authenticate the token: "
-                      + str(status.get("error") or "no reason given")[:200])
+                      + (error or "no reason given")[:200])
     if audience not in (status.get("audiences") or []):
         raise invalid(f"the token is not for audience {audience!r}")
     user = status.get("user") or {}
@@ -155,8 +203,9 @@ class TokenReviewer:
         self._accepted: OrderedDict[bytes, BoundPod] = OrderedDict()
         self._rejected: OrderedDict[bytes, tuple[float, TokenRejected]] = OrderedDict()
         self._inflight: dict[bytes, asyncio.Future] = {}
-        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0}
+        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0}
         self.last_error = ""          # the last review that failed, until one succeeds
+        self._undecided_logged = -LOG_EVERY
 
     def cached(self, token: str) -> BoundPod | None:
         """The cached verdict for `token` (raises a cached rejection), or None: ask review()."""
@@ -200,10 +249,22 @@ class TokenReviewer:
         try:
             pod = verdict(status, claimed, self.audience)
         except TokenRejected as e:
-            self._remember(self._rejected, key, (self.clock() + REJECTED_TTL, e))
+            if e.status == 503:       # asked again next time: the API server was unsure
+                self.stats["undecided"] += 1
+                self._log_undecided(e.message)
+            else:
+                self._remember(self._rejected, key, (self.clock() + REJECTED_TTL, e))
             raise
         self._remember(self._accepted, key, pod)
         return pod
+
+    def _log_undecided(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._undecided_logged >= LOG_EVERY:
+            self._undecided_logged = now
+            log.info("TokenReview undecided (answered 503, not cached): %s", message)
+        else:
+            log.debug("TokenReview undecided (answered 503, not cached): %s", message)
 
     def health(self) -> str:
         return f"TokenReview failing: {self.last_error}" if self.last_error else "ok"

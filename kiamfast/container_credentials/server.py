@@ -2,25 +2,29 @@
 
 Runs as a coroutine of the control process (docs/architecture.md, "Container credentials"):
 the pod view, the role decisions and the credential slots it answers from live there.  What
-keeps a hostile pod from slowing the table's writer: a bounded request head, a bound on
-connections per address and in all, TokenReview calls on their own few threads, and a
-per-address budget of reviews (a cached verdict costs none), and a per-address budget of
-refusals: past it, that address's requests are closed unread and its new connections reset
-as they are accepted, for a cool-down, so a flood of bad tokens costs an accept and a reset,
-not a parse, a claims check, an answer and a log line.
+keeps a hostile pod from slowing the table's writer or locking the other pods out: a
+bounded request head; a bound on connections per address and in all, where a newcomer takes
+the place of the longest idle connection of the address holding the most; TokenReview calls
+on their own few threads; a per-address budget of reviews (a cached verdict costs none); a
+per-pod budget of answers (a flood of valid tokens); and a per-address budget of refusals:
+past it, that address's requests are closed unread and its new connections reset as they
+are accepted, for a cool-down, so a flood of bad tokens costs an accept and a reset, not a
+parse, a claims check, an answer and a log line.
 
 Order of checks, each refusing with the protocol's JSON ``{"Code", "Message"}``:
 the token's own claims (400: not a JWT, wrong audience, expired, not bound to a pod) → the
 pod they name is on this node (403; 503 while the agent has not synced) → the API server's
-TokenReview (400 refused, 503 unreachable, 429 over the address's budget) → the role policy
-the metadata path applies (403 no role or denied) → the pod's credential slot (200, or 503
-while it is being fetched).  Waits are bounded by --wait-budget.
+TokenReview (400 refused for good, 503 unreachable or undecided, 429 over the address's
+budget) → the pod's budget of answers (429) → the role policy the metadata path applies
+(403 no role or denied) → the pod's credential slot (200, or 503 while it is being
+fetched).  Waits are bounded by --wait-budget.
 """
 from __future__ import annotations
 
 import asyncio
 import http
 import logging
+import resource
 import socket
 import time
 from collections import OrderedDict
@@ -47,12 +51,17 @@ PATH = "/v1/credentials"        # what the EKS Pod Identity webhook puts in FULL
 MAX_HEAD = 20480                # request line + headers (a token is at most 16 KiB)
 HEAD_TIMEOUT = 10.0             # a whole request head, once a connection is open or idle
 MAX_CONNECTIONS = 512
+# As the supervisor binds the sockets: asyncio listens again, with 100 unless told, and a
+# burst of connections past the queue has its SYNs dropped (the client retries after 1 s).
+LISTEN_BACKLOG = 2048
 MAX_CONNECTIONS_PER_ADDRESS = 16
 REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
 REVIEW_BURST = 10
 MAX_PENDING_REVIEWS = 64
 REFUSAL_RATE = 10.0             # refused requests per second and address, after a burst of ...
 REFUSAL_BURST = 50
+POD_ANSWER_RATE = 50.0          # requests per second and reviewed pod, after a burst of ...
+POD_ANSWER_BURST = 200          # (an SDK asks once per process and credential refresh)
 COOL_DOWN = 2.0                 # past that: the address's connections closed unread this long
 BUCKETS = 4096                  # addresses whose budgets are remembered
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
@@ -150,38 +159,85 @@ class OwnershipView:
         return container_document(body, decision.role_arn)
 
 
+class Connection:
+    """One connection's place: whose it is, whether a request of it is being answered, and
+    since when it has been idle (its accept, or its last answer)."""
+    __slots__ = ("address", "transport", "busy", "idle_since")
+
+    def __init__(self, address: str, transport: asyncio.BaseTransport, now: float) -> None:
+        self.address = address
+        self.transport = transport
+        self.busy = False
+        self.idle_since = now
+
+
 class AddressLimits:
     """Connections held, a token bucket of TokenReviews and one of refusals, per client
-    address; an address past its refusals is cooling down (its connections closed at once)."""
+    address, and one of answers per pod; an address past its refusals is cooling down (its
+    connections closed at once)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.connections: dict[str, int] = {}
+        self.connections: dict[str, set[Connection]] = {}
         self.total = 0
+        self.evicted = 0                          # idle connections closed for a newcomer
+        self.turned_away = 0                      # connections refused: no place for them
         # Kept across connections (a new connection must not bring a full bucket), the
         # addresses seen longest ago forgotten first.
         self._reviews: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._answers: OrderedDict[str, tuple[float, float]] = OrderedDict()   # by pod uid
         self._cooling: dict[str, float] = {}      # address -> until (clock)
         self.cooled = 0                           # connections and requests closed unread
 
-    def open(self, address: str) -> bool:
-        held = self.connections.get(address, 0)
-        if (held >= MAX_CONNECTIONS_PER_ADDRESS or self.total >= MAX_CONNECTIONS
-                or self.cooling(address)):
-            return False
-        self.connections[address] = held + 1
+    def open(self, address: str, transport: asyncio.BaseTransport) -> Connection | None:
+        """A place for a new connection from `address`, or None (then close it unread)."""
+        mine = self.connections.get(address)
+        held = len(mine) if mine else 0
+        if held >= MAX_CONNECTIONS_PER_ADDRESS or (
+                self.total >= MAX_CONNECTIONS and not self._make_room(held)):
+            self.turned_away += 1
+            return None
+        conn = Connection(address, transport, self.clock())
+        if mine is None:
+            mine = self.connections[address] = set()
+        mine.add(conn)
         self.total += 1
+        return conn
+
+    def _make_room(self, own: int) -> bool:
+        """At MAX_CONNECTIONS: close the connection idle longest of the address holding the
+        most, if that address holds at least two more than the newcomer's (`own`), as the
+        metadata path's workers do.  Addresses hoarding connections cannot keep a pod that
+        holds none out, and nobody is left with fewer than the newcomer."""
+        heaviest = max(self.connections.values(), key=len, default=None)
+        if heaviest is None or len(heaviest) < own + 2:
+            return False
+        idle = [c for c in heaviest if not c.busy]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.idle_since)
+        self.close(victim)
+        self.evicted += 1
+        victim.transport.close()      # its reader sees the end, its client a FIN
         return True
 
-    def close(self, address: str) -> None:
+    def close(self, conn: Connection) -> None:
+        """Give the connection's place up (once: an evicted one gave it up already)."""
+        mine = self.connections.get(conn.address)
+        if mine is None or conn not in mine:
+            return
+        mine.discard(conn)
         self.total -= 1
-        held = self.connections.pop(address) - 1
-        if held:
-            self.connections[address] = held
+        if not mine:
+            del self.connections[conn.address]
 
     def allow_review(self, address: str) -> bool:
         return _take(self._reviews, address, self.clock(), REVIEW_RATE, REVIEW_BURST)
+
+    def allow_answer(self, pod_uid: str) -> bool:
+        """One answer for a reviewed pod (whatever address its token came from)."""
+        return _take(self._answers, pod_uid, self.clock(), POD_ANSWER_RATE, POD_ANSWER_BURST)
 
     def refused(self, address: str) -> bool:
         """Count one refusal; True when it used up the budget and the cool-down begins."""
@@ -218,20 +274,45 @@ def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: flo
 
 
 class _Gate(asyncio.StreamReaderProtocol):
-    """`asyncio.start_server`'s protocol, but a connection from an address cooling down is
-    reset before any reader, writer or task is made for it: a flood of reconnects then costs
-    an accept and a reset (no TIME_WAIT left on the node), not a coroutine each."""
+    """`asyncio.start_server`'s protocol, but a connection is given a place (`Connection`)
+    before any reader, writer or task is made for it, and one that gets none (its address
+    cooling down, or over its share) is reset at once: a flood of reconnects then costs an
+    accept and a reset (no TIME_WAIT left on the node), not a coroutine each.  The place
+    is given up when the connection is lost, whoever closes it."""
 
-    def __init__(self, limits: AddressLimits, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, limits: AddressLimits, reader: asyncio.StreamReader,
+                 serve: Callable[..., Any], *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(reader, lambda r, w: serve(r, w, self.conn), loop=loop)
         self._limits = limits
+        self.conn: Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
-        if peer and self._limits.cooling(str(peer[0])):
+        address = str(peer[0]) if peer else "?"
+        if not self._limits.cooling(address):
+            self.conn = self._limits.open(address, transport)
+        if self.conn is None:
             transport.abort()
             return
         super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self._limits.close(self.conn)
+        super().connection_lost(exc)
+
+
+def _raise_fd_limit() -> None:
+    """Every connection is a file descriptor, and a flood's are accepted before they are
+    reset: the hard limit, not a soft 1024 (as the workers do)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 class BadRequest(Exception):
@@ -248,8 +329,13 @@ class Request:
 
 def parse_head(head: bytes) -> Request:
     """Request line and headers (names lower-cased); `BadRequest` for anything odd."""
+    text = head[:-4].decode("latin-1")
+    # A NUL, or a CR or LF that does not end a line, is never part of a field (RFC 9110
+    # 5.5: reject): a token carrying one is refused here, without a review.
+    if "\0" in text or not text.count("\r") == text.count("\n") == text.count("\r\n"):
+        raise BadRequest("a NUL, CR or LF inside a request line or header")
     try:
-        lines = head[:-4].decode("latin-1").split("\r\n")
+        lines = text.split("\r\n")
         method, target, version = lines[0].split(" ")
     except ValueError:
         raise BadRequest("malformed request line") from None
@@ -323,35 +409,33 @@ class ContainerCredentialsServer:
     # ---- connections -----------------------------------------------------------------------
 
     async def run(self) -> None:
+        _raise_fd_limit()
         loop = asyncio.get_running_loop()
 
         def gate() -> _Gate:
             return _Gate(self.limits, asyncio.StreamReader(limit=MAX_HEAD, loop=loop),
                          self._connection, loop=loop)
 
-        servers = [await loop.create_server(gate, sock=sock) for sock in self.socks]
+        servers = [await loop.create_server(gate, sock=sock, backlog=LISTEN_BACKLOG)
+                   for sock in self.socks]
         try:
             await asyncio.gather(*(server.serve_forever() for server in servers))
         finally:
             for server in servers:
                 server.close()
 
-    async def _connection(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        address = str((writer.get_extra_info("peername") or ("?",))[0])
-        if not self.limits.open(address):
-            writer.close()
-            return
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          conn: Connection) -> None:
         try:
-            await self._requests(address, reader, writer)
+            await self._requests(conn, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
         finally:
-            self.limits.close(address)
             writer.close()
 
-    async def _requests(self, address: str, reader: asyncio.StreamReader,
+    async def _requests(self, conn: Connection, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
+        address = conn.address
         while True:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT)
@@ -361,6 +445,7 @@ class ContainerCredentialsServer:
                 writer.write(self._error(address, 431, "HeadersTooLarge",
                                          "request head too large", keep_alive=False))
                 return
+            conn.busy = True                    # not evicted while its answer is made
             try:
                 request = parse_head(head)
             except BadRequest as e:
@@ -370,6 +455,8 @@ class ContainerCredentialsServer:
             await writer.drain()
             if not request.keep_alive:
                 return
+            conn.busy = False
+            conn.idle_since = self.limits.clock()
 
     # ---- one request -------------------------------------------------------------------------
 
@@ -395,6 +482,11 @@ class ContainerCredentialsServer:
         pod = self.reviewer.cached(token)
         if pod is None:
             pod = await self._review(token, claimed, address)
+        # By the reviewed pod, never by unverified claims (which would let anyone spend
+        # another pod's budget): one pod's flood of valid tokens cannot take the loop.
+        if not self.limits.allow_answer(pod.uid):
+            raise TokenRejected(429, "TooManyRequests",
+                                f"too many requests for pod {pod.namespace}/{pod.name}")
         return await self._resolve(pod)
 
     async def _review(self, token: str, claimed: BoundPod, address: str) -> BoundPod:
@@ -469,7 +561,18 @@ class ContainerCredentialsServer:
         lines += ["# HELP kiamfast_container_credentials_cooled_total Connections and "
                   "requests closed unread: their address was past its refusals.",
                   "# TYPE kiamfast_container_credentials_cooled_total counter",
-                  f"kiamfast_container_credentials_cooled_total {self.limits.cooled}"]
+                  f"kiamfast_container_credentials_cooled_total {self.limits.cooled}",
+                  "# HELP kiamfast_container_credentials_connections Connections held now.",
+                  "# TYPE kiamfast_container_credentials_connections gauge",
+                  f"kiamfast_container_credentials_connections {self.limits.total}",
+                  "# HELP kiamfast_container_credentials_connections_closed_total "
+                  "Connections closed to keep the bounds: evicted = the longest idle of "
+                  "the address holding the most, for a newcomer; turned_away = no place.",
+                  "# TYPE kiamfast_container_credentials_connections_closed_total counter",
+                  'kiamfast_container_credentials_connections_closed_total{kind="evicted"} '
+                  f"{self.limits.evicted}",
+                  'kiamfast_container_credentials_connections_closed_total'
+                  f'{{kind="turned_away"}} {self.limits.turned_away}']
         lines += ["# HELP kiamfast_token_reviews_total TokenReview activity by kind.",
                   "# TYPE kiamfast_token_reviews_total counter"]
         lines += [f'kiamfast_token_reviews_total{{kind="{k}"}} {v}'

@@ -34,7 +34,7 @@ import orjson
 from kiamfast import __version__, channel, logs, metrics_text
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
-from kiamfast.config import Config, container_credentials_addrs
+from kiamfast.config import Config
 from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
 from kiamfast.control.cri import routes as host_routes
 from kiamfast.control.iam.manager import CredentialManager
@@ -207,10 +207,11 @@ class ControlProcess:
 
     def _token_only(self) -> Callable[[Mapping[str, Any]], bool]:
         """Pods that ask this agent's container-credentials listener by token: the metadata
-        path refuses them (container_credentials/token_only.py)."""
+        path refuses them (container_credentials/token_only.py).  Read from the sockets
+        held, not the flag: a listed address the supervisor could not listen on (IPv6
+        disabled) serves nobody, so a pod sent there keeps the metadata path."""
         from kiamfast.container_credentials.token_only import predicate
-        addr = self.config.container_credentials_addr
-        return predicate(container_credentials_addrs(addr) if addr else ())
+        return predicate([sock.getsockname()[:2] for sock in self.container_socks])
 
     def _uninjected_pods(self, loop: asyncio.AbstractEventLoop) -> Any:
         """With a container-credentials listener: an Event on each pod of the node that

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_cli_flags import run_cli
 
-from kiamfast.cli import parse_args
+from kiamfast.cli import UsageError, parse_args
 from kiamfast.config import container_credentials_addrs
 
 BOTH = "169.254.170.23:80,[fd00:ec2::23]:80"
@@ -14,16 +14,33 @@ BOTH = "169.254.170.23:80,[fd00:ec2::23]:80"
 
 def test_a_list_of_both_addresses_parses_in_order():
     cfg = parse_args([f"--container-credentials-addr={BOTH}",
-                      "--container-credentials-link=kiamfast0"])
+                      "--container-credentials-link=kiamfast0", "--node=n1"])
     assert container_credentials_addrs(cfg.container_credentials_addr) == [
         ("169.254.170.23", 80), ("fd00:ec2::23", 80)]
     assert cfg.container_credentials_link == "kiamfast0"
 
 
 def test_one_address_still_works_and_link_defaults_to_unmanaged():
-    cfg = parse_args(["--container-credentials-addr=127.0.0.1:8190"])
+    cfg = parse_args(["--container-credentials-addr=127.0.0.1:8190"], environ={
+        "NODE_NAME": "n1"})
     assert container_credentials_addrs(cfg.container_credentials_addr) == [("127.0.0.1", 8190)]
     assert cfg.container_credentials_link == ""
+
+
+def test_the_listener_needs_the_node_name():
+    """Without --node the agent knows every node's pods, so any valid token of any pod in
+    the cluster would be answered here: refused at start, one line naming --node."""
+    with pytest.raises(UsageError, match="invalid flag --node: must be set"):
+        parse_args(["--container-credentials-addr=127.0.0.1:8190"], environ={})
+    proc = run_cli("--container-credentials-addr=127.0.0.1:8190")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "kiamfast: invalid flag --node: must be set with --container-credentials-addr (else "
+        "this agent would answer the tokens of every node's pods)"]
+    assert parse_args(["--container-credentials-addr=127.0.0.1:8190", "--node=n1"]).node == "n1"
+    # $NODE_NAME, as the chart and the DaemonSet give it, is the node name too.
+    assert parse_args(["--container-credentials-addr=127.0.0.1:8190"],
+                      environ={"NODE_NAME": "n1"}).node == "n1"
 
 
 @pytest.mark.parametrize("args, flag, why", [

@@ -9,7 +9,9 @@ to the node; its token comes from the TokenRequest API, bound to the pod, with t
 audience, in a file, as the kubelet's projected volume would hold it.
 
 What a user checks: botocore's default chain in the pod, given only the two variables, gets
-the pod's own role (STS says so) from either address, and never asks IMDS.
+the pod's own role (STS says so) from either address, and never asks IMDS; with IPv6 off on
+the node, a pod whose variables name the IPv6 address (not listened on) keeps its role on
+the metadata path.
 """
 from __future__ import annotations
 
@@ -69,3 +71,42 @@ def test_botocore_gets_its_pods_role_from_both_addresses(cluster, node):
         assert creds.get("method") == "container-role", creds
         assert_own_role(pod, creds)
     assert node.imds_credential_requests() == []
+
+
+def test_with_ipv6_off_a_pod_sent_to_the_ipv6_address_keeps_the_metadata_path(cluster, node):
+    """IPv6 disabled on the node: the agent skips the [fd00:ec2::23] listener, so a pod
+    whose variables name it (a webhook with uriFamily=ipv6) would get nothing by token and,
+    if judged token-only, nothing by address either.  Token-only is judged from the sockets
+    the agent holds: that pod keeps its role on the metadata path; a pod sent to the IPv4
+    listener is refused there, as it asks by token."""
+    import subprocess
+
+    from e2e_cluster import Pod, assert_own_role
+    from test_e2e_container_credentials_link import FLAGS
+
+    subprocess.run(["ip", "netns", "exec", node.name, "sysctl", "-qw",
+                    "net.ipv6.conf.all.disable_ipv6=1",
+                    "net.ipv6.conf.default.disable_ipv6=1"], check=True, timeout=20)
+    admin = cluster.admin
+    ns = f"link6-{secrets.token_hex(3)}"
+    admin.create_namespace(ns)
+    create_service_account(admin, ns, "app")
+    token_file = "/var/run/secrets/kiamfast.io/container-credentials/token"
+    pods = {}
+    for name, ip, host in (("to-v6", "10.77.0.11", "[fd00:ec2::23]"),
+                           ("to-v4", "10.77.0.12", "169.254.170.23")):
+        pod = Pod(node, node.net.add_pod(ip), name=name, namespace=ns, role="link-role")
+        create_pod(admin, ns, name, node=node.name, sa="app", ip=ip, role=pod.role, env={
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://{host}/v1/credentials",
+            "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": token_file})
+        pods[name] = pod
+
+    agent = node.start_agent(extra_args=[*FLAGS, f"--kubeconfig={node.real_kubeconfig}"])
+    assert sum("not serving container credentials on [fd00:ec2::23]" in line
+               for line in agent.log().splitlines()) == 1, agent.log()
+    # The SDK's default chain without the variables: IMDS by address, through the DNAT.
+    creds = pods["to-v6"].botocore_credentials()
+    assert creds.get("method") == "iam-role", creds
+    assert_own_role(pods["to-v6"], creds)
+    assert pods["to-v4"].fetch().status == 404
+
