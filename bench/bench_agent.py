@@ -46,7 +46,7 @@ UNBOUNDED_PASSTHROUGH_ARGS = (f"--passthrough-qps={UNBOUNDED}",
 
 def full_agent_available() -> bool:
     """Whether ``python -m kiamfast`` can run end to end (the pod watcher exists)."""
-    return importlib.util.find_spec("kiamfast.control.pods") is not None
+    return importlib.util.find_spec("kiamfast.control.process") is not None
 
 
 def role_name(i: int) -> str:

@@ -417,7 +417,7 @@ def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.0
     import bench_agent as ba
 
     if not ba.full_agent_available():
-        raise RuntimeError("needs the full agent (kiamfast.control.pods is not there yet)")
+        raise RuntimeError("needs the full agent (kiamfast.control.process is not there yet)")
     addrs = pod_addresses(ips)
     role_names = [ba.role_name(r).encode() for r in range(roles)]
     rng = random.Random(3)

@@ -100,7 +100,7 @@ def run(*, pod_counts=(0, 110, 250), reps: int = 3, limits=tuple(LIMITS),
     import bench_agent as ba
 
     if not ba.full_agent_available():
-        raise RuntimeError("needs the full agent (kiamfast.control.pods is not there yet)")
+        raise RuntimeError("needs the full agent (kiamfast.control.process is not there yet)")
     res = NodeStartResult(reps=reps)
     for lim in limits:
         flag_qps, flag_burst, _, _ = LIMITS[lim]

@@ -430,7 +430,7 @@ def section_scale(quick: bool, out: Path, log) -> Section:
         sec.raw["footprint"] = [r.__dict__ for r in foot]
     else:
         parts += ["", "### The agent's footprint", "", "_Not measured: the full agent does not "
-                  "run end to end yet (kiamfast.control.pods is missing)._"]
+                  "run end to end yet (kiamfast.control.process is missing)._"]
     parts += ["", "Interpreter floors (RSS of a bare `python -c` importing the same stacks): " +
               ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in floors.items()) + "."]
     sec.raw["floors"] = floors

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from kiamfast.control.runtime import RuntimeClient, RuntimePoller
+from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
 

@@ -3,7 +3,7 @@ CPU per poll, against a real containerd with ``sandboxes`` READY sandboxes (110:
 kubelet's default maximum).
 
 The client runs in a child process of its own (this process holds the harness's gRPC
-channel to create the sandboxes), which imports `kiamfast.control.runtime` from the
+channel to create the sandboxes), which imports `kiamfast.control.cri.poller` from the
 checkout given with ``--tree NAME=PATH`` (default: this checkout), so two versions of the
 client can be compared in one run, each round alternating between them:
 
@@ -39,7 +39,7 @@ def hwm_kib():   # the peak RSS of this process image (ru_maxrss keeps the forki
             return int(line.split()[1])
 endpoint, polls = sys.argv[1], int(sys.argv[2])
 t0 = time.perf_counter()
-from kiamfast.control import runtime
+from kiamfast.control.cri import poller as runtime
 imported = time.perf_counter() - t0
 rss_import = hwm_kib()
 client = runtime.RuntimeClient(endpoint, timeout=10.0)

@@ -8,7 +8,7 @@ seven times by default, the options interleaved; the table gives medians of
     else the machine runs);
   * ``peak``: the process's peak RSS after that first call (VmHWM, MiB); with
     ``--base control`` the child first imports what the control process has imported once
-    its pod watch runs (``kiamfast.control.main`` and kubernetes' client) and the table shows
+    its pod watch runs (``kiamfast.control.process`` and its API client) and the table shows
     what the option adds on top (peak minus RSS before the option started); with the bare
     base, the ``kiamfast`` row includes asyncio (and the ssl it imports), which the module
     imports and the control process has anyway;
@@ -154,7 +154,7 @@ def child(option: str, url: str, base: str) -> dict:
     if base == "control":
         # What the control process has imported once its pod watch runs (kubernetes'
         # client brings urllib3, ssl and dateutil, which botocore needs too).
-        for name in ("kiamfast.control.main", "kubernetes.client", "kubernetes.config"):
+        for name in ("kiamfast.control.process", "kiamfast.kube.client", "kiamfast.kube.config"):
             importlib.import_module(name)
     before = _rss_kib()
     cpu0 = time.process_time()

@@ -55,7 +55,7 @@ def child_main(url: str, token: str, table_path: str) -> None:
 
     from kiamfast import table as tablemod
     from kiamfast.control.mappings.model import NodeModel
-    from kiamfast.control.pods import PodWatcher, make_api_client
+    from kiamfast.control.k8s.source import ApiSource
     from kiamfast.control.iam.policy import RolePolicy
 
     class Sink:   # stands in for the credential manager: one slot per role
@@ -68,15 +68,17 @@ def child_main(url: str, token: str, table_path: str) -> None:
         def release(self, uid):
             pass
 
+        def role_of_slot(self, slot):
+            return None
+
     rss_base = _rss_kb()
-    importlib.import_module("kubernetes.client")  # the client's own cost, measured apart
+    importlib.import_module("kiamfast.kube.client")  # the client's own cost, measured apart
     rss_imports = _rss_kb()
     table = tablemod.Table.attach(table_path, writer=True)
 
     async def main():
         model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=Sink())
-        watcher = PodWatcher(api_client=make_api_client(api_server=url, api_token=token),
-                             model=model, node=NODE)
+        watcher = ApiSource.connect(api_server=url, api_token=token, model=model, node=NODE)
         task = asyncio.create_task(watcher.run())
         await watcher.wait_synced(60)
         print(json.dumps({"synced": watcher.sync_seconds, "pods": len(model.pods),

@@ -62,7 +62,7 @@ def test_control_side_never_imports_grpc_or_protobuf():
 
 _LOAD_CONTROL = """
 import importlib, pkgutil, sys
-import kiamfast.control.main
+import kiamfast.control.process
 for package in ("kiamfast.control", "kiamfast.container_credentials"):
     for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
         if not info.name.endswith(".__main__"):   # that one runs the process

@@ -173,20 +173,15 @@ def verdict(status: dict[str, Any], claimed: BoundPod, audience: str) -> BoundPo
     return claimed
 
 
-def token_review_call(api_client: Any) -> Callable[[str, str], dict[str, Any]]:
-    """A blocking TokenReview through the kubernetes client: (token, audience) -> status."""
-    from kubernetes import client as kclient
-    api = kclient.AuthenticationV1Api(api_client)
-
+def token_review_call(client: Any) -> Callable[[str, str], dict[str, Any]]:
+    """A blocking TokenReview through kiamfast's API client (on the reviewer's threads, each
+    with a connection of its own): (token, audience) -> status."""
     def call(token: str, audience: str) -> dict[str, Any]:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [audience]}}
-        resp = api.create_token_review(body, _preload_content=False,
-                                       _request_timeout=REVIEW_TIMEOUT)
-        try:
-            return orjson.loads(resp.data).get("status") or {}
-        finally:
-            resp.release_conn()
+        response = client.request_sync("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                                       body=body, timeout=REVIEW_TIMEOUT)
+        return orjson.loads(response.body).get("status") or {}
     return call
 
 

@@ -584,14 +584,12 @@ class ContainerCredentialsServer:
 
 
 def from_config(config: Any, socks: Sequence[socket.socket], *, model: Any, manager: Any,
-                table: Any) -> ContainerCredentialsServer:
-    """The listeners of --container-credentials-addr, with their own API client (reviews
-    never queue behind the pod watch's connections)."""
+                table: Any, client: Any) -> ContainerCredentialsServer:
+    """The listeners of --container-credentials-addr.  Reviews go through ``client``'s
+    blocking calls, on the reviewer's own threads and connections: they never queue behind
+    the pod watch's streams."""
     from kiamfast.container_credentials.review import token_review_call
-    from kiamfast.control.pods import make_api_client
-    api_client = make_api_client(kubeconfig=config.kubeconfig, api_server=config.api_server,
-                                 api_token=config.api_token, insecure=config.insecure)
-    reviewer = TokenReviewer(token_review_call(api_client),
+    reviewer = TokenReviewer(token_review_call(client),
                              audience=config.container_credentials_audience)
     view = OwnershipView(model=model, manager=manager, table=table, node=config.node)
     return ContainerCredentialsServer(socks, reviewer=reviewer, view=view,

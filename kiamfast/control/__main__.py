@@ -1,3 +1,3 @@
-from kiamfast.control.main import main
+from kiamfast.control.process import main
 
 raise SystemExit(main())

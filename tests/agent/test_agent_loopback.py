@@ -49,10 +49,11 @@ def test_healthz_has_kube2iams_shape(agent):
     status, body = http(agent["port"], "/healthz")
     doc = orjson.loads(body)
     assert status == 200
-    # kube2iam's two fields, plus where addresses come from (no runtime socket here)
-    assert set(doc) == {"hostIP", "instanceId", "runtime", "taint"}
+    # kube2iam's two fields, plus where addresses come from (no runtime socket here), the
+    # API server's state and the startup taint's
+    assert set(doc) == {"hostIP", "instanceId", "runtime", "kubernetes", "taint"}
     assert doc["hostIP"] == "127.0.0.1" and doc["instanceId"].startswith("i-")
-    assert doc["runtime"] == "disabled"
+    assert doc["runtime"] == "disabled" and doc["kubernetes"] == "ok"
     assert doc["taint"] in ("pending", "removed")   # removed once the health check runs again
 
 

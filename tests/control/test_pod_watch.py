@@ -10,9 +10,9 @@ import pytest
 from control_support import BASE, NS_KEY, ROLE_KEY, SlotSink, lookup
 
 from kiamfast import table as tablemod
-from kiamfast.control.runtime import RuntimeView, Sandbox
+from kiamfast.control.cri.poller import RuntimeView, Sandbox
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.pods import PodWatcher, make_api_client
+from kiamfast.control.k8s.source import ApiSource
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
@@ -47,9 +47,8 @@ class Harness:
         self.model = NodeModel(policy=self.policy, table=table, sink=self.sink,
                                notify=self._notify)
         watch_kw.setdefault("backoff", (0.02, 0.5))
-        self.watcher = PodWatcher(
-            api_client=make_api_client(api_server=srv.url, api_token=srv.token),
-            model=self.model, node=node, **watch_kw)
+        self.watcher = ApiSource.connect(api_server=srv.url, api_token=srv.token,
+                                         model=self.model, node=node, **watch_kw)
 
     def _notify(self):
         self.notifications += 1

@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from kiamfast.control import runtime
-from kiamfast.control.runtime_link import AutoEndpointClient, LinkMonitor, node_ready_since
+from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri.link import AutoEndpointClient, LinkMonitor, node_ready_since
 
 
 class FakeClient:
@@ -99,8 +99,7 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     decided (a previous process's runtime_mode) keeps its freshness checks, and a failed
     attempt is the runtime's outage; a table of an API-only agent stays API-only."""
     from kiamfast import table as tablemod
-    from kiamfast.config import Config
-    from kiamfast.control.main import ControlProcess
+    from kiamfast.control.cri.source import RuntimeSource
     from kiamfast.control.mappings.model import NodeModel
     from kiamfast.control.iam.policy import RolePolicy
     from control_support import SlotSink
@@ -109,13 +108,14 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     t = tablemod.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8,
                               value_size=1024, aux_count=5, aux_size=4096, max_workers=1)
     t.set_status(runtime_mode=previous_runtime_mode)
-    cp = ControlProcess(Config(cri_endpoint="auto"), t, [])
-    poller = cp._runtime_poller()
-    assert poller is not None and isinstance(poller.client, AutoEndpointClient)
-    assert cp.runtime_expected is previous_runtime_mode
-    cp.model = NodeModel(policy=RolePolicy(), table=t, sink=SlotSink(),
-                         expect_runtime=cp.runtime_expected)
-    cp._on_runtime_failure(5_000)
+    source = RuntimeSource(endpoint="auto", model=None, commit=lambda: None,
+                           table_runtime_mode=t.runtime_mode, on_change=lambda: None)
+    assert source.poller is not None and isinstance(source.poller.client, AutoEndpointClient)
+    assert source.expected is previous_runtime_mode
+    source.model = NodeModel(policy=RolePolicy(), table=t, sink=SlotSink(),
+                             expect_runtime=source.expected)
+    source.commit = source.model.commit
+    source._on_failure(5_000)
     assert t.runtime_mode is previous_runtime_mode
     assert t.failed_ns == (5_000 if previous_runtime_mode else 0)
     t.close()
@@ -125,12 +125,12 @@ def test_runtime_turned_off_never_waits_for_a_poll_over_a_runtime_decided_table(
     """--cri-endpoint=none after an agent that used a runtime (a changed config): no poll
     will ever come, so nothing may wait for one."""
     from kiamfast import table as tablemod
-    from kiamfast.config import Config
-    from kiamfast.control.main import ControlProcess
+    from kiamfast.control.cri.source import RuntimeSource
 
     t = tablemod.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8,
                               value_size=1024, aux_count=5, aux_size=4096, max_workers=1)
     t.set_status(runtime_mode=True)
-    cp = ControlProcess(Config(cri_endpoint="none"), t, [])
-    assert cp._runtime_poller() is None and cp.runtime_expected is False
+    source = RuntimeSource(endpoint="none", model=None, commit=lambda: None,
+                           table_runtime_mode=t.runtime_mode, on_change=lambda: None)
+    assert source.poller is None and source.expected is False
     t.close()

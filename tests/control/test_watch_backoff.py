@@ -18,7 +18,7 @@ import pytest
 from control_support import BASE, SlotSink, lookup
 
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.pods import PodWatcher, make_api_client
+from kiamfast.control.k8s.source import ApiSource
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
@@ -51,15 +51,14 @@ def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, cap
     model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
                       notify=lambda: None)
     # The production defaults: no test-sized backoff.
-    watcher = PodWatcher(api_client=make_api_client(api_server=cluster.url,
-                                                    api_token=cluster.token),
-                         model=model, node=NODE)
+    watcher = ApiSource.connect(api_server=cluster.url, api_token=cluster.token,
+                                model=model, node=NODE)
 
     async def body():
         task = asyncio.create_task(watcher.run())
         try:
             assert await watcher.wait_synced(10), "watcher did not sync"
-            assert cluster.wait_watches(1, node=NODE), "no watch opened"
+            assert await asyncio.to_thread(cluster.wait_watches, 1, node=NODE), "no watch opened"
             cluster.answer_watches_with(fault)
             cluster.reset_stats()
             cluster.drop_watches()          # the open watch ends; every new one gets the fault
@@ -91,9 +90,8 @@ def test_a_quiet_watch_is_not_an_error(cluster, table):
     """A watch with nothing to report (only bookmarks) is healthy: no backoff, no count."""
     model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
                       notify=lambda: None)
-    watcher = PodWatcher(api_client=make_api_client(api_server=cluster.url,
-                                                    api_token=cluster.token),
-                         model=model, node=NODE, watch_timeout=(1.0, 1.0))
+    watcher = ApiSource.connect(api_server=cluster.url, api_token=cluster.token,
+                                model=model, node=NODE, watch_timeout=(1.0, 1.0))
 
     async def body():
         task = asyncio.create_task(watcher.run())

@@ -1,6 +1,6 @@
 """--sts-account-qps without --sts-fleet-nodes: the node's share of the fleet's STS budget
 follows the cluster's node count, listed from the API (the emulator, over HTTP, through the
-real ``kubernetes`` client)."""
+agent's own client)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.main import count_nodes, follow_node_count
-from kiamfast.control.pods import make_api_client
+from kiamfast.control.k8s.node import count_nodes, follow_node_count
+from kiamfast.kube.client import Client
+from kiamfast.kube.config import load_config
 from kiamfast.testing.apiserver import ApiServer
 
 
@@ -29,12 +30,11 @@ def test_the_share_follows_nodes_joining(tmp_path):
     with ApiServer(token=None) as srv:
         for i in range(3):
             srv.add_node(f"node-{i}")
-        from kubernetes import client as kclient
-        api = kclient.CoreV1Api(make_api_client(
-            kubeconfig=srv.write_kubeconfig(tmp_path / "kubeconfig")))
-        assert count_nodes(api) == 3
+        kubeconfig = srv.write_kubeconfig(tmp_path / "kubeconfig")
 
         async def main():
+            api = Client(load_config(kubeconfig=str(kubeconfig)))
+            assert await count_nodes(api) == 3
             mgr = CredentialManager(table=_NoTable(), sts=None, capacity=4, qps=5.0,
                                     account_qps=6.0, fleet_nodes=0)
             seen = [mgr.bucket.min_rate]             # no count yet: the floor without one
@@ -57,11 +57,10 @@ def test_a_count_the_api_cannot_give_changes_nothing(tmp_path):
     """The API failing keeps the share it had (the follower never ends)."""
     with ApiServer(token=None) as srv:
         srv.add_node("node-0")
-        from kubernetes import client as kclient
-        api = kclient.CoreV1Api(make_api_client(
-            kubeconfig=srv.write_kubeconfig(tmp_path / "kubeconfig")))
+        kubeconfig = srv.write_kubeconfig(tmp_path / "kubeconfig")
 
         async def main():
+            api = Client(load_config(kubeconfig=str(kubeconfig)))
             mgr = CredentialManager(table=_NoTable(), sts=None, capacity=4, qps=5.0,
                                     account_qps=2.0, fleet_nodes=0)
             follower = asyncio.create_task(follow_node_count(api, mgr, interval=0.05))

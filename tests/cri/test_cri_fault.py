@@ -19,7 +19,7 @@ import pytest
 
 from poller_tasks import running, stop
 
-from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeUnavailable
+from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller, RuntimeUnavailable
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
 ROLE = "iam.amazonaws.com/role"

@@ -26,8 +26,8 @@ import pytest
 from containerd import sweep_stale_runs
 from poller_tasks import running, stop
 
-from kiamfast.control import runtime
-from kiamfast.control.runtime import (RuntimeClient, RuntimePoller, RuntimeUnavailable,
+from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri.poller import (RuntimeClient, RuntimePoller, RuntimeUnavailable,
                                       resolve_endpoint)
 
 ROLE = "iam.amazonaws.com/role"

@@ -25,7 +25,7 @@ import pytest
 
 from poller_tasks import running, stop
 
-from kiamfast.control.runtime import RuntimeClient, RuntimePoller, RuntimeView
+from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller, RuntimeView
 from kiamfast.testing.cri_fault import fake_sandbox
 
 SECOND = 10**9

@@ -1,7 +1,7 @@
 """The agent's own pod watch, on a real table, pointed at the real API server.
 
 Built the way tests/control/test_pod_watch.py builds it against the emulator: the real
-``PodWatcher`` and ``Ownership`` writing a real shared-memory table; only the credential
+``ApiSource`` and ``NodeModel`` writing a real shared-memory table; only the credential
 manager (STS, another component) is replaced by a sink that hands out one slot per role. The
 watcher reaches the API server through a kubeconfig, the way an operator configures it,
 holding the agent's ServiceAccount token, never the test's admin one.
@@ -16,7 +16,7 @@ from typing import Any
 
 from kiamfast import table as tablemod
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.pods import PodWatcher, make_api_client
+from kiamfast.control.k8s.source import ApiSource
 from kiamfast.control.iam.policy import RolePolicy
 
 BASE = "arn:aws:iam::123456789012:role/"
@@ -54,8 +54,8 @@ class AgentWatch:
         self.model = NodeModel(policy=RolePolicy(**{"base_role_arn": BASE, **(policy or {})}),
                                table=table, sink=self.slots)
         watch_kw.setdefault("backoff", (0.05, 0.5))
-        self.watcher = PodWatcher(api_client=make_api_client(kubeconfig=str(kubeconfig)),
-                                  model=self.model, node=node, **watch_kw)
+        self.watcher = ApiSource.connect(kubeconfig=str(kubeconfig), model=self.model,
+                                         node=node, **watch_kw)
         self.sync_timeout = sync_timeout
         self.synced = False
 

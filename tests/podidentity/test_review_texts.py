@@ -39,9 +39,9 @@ class Reviews:
     """The agent's reviewer against the real API server, with what each review said."""
 
     def __init__(self, peers) -> None:
-        from kiamfast.control.pods import make_api_client
-        call = token_review_call(make_api_client(kubeconfig=str(peers.kubeconfig),
-                                                 api_server="", api_token="", insecure=False))
+        from kiamfast.kube.client import Client
+        from kiamfast.kube.config import load_config
+        call = token_review_call(Client(load_config(kubeconfig=str(peers.kubeconfig))))
         self.errors: list[str] = []
 
         def recorded(token: str, audience: str) -> dict:

@@ -65,6 +65,18 @@ def assert_backoff(delays: list[float]) -> None:
         assert ceiling / 2 <= delay <= ceiling, (i, delay)
 
 
+def settled_requests(srv) -> int:
+    """The server's request count once the last client's requests have all arrived."""
+    import time
+    count = srv.stats()["requests"]
+    while True:
+        time.sleep(0.2)
+        now = srv.stats()["requests"]
+        if now == count:
+            return count
+        count = now
+
+
 def test_removes_only_our_taint_with_every_effect(srv, tmp_path):
     srv.add_node("node-a", taints=[OURS_NOSCHED, OTHER, OURS, UNREACHABLE])
     taint, sleep = startup_taint("node-a")
@@ -82,7 +94,7 @@ def test_an_absent_taint_is_done_at_once_and_disabled_does_nothing(srv, tmp_path
     assert taints(srv, "node-d") == [OTHER]
 
     srv.add_node("node-e", taints=[OURS])
-    requests_before = srv.stats()["requests"]
+    requests_before = settled_requests(srv)
     for disabled in (StartupTaint("node-e", ""), StartupTaint("", KEY)):
         assert disabled.state == "disabled"
         asyncio.run(disabled.run(api_client(srv, tmp_path)))   # returns at once

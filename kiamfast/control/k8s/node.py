@@ -93,6 +93,22 @@ async def count_nodes(client: Any, *, timeout: float = REQUEST_TIMEOUT) -> int:
     return len(body.get("items") or []) + int(left or 0)
 
 
+async def follow_node_count(client: Any, manager: Any, *, interval: float = 60.0) -> None:
+    """Keep ``manager``'s share of the fleet's STS budget on the cluster's node count
+    (--sts-account-qps without --sts-fleet-nodes), every ``interval`` (jittered).  Until the
+    first count, and while the API fails, the share stays as it is."""
+    failing = False
+    while True:
+        try:
+            manager.set_fleet_nodes(await count_nodes(client))
+            failing = False
+        except (ApiError, ApiUnavailable, ValueError) as exc:
+            if not failing:      # once per episode
+                log.warning("could not count the cluster's nodes (will keep trying): %s", exc)
+                failing = True
+        await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+
+
 class StartupTaint:
     """The startup taint's removal once the agent is ready, retried until done, and again
     whenever the taint comes back."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kiamfast.control.k8s.watch import ResourceWatch, WatchTimings
@@ -49,29 +50,69 @@ class ApiSource:
         self.namespaces = ResourceWatch(
             client=client, name="namespaces", path="/api/v1/namespaces",
             on_list=self._namespaces_listed, on_event=self._namespace_event, timings=timings)
+        self.timings = timings
         self.watch_namespaces = watch_namespaces
+        self.on_pod: Callable[[dict[str, Any]], None] | None = None   # every pod applied
+        self.on_error: Callable[[str], None] = lambda error: None    # "" once answering
+        for watch in (self.pods, self.namespaces):
+            watch.on_state = self._state
         self.synced = asyncio.Event()
         self.sync_seconds: float | None = None
         self._started = time.monotonic()
         self._commit_scheduled = False
+        self._stopping = asyncio.Event()
+        self._own_client: Any = None
+
+    @classmethod
+    def connect(cls, *, model: Model, node: str | None, kubeconfig: str = "",
+                api_server: str = "", api_token: str = "", insecure: bool = False,
+                namespace_wait: float = 10.0, **timings: Any) -> "ApiSource":
+        """A source with a client of its own (tests and tools), closed by :meth:`stop`."""
+        from kiamfast.kube.client import Client
+        from kiamfast.kube.config import load_config
+        client = Client(load_config(kubeconfig=kubeconfig, api_server=api_server,
+                                    api_token=api_token, insecure=insecure))
+        source = cls(client=client, model=model, node=node,
+                     watch_namespaces=model.policy.uses_namespaces,  # type: ignore[attr-defined]
+                     timings=WatchTimings(**timings), namespace_wait=namespace_wait)
+        source._own_client = client
+        return source
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self.synced.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        """End :meth:`run` (its watches' connections are closed)."""
+        self._stopping.set()
 
     async def run(self) -> None:
+        """The watches, until :meth:`stop` (or cancelled)."""
         self._started = time.monotonic()
-        tasks = []
-        if self.watch_namespaces:
-            tasks.append(asyncio.create_task(self.namespaces.run(), name="namespace-watch"))
-            try:
-                await asyncio.wait_for(self.namespaces.listed.wait(), self.namespace_wait)
-            except asyncio.TimeoutError:
-                log.warning("namespaces not listed after %.0fs; listing pods anyway",
-                            self.namespace_wait)
-        tasks.append(asyncio.create_task(self.pods.run(), name="pod-watch"))
+        tasks = [asyncio.create_task(self._stopping.wait(), name="stop")]
         try:
-            await asyncio.gather(*tasks)
+            if self.watch_namespaces:
+                tasks.append(asyncio.create_task(self.namespaces.run(),
+                                                 name="namespace-watch"))
+                try:
+                    await asyncio.wait_for(self.namespaces.listed.wait(),
+                                           self.namespace_wait)
+                except asyncio.TimeoutError:
+                    log.warning("namespaces not listed after %.0fs; listing pods anyway",
+                                self.namespace_wait)
+            tasks.append(asyncio.create_task(self.pods.run(), name="pod-watch"))
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()      # a watch that ended raised: let the caller see it
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._own_client is not None:
+                await self._own_client.close()
 
     def stats(self) -> dict[str, int]:
         """The watches' counters, summed (kiamfast_watch_total{kind})."""
@@ -84,6 +125,9 @@ class ApiSource:
 
     def _pods_listed(self, items: list[dict[str, Any]], list_rv: int) -> None:
         self.model.replace_pods(items, list_rv=list_rv)
+        if self.on_pod is not None:
+            for obj in items:
+                self.on_pod(obj)
         self._check_synced()
 
     def _namespaces_listed(self, items: list[dict[str, Any]], list_rv: int) -> None:
@@ -91,8 +135,16 @@ class ApiSource:
         self._check_synced()
 
     def _pod_event(self, typ: str, obj: dict[str, Any]) -> None:
-        (self.model.delete_pod if typ == "DELETED" else self.model.apply_pod)(obj)
+        if typ == "DELETED":
+            self.model.delete_pod(obj)
+        else:
+            self.model.apply_pod(obj)
+            if self.on_pod is not None:
+                self.on_pod(obj)
         self._commit_soon()
+
+    def _state(self, error: str) -> None:
+        self.on_error(error)
 
     def _namespace_event(self, typ: str, obj: dict[str, Any]) -> None:
         if typ != "DELETED":     # a deleted namespace keeps its rules (the model says why)

@@ -38,6 +38,8 @@ from kiamfast.kube.errors import ApiError, ApiUnavailable
 
 log = logging.getLogger("kiamfast.watch")
 
+LOG_EVERY = 30.0    # at most one line per outage this often
+
 # The event types of a watch stream (watch.Event in apimachinery).
 _WATCH_TYPES = frozenset(("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"))
 
@@ -83,11 +85,16 @@ class ResourceWatch:
         "lists": 0, "relists": 0, "watches": 0, "events": 0, "bookmarks": 0, "gone": 0,
         "errors": 0, "empty_watches": 0, "bad_watch_bodies": 0})
     listed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Told each change between failing (the error) and answering (""): /healthz shows it.
+    on_state: Callable[[str], None] = lambda error: None
+    _failing_since: float | None = None
+    _not_streaming: int = 0                 # watches in a row that were not streams
+    _logged_at: float = 0.0
 
     async def run(self) -> None:
         rv = ""
         need_list, first = True, True
-        failures = not_streaming = 0
+        failures = 0
         next_resync = 0.0
         t = self.timings
         while True:
@@ -102,20 +109,17 @@ class ResourceWatch:
                 if t.resync > 0:
                     timeout = min(timeout, max(1.0, next_resync - time.monotonic()))
                 rv, got = await self._watch(rv, timeout)
+                self._answering()
                 if got:
                     failures = 0
-                    if not_streaming:
-                        log.info("%s watch streaming again after %d watches that were not",
-                                 self.name, not_streaming)
-                        not_streaming = 0
                 if t.resync > 0 and time.monotonic() >= next_resync:
                     need_list = True
             except WatchNotStreaming as e:
                 failures += 1
-                not_streaming += 1
+                self._not_streaming += 1
                 self.counters[e.kind] += 1
                 delay = self._delay(failures, None)
-                if not_streaming == 1:   # once per episode; the counter has the rest
+                if self._not_streaming == 1:   # once per episode; the counter has the rest
                     log.warning("%s watch: %s; backing off (%.2fs, growing), counted as "
                                 "kiamfast_watch_total{kind=\"%s\"}, logged once until the "
                                 "watch streams again", self.name, e, delay, e.kind)
@@ -135,9 +139,27 @@ class ResourceWatch:
                     await asyncio.sleep(self._delay(failures, None) if failures > 1 else 0.0)
                     continue
                 delay = self._delay(failures, getattr(e, "retry_after", None))
-                log.warning("%s %s failed (%s); retrying in %.2fs", self.name,
-                            "list" if need_list else "watch", e, delay)
+                self._failing(f"{'list' if need_list else 'watch'} failed ({e})", delay)
                 await asyncio.sleep(delay)
+
+    def _failing(self, error: str, delay: float) -> None:
+        """An outage: one log line when it begins, then at most one every LOG_EVERY
+        seconds (a bare agent outside a cluster must not fill its log)."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if self._failing_since == now or now - self._logged_at >= LOG_EVERY:
+            self._logged_at = now
+            log.warning("%s %s; retrying in %.2fs (failing for %.0fs; logged at most every "
+                        "%.0fs)", self.name, error, delay, now - self._failing_since, LOG_EVERY)
+        self.on_state(error)
+
+    def _answering(self) -> None:
+        if self._failing_since is not None:
+            log.info("%s: the API server answers again after %.0fs", self.name,
+                     time.monotonic() - self._failing_since)
+            self._failing_since = None
+            self.on_state("")
 
     def _delay(self, failures: int, retry_after: float | None) -> float:
         base, cap = self.timings.backoff
@@ -154,8 +176,9 @@ class ResourceWatch:
         items = body.get("items") or []
         rv = (body.get("metadata") or {}).get("resourceVersion") or ""
         log.debug("%s list: %d items at resourceVersion %s", self.name, len(items), rv)
-        self.on_list(items, _int_rv(rv))
+        self._answering()
         self.listed.set()
+        self.on_list(items, _int_rv(rv))
         return rv
 
     async def _watch(self, rv: str, timeout: float) -> tuple[str, bool]:
@@ -181,6 +204,10 @@ class ResourceWatch:
                 new_rv = (obj.get("metadata") or {}).get("resourceVersion")
                 if new_rv:
                     rv = new_rv
+                if not got and self._not_streaming:
+                    log.info("%s watch streaming again after %d watches that were not",
+                             self.name, self._not_streaming)
+                    self._not_streaming = 0
                 got = True
                 if typ == "BOOKMARK":    # only moves the resourceVersion resumed from
                     self.counters["bookmarks"] += 1

@@ -23,7 +23,7 @@ log = logging.getLogger("kiamfast.ownership")
 
 
 class SandboxLike(Protocol):
-    """What the model reads of a `kiamfast.control.runtime.Sandbox`."""
+    """What the model reads of a `kiamfast.control.cri.poller.Sandbox`."""
     pod_uid: str
     name: str
     namespace: str
@@ -32,7 +32,7 @@ class SandboxLike(Protocol):
 
 
 class RuntimeViewLike(Protocol):
-    """What the model reads of a `kiamfast.control.runtime.RuntimeView`."""
+    """What the model reads of a `kiamfast.control.cri.poller.RuntimeView`."""
     started_ns: int
     owners: Mapping[str, SandboxLike]
 

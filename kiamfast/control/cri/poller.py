@@ -231,7 +231,8 @@ class RuntimeClient:
         listed = self._call("ListPodSandbox", cri.ListPodSandboxRequest(filter=ready_only),
                             cri.ListPodSandboxRefs).items   # ids and states only
         self.stats["polls"] += 1
-        ready_ids = tuple(item.id for item in listed if item.state == cri.SANDBOX_READY)
+        # sorted: containerd lists in no stable order, and an unchanged set must be seen so
+        ready_ids = tuple(sorted(item.id for item in listed if item.state == cri.SANDBOX_READY))
         changed = ready_ids != self._listed_ids
         if changed:
             self._forget_unlisted(set(ready_ids))

@@ -1,0 +1,457 @@
+"""The control process: the table's only writer, and the owner of every slow thing.
+
+Data flows one way — sources (the API server: ``k8s/``; the container runtime: ``cri/``) →
+mappings (who owns each address, each pod's decision: ``mappings/``) → credentials (STS:
+``iam/``) → publish (the table's entries, status words and aux blobs: ``publish/``) — and
+this module wires them, in one start sequence written as the list it is, each step timed
+(``start: <step> after <s>``):
+
+1. **What the table holds** (a restart, an upgrade): the credential slots are adopted by key
+   (no STS call), the addresses a runtime decided are kept; workers answer none of them
+   before a runtime poll newer than their connection.
+2. **The runtime first**: its first poll confirms the adopted owners still hold their
+   addresses, so those pods are answered within a few hundred milliseconds of the start,
+   before the API client or botocore is even imported.
+3. **The API**: its configuration (an unusable one is a one-line error and exit 78, never a
+   retry loop), the pods' list (namespaces first when the policy reads them); STS calls
+   start as pods with roles arrive (the STS client builds on its own thread meanwhile).
+4. **The DNAT rule** (the supervisor bound the sockets before starting anything: a pod's
+   connection waits in the backlog, never refused).
+5. **Ready** once synced and every key seen is fetched (bounded), then **the startup taint**
+   is removed, and removed again if it comes back.
+
+An outage (the API server, the runtime, STS, the metadata service) is never fatal: every task
+logs once per episode and retries, and the reason shows in ``/healthz``.  On SIGTERM the DNAT
+rule stays unless ``--iptables-remove-on-exit``: a pod without its agent gets a refused
+connection, never the node's role.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from kiamfast import __version__, channel, logs, metrics_text
+from kiamfast import table as tbl
+from kiamfast.config import EXIT_CONFIG, Config, config_from_json
+from kiamfast.control import imds_client, iptables
+from kiamfast.control.cri.source import RuntimeSource
+from kiamfast.control.iam.manager import CredentialManager
+from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.model import NodeModel
+from kiamfast.control.publish import metrics as control_metrics
+from kiamfast.control.publish.aux import AuxPublisher
+from kiamfast.control.sts import StsClient
+
+log = logging.getLogger("kiamfast.control")
+
+STARTED = time.monotonic()      # the process's start, as near as Python knows it
+HEALTH_INTERVAL = 30.0
+PUBLISH_INTERVAL = 2.0
+HEARTBEAT_INTERVAL = 1.0
+NODE_COUNT_INTERVAL = 60.0      # --sts-account-qps without --sts-fleet-nodes (jittered)
+
+
+def milestone(step: str) -> None:
+    log.info("start: %s after %.3fs", step, time.monotonic() - STARTED)
+
+
+class ControlTaskFailed(Exception):
+    """A task that must run for the life of the control process ended."""
+
+
+class ControlProcess:
+    def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
+                 container_socks: list[socket.socket] | None = None) -> None:
+        self.config = config
+        self.table = table
+        self.channels = channels
+        self.container_socks = container_socks or []   # --container-credentials-addr, bound
+        self.container: Any = None
+        self.uninjected: Any = None
+        self.api: Any = None                   # kiamfast.kube.client.Client
+        self.source: Any = None                # k8s.source.ApiSource
+        self.taint: Any = None                 # k8s.node.StartupTaint
+        self.aux = AuxPublisher(table)
+        self.ready = False
+        self.instance_id = ""
+        self.health_error = "no health check yet"
+        self.api_state = "connecting"
+        self._wake_scheduled = False
+        self._stop = asyncio.Event()
+
+    # ---- waking the workers ---------------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Coalesce table commits of one loop iteration into one wake per worker."""
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake_workers)
+
+    def _wake_workers(self) -> None:
+        self._wake_scheduled = False
+        message = channel.wake(self.table.generation)
+        for sock in self.channels:
+            channel.send(sock, message)
+        if self.container is not None:
+            self.container.changed()
+
+    def _on_channel(self, sock: socket.socket) -> None:
+        for raw in channel.drain(sock):
+            msg = channel.parse(raw)
+            if msg is None:
+                continue
+            kind, value = msg
+            if kind == channel.NEED_RUNTIME:
+                self.runtime.need(value)          # the asking connection's accept time
+            elif kind == channel.WANT_CREDENTIALS:
+                self.manager.wanted(value)
+
+    # ---- the start sequence ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        for sock in self.channels:
+            loop.add_reader(sock.fileno(), self._on_channel, sock)
+        self.table.set_status(ready=False, synced=False)
+        if self.config.auto_discover_base_arn or self.config.auto_discover_default_role:
+            self.config = await loop.run_in_executor(None, discover_roles, self.config)
+        self._adopt()                                           # 1.
+        tasks = [asyncio.create_task(self.manager.run(), name="credentials")]
+        if self.runtime.poller is not None:                    # 2.
+            self.runtime.start_routes(loop)
+            self.model.merge.evidence.routes = self.runtime.routes
+            tasks.append(asyncio.create_task(self.runtime.poller.run(), name="runtime"))
+        self._connect_api()                                     # 3.
+        tasks.append(asyncio.create_task(self.source.run(), name="api-watch"))
+        tasks += [asyncio.create_task(self._expire(), name="expire"),
+                  asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                  asyncio.create_task(self._health(), name="health"),
+                  asyncio.create_task(self._publish(), name="publish")]
+        if self.config.iptables:                                # 4.
+            await loop.run_in_executor(None, iptables.install_rules, self.config)
+            milestone("DNAT rule installed")
+        tasks += self._optional_tasks()
+        starting = asyncio.create_task(self._become_ready(), name="ready")   # 5.
+        starting.add_done_callback(self._log_failure)
+        stop = asyncio.create_task(self._stop.wait())
+        # Every task runs for the life of the process: one that ends is a failure, and the
+        # supervisor restarts the whole control process (the table keeps serving meanwhile).
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t is not stop]
+        for task in failed:
+            self._log_failure(task)
+        await self.shutdown([starting, *tasks])
+        if failed:
+            raise ControlTaskFailed(", ".join(t.get_name() for t in failed))
+
+    def _adopt(self) -> None:
+        """Step 1: the credentials and addresses a previous control process left (a restart
+        of this one, or of the whole agent with the same table)."""
+        refs: Counter = Counter()     # addresses naming each credential slot (the model counts)
+        self.sts = StsClient.from_config(self.config)      # builds on its own thread
+        self.manager = CredentialManager.from_config(self.config, table=self.table,
+                                                     sts=self.sts, notify=self.notify,
+                                                     slot_refs=refs)
+        self.manager.adopt(self._credential_slots())
+        if self.config.kubelet_url or "kubelet-insecure" in self.config.explicit:
+            log.warning("--kubelet-url and --kubelet-insecure have no effect any more: the "
+                        "container runtime (--cri-endpoint) knows a pod's address first")
+        self.runtime = RuntimeSource(endpoint=self.config.cri_endpoint, model=None,
+                                     commit=self._commit, on_change=self._publish_health,
+                                     table_runtime_mode=self.table.runtime_mode)
+        self.model = NodeModel(
+            policy=RolePolicy.from_config(self.config), table=self.table, sink=self.manager,
+            notify=self.notify, slot_refs=refs, token_only=self._token_only(),
+            adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"], ip["cred_slot"])
+                     for ip in self.table.snapshot()},
+            expect_runtime=self.runtime.expected, routes=None)
+        self.runtime.model = self.model
+        # Until the runtime's first answer, a request from a connection newer than the last
+        # applied poll waits for one, never for the API's guess.
+        self.table.set_status(runtime_mode=self.model.runtime_mode)
+        milestone("table adopted")
+
+    def _connect_api(self) -> None:
+        """Step 3: the API client (its configuration checked now: ConfigError ends the
+        process with one line) and the node's pods."""
+        from kiamfast.control.k8s.node import StartupTaint
+        from kiamfast.control.k8s.source import ApiSource
+        from kiamfast.kube.client import Client
+        from kiamfast.kube.config import load_config
+        cfg = self.config
+        self.api = Client(load_config(kubeconfig=cfg.kubeconfig, api_server=cfg.api_server,
+                                      api_token=cfg.api_token, insecure=cfg.insecure))
+        self.source = ApiSource(client=self.api, model=self.model, node=cfg.node or None,
+                                watch_namespaces=self.model.policy.uses_namespaces)
+        self.source.timings.resync = cfg.cache_resync_period
+        self.source.on_error = self._api_failing
+        self.taint = StartupTaint(cfg.node, cfg.node_startup_taint)
+        self.taint.on_change = self._publish_health
+        if self.container_socks:
+            self.uninjected = self._uninjected_pods()
+
+    def _optional_tasks(self) -> list[asyncio.Task]:
+        tasks = []
+        if self.container_socks:
+            from kiamfast.container_credentials import server as container
+            self.container = container.from_config(
+                self.config, self.container_socks, model=self.model, manager=self.manager,
+                table=self.table, client=self.api)
+            tasks.append(asyncio.create_task(self.container.run(),
+                                             name="container-credentials"))
+        if self.config.sts_account_qps > 0 and self.config.sts_fleet_nodes == 0:
+            from kiamfast.control.k8s.node import follow_node_count
+            tasks.append(asyncio.create_task(follow_node_count(
+                self.api, self.manager, interval=NODE_COUNT_INTERVAL), name="node-count"))
+        if self.runtime.poller is not None:
+            tasks.append(asyncio.create_task(self.runtime.watch_link(
+                ready=lambda: self.ready, set_ready=lambda ok: self.table.set_status(ready=ok),
+                read_node=self._read_node), name="runtime-link"))
+        return tasks
+
+    async def _become_ready(self) -> None:
+        await self.source.synced.wait()
+        milestone("pods listed")
+        if self.api_state == "connecting":
+            self.api_state = "ok"
+            self._publish_health()
+        if self.runtime.poller is not None:
+            try:
+                await asyncio.wait_for(self.runtime.settled.wait(),
+                                       self.config.ready_prefetch_timeout)
+            except asyncio.TimeoutError:
+                log.warning("the container runtime has not answered yet; ready anyway "
+                            "(requests wait for its first answer)")
+        self.manager.reclaim()
+        deadline = time.monotonic() + self.config.ready_prefetch_timeout
+        while time.monotonic() < deadline and self.manager.stats().get("keys_pending", 0):
+            await asyncio.sleep(0.01)
+        milestone("all roles fetched")
+        self.ready = True
+        self.table.set_status(ready=True)
+        self.notify()
+        milestone("ready")
+        log.info("ready", extra={"credential_keys": self.manager.stats().get("keys_ready")})
+        await self.taint.run(self.api)       # removes it, then keeps it removed
+
+    @staticmethod
+    def _log_failure(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("control task %s failed", task.get_name(), exc_info=task.exception())
+        elif task.get_name() != "ready":
+            log.error("control task %s ended", task.get_name())
+
+    def _credential_slots(self) -> list[tuple[int, int, float, list[bytes]]]:
+        out = []
+        for slot in range(self.table.layout["cred_capacity"]):
+            try:
+                out.append((slot, *self.table.read_cred(slot)))
+            except tbl.TableError:     # unreadable: held until no address names it
+                out.append((slot, tbl.CRED_PENDING, 0.0, []))
+        return out
+
+    def _token_only(self) -> Any:
+        """Pods that ask this agent's container-credentials listener by token: the metadata
+        path refuses them (container_credentials/token_only.py).  Read from the sockets
+        held, not the flag: a listed address the supervisor could not listen on (IPv6
+        disabled) serves nobody, so a pod sent there keeps the metadata path."""
+        from kiamfast.container_credentials.token_only import predicate
+        return predicate([sock.getsockname()[:2] for sock in self.container_socks])
+
+    def _uninjected_pods(self) -> Any:
+        """An Event on each pod of the node that asked for injection and was created without
+        it (container_credentials/uninjected.py), posted on a thread."""
+        from kiamfast.container_credentials.uninjected import UninjectedPods
+        loop = asyncio.get_running_loop()
+        reporter = UninjectedPods(
+            role_key=self.config.iam_role_key, node=self.config.node,
+            create_event=lambda body: self.api.request_sync(
+                "POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events",
+                body=body, timeout=10),
+            run_in_thread=lambda post: loop.run_in_executor(None, post))
+        self.source.on_pod = reporter.seen
+        return reporter
+
+    def _commit(self) -> None:
+        self.model.commit()
+
+    # ---- periodic work --------------------------------------------------------------------------
+
+    async def _expire(self) -> None:
+        """Namespace graces and failed credential acquires, every second."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.model.expire()
+            self.model.commit()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.table.heartbeat()
+            self.manager.reclaim()     # slots a restart held, once no address names them
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    async def _health(self) -> None:
+        """kube2iam's health check: the instance ID read from the metadata service."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self.instance_id = await loop.run_in_executor(None, imds_client.instance_id,
+                                                              self.config.metadata_addr)
+                self.health_error = ""
+            except imds_client.ImdsError as e:
+                self.instance_id, self.health_error = "", str(e)
+            self._publish_health()
+            await asyncio.sleep(HEALTH_INTERVAL)
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.instance_id) and not self.runtime.link.broken
+
+    def _publish_health(self) -> None:
+        """kube2iam's /healthz body, plus where addresses come from (the runtime's state),
+        the API server's and the startup taint's."""
+        if not self.healthy:
+            self.aux.health(None, self.runtime.link.broken or self.health_error)
+            return
+        body = {"hostIP": self.config.host_ip, "instanceId": self.instance_id,
+                "runtime": self.runtime.state, "kubernetes": self.api_state,
+                "taint": self.taint.state if self.taint is not None else "pending"}
+        if self.container is not None:
+            body["containerCredentials"] = self.container.health()
+        self.aux.health(body, "")
+
+    def _api_failing(self, error: str) -> None:
+        """The API source's state changed (its error, or "" once it answers again)."""
+        self.api_state = f"unreachable: {error}" if error else "ok"
+        self._publish_health()
+
+    async def _publish(self) -> None:
+        """Metrics text, denials and /debug/store for the workers to serve."""
+        while True:
+            own = metrics_text.render(control_metrics.render(self._state()))
+            self.aux.metrics(metrics_text.render(self.manager.metrics.lines()) + own, own)
+            self.aux.denials(self.model.denials())
+            if self.config.debug:
+                self.aux.debug_store(self.model.debug_store())
+            await asyncio.sleep(PUBLISH_INTERVAL)
+
+    def _state(self) -> control_metrics.ControlState:
+        from kiamfast.cli import build_info
+        commit, built = build_info()
+        return control_metrics.ControlState(
+            healthy=self.healthy, ready=self.ready, runtime_up=self.runtime.state == "ok",
+            publish_failures=self.aux.failures, version=__version__, commit=commit,
+            built=built, pods=len(self.model.pods), pending_pods=self.model.pending_pods,
+            watch={**self.source.stats(), **self.model.counters},
+            runtime=self.runtime.counters() if self.runtime.poller is not None else None,
+            container_lines=self.container.metrics() if self.container is not None else [],
+            uninjected=self.uninjected.reported if self.uninjected is not None else None)
+
+    async def _read_node(self) -> dict[str, Any] | None:
+        """This node as the API shows it, or None (no --node, or the API cannot answer:
+        then nothing proves the runtime link dead)."""
+        from kiamfast.control.k8s.node import read_node
+        if not self.config.node:
+            return None
+        try:
+            return await read_node(self.api, self.config.node)
+        except Exception as exc:  # noqa: BLE001 - any failure: no evidence
+            log.debug("cannot read node %s: %s", self.config.node, exc)
+            return None
+
+    # ---- stop -----------------------------------------------------------------------------------
+
+    async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.runtime.close()
+        self.manager.close()
+        self.sts.close()
+        if self.container is not None:
+            self.container.close()
+        if self.api is not None:
+            await self.api.close()
+        if self.config.iptables and self.config.iptables_remove_on_exit:
+            try:
+                iptables.remove_rules(self.config)
+            except iptables.IptablesError as e:
+                log.error("could not remove the DNAT rule: %s", e)
+        log.info("control process stopped")
+
+
+def discover_roles(config: Config) -> Config:
+    """kube2iam's --auto-discover-base-arn / --auto-discover-default-role: read the node's
+    own instance role from the metadata service.  Fatal if it cannot be read, as in kube2iam."""
+    role_arn = imds_client.instance_role_arn(config.metadata_addr)
+    base = role_arn.split(":role/")[0] + ":role/"
+    if config.auto_discover_default_role:
+        log.info("using the instance role %s as default role", role_arn)
+        return config.replace(base_role_arn=base, default_role=role_arn)
+    log.info("discovered base role ARN %s", base)
+    return config.replace(base_role_arn=base)
+
+
+def _raise_fd_limit() -> None:
+    """Every token-path connection is a file descriptor: use the hard limit."""
+    import resource
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiamfast-control")
+    parser.add_argument("--table", required=True)
+    parser.add_argument("--channel-fds", default="")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--container-credentials-fds", default="")
+    args = parser.parse_args(argv)
+    config = config_from_json(args.config_json)
+    logs.setup(log_format=config.log_format, level=config.effective_log_level,
+               process="control")
+    _raise_fd_limit()
+    table = tbl.Table.attach(args.table, writer=True)
+    if table.repaired:
+        log.warning("repaired %d slots a previous control process left half-written or "
+                    "unreachable (a compaction it did not finish)", table.repaired)
+    channels = [socket.socket(fileno=int(fd)) for fd in args.channel_fds.split(",") if fd]
+    container_socks = [socket.socket(fileno=int(fd))
+                       for fd in args.container_credentials_fds.split(",") if fd]
+    for sock in [*channels, *container_socks]:
+        sock.setblocking(False)
+    from kiamfast.kube.errors import ConfigError
+    try:
+        import uvloop
+        uvloop.run(ControlProcess(config, table, channels, container_socks).run())
+    except ConfigError as e:
+        log.error("cannot start: %s", e)
+        return EXIT_CONFIG
+    except iptables.IptablesError as e:
+        log.error("cannot install the DNAT rule: %s", e)
+        return 1
+    except imds_client.ImdsError as e:
+        log.error("cannot discover the instance role: %s", e)
+        return 1
+    except ControlTaskFailed as e:
+        log.error("control process exiting: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
