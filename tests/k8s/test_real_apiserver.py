@@ -107,7 +107,9 @@ def test_bookmarks_arrive_and_an_ended_watch_resumes(kube_cluster, table, unique
                               watch_timeout=(4.0, 4.0)) as w:
             assert w.synced
             await w.until(lambda: w.stats()["watches"] >= 1, what="the watch")
-            running_pod(admin, ns, "elsewhere", node=other, ip="10.244.8.1")
+            # off the loop: the agent's watch reads its stream on this loop meanwhile
+            await asyncio.to_thread(running_pod, admin, ns, "elsewhere", node=other,
+                                    ip="10.244.8.1")
             await w.until(lambda: w.stats()["bookmarks"] >= 1, timeout=8, what="a bookmark")
             await w.until(lambda: w.stats()["watches"] >= 2, timeout=8, what="the resume")
             assert w.stats()["events"] == 0     # nothing of this node's

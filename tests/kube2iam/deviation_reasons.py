@@ -63,8 +63,9 @@ REASONS: dict[str, str] = {
     "base: non-canonical path: dot segment": _PATHS,
     "base: token PUT without TTL": ("kiamfast answers token requests itself (tokens bound "
                                     "to the pod's address); its 400 says what is missing"),
-    "base: healthz": ("kube2iam's two fields, plus where addresses come from (`runtime`) and "
-                      "the startup taint's removal (`taint`)"),
+    "base: healthz": ("kube2iam's two fields, plus where addresses come from (`runtime`), "
+                      "the API server's state (`kubernetes`) and the startup taint's "
+                      "removal (`taint`)"),
 }
 
 NOT_DELIBERATE: dict[str, str] = {}

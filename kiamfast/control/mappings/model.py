@@ -84,7 +84,7 @@ class NodeModel:
         self.merge.reconciled = not written
         # A denied address naming a slot was a pod served by token only (see the docstring).
         self.decider = Decider(policy=policy, namespace_grace=namespace_grace, clock=clock,
-                               role_of_slot=sink.role_of_slot,
+                               role_of_slot=lambda slot: sink.role_of_slot(slot),
                                adopted={uid: slot for uid, state, slot in written.values()
                                         if state in (POD_ROLE, POD_DENIED) and slot >= 0})
         self._adopted_token_only = {uid for uid, state, slot in written.values()
