@@ -26,7 +26,8 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 platforms=(linux/amd64 linux/arm64)
 usage="usage: deploy/release.sh [--plain-http] VERSION REPOSITORY"
-fail() { echo "deploy/release.sh: $*" >&2; exit 2; }
+fail() { echo "deploy/release.sh: $*" >&2; exit 2; }   # a bad argument
+die() { echo "deploy/release.sh: $*" >&2; exit 1; }    # a step that failed
 
 plain_http=false
 args=()
@@ -57,6 +58,10 @@ if $plain_http; then tls=(--tls-verify=false); helm_tls=(--plain-http); fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 step() { printf 'deploy/release.sh: %s\n' "$*" >&2; }
+if [[ -n $(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null) ]]; then
+    step "warning: uncommitted changes are built in; the image names commit" \
+         "$(git -C "$repo" rev-parse --short HEAD)"
+fi
 
 # ---- 1. the image for each platform, in the build script's own storage ----
 pids=()
@@ -64,16 +69,16 @@ for platform in "${platforms[@]}"; do
     arch=${platform#linux/}
     step "build $platform"
     KIAMFAST_PLATFORM=$platform "$repo/deploy/image/build.sh" \
-        "localhost/kiamfast/release:$version-$arch" >"$work/build-$arch.out" 2>"$work/build-$arch.err" &
+        "localhost/kiamfast/release:$version-$arch" \
+        >"$work/build-$arch.out" 2>"$work/build-$arch.err" &
     pids+=($!)
 done
-for i in "${!pids[@]}"; do
-    arch=${platforms[i]#linux/}
-    if ! wait "${pids[i]}"; then
-        cat "$work/build-$arch.err" >&2
-        fail "the $arch build failed (its output above)"
-    fi
+failed=()
+for i in "${!pids[@]}"; do   # both waited for: a failed one leaves no build running
+    wait "${pids[i]}" || failed+=("${platforms[i]#linux/}")
 done
+for arch in "${failed[@]}"; do cat "$work/build-$arch.err" >&2; done
+(( ${#failed[@]} == 0 )) || die "the ${failed[*]} build failed (its output above)"
 archive=$(tail -n 1 "$work/build-amd64.out")
 # build.sh's storage: its storage.conf sits beside the archive it wrote.
 export CONTAINERS_STORAGE_CONF="$(dirname "$archive")/storage.conf"
@@ -83,7 +88,8 @@ list="localhost/kiamfast/release-list:$version"
 buildah manifest rm "$list" >/dev/null 2>&1 || true
 buildah manifest create "$list" >/dev/null
 for platform in "${platforms[@]}"; do
-    buildah manifest add "$list" "containers-storage:localhost/kiamfast/release:$version-${platform#linux/}" >/dev/null
+    buildah manifest add "$list" \
+        "containers-storage:localhost/kiamfast/release:$version-${platform#linux/}" >/dev/null
 done
 step "push $image"
 buildah manifest push --quiet --all "${tls[@]}" --digestfile "$work/digest" \
@@ -98,8 +104,9 @@ grep -rlF ghcr.io/kiamfast/kiamfast "$work/chart" |
 "$helm" package "$work/chart" --version "$version" --app-version "$version" \
     --destination "$work" >/dev/null
 step "push $chart_repo/kiamfast:$version"
-"$helm" push "${helm_tls[@]}" "$work/kiamfast-$version.tgz" "$chart_repo" >/dev/null 2>"$work/helm.err" ||
-    { cat "$work/helm.err" >&2; fail "helm push to $chart_repo failed"; }
+"$helm" push "${helm_tls[@]}" "$work/kiamfast-$version.tgz" "$chart_repo" \
+    >/dev/null 2>"$work/helm.err" ||
+    { cat "$work/helm.err" >&2; die "helm push to $chart_repo failed"; }
 
 echo "chart: $chart_repo/kiamfast --version $version"
 echo "image: $image"

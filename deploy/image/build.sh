@@ -14,8 +14,8 @@
 #    proxy does the same; a secret mount leaves nothing in a layer). A foreign architecture's
 #    RUN steps run emulated.
 # 3. deploy/image/check_arch.sh: the compiled extensions are of the platform's architecture
-#    (a base of the wrong one builds with only a warning), then `buildah push` to an OCI archive, which
-#    `ctr images import` takes.
+#    (a base of the wrong one builds with only a warning), then `buildah push` to an OCI
+#    archive, which `ctr images import` takes.
 #
 # Everything lives in $KIAMFAST_TOOLS/image-<hash of the base recipe>/, shared by both
 # architectures: the base rootfs tarballs, buildah's own storage (never the host's) with its

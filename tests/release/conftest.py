@@ -58,7 +58,8 @@ def missing_reason() -> str | None:
         return reason
     if not helm_binary().is_file():
         return f"needs helm ({helm_binary()}): run tests/tools/build_helm.sh"
-    if os.uname().machine == "x86_64" and not Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists():
+    emulator = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
+    if os.uname().machine == "x86_64" and not emulator.exists():
         return ("needs qemu-aarch64 registered with binfmt_misc for the arm64 build: run "
                 "tests/run as root (apt-get install qemu-user-static binfmt-support)")
     return None
