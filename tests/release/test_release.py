@@ -192,6 +192,8 @@ def test_helm_install_from_the_registry_deploys_the_pushed_image(release, kube_c
         images = [c["image"] for ds in daemonsets
                   for c in ds["spec"]["template"]["spec"]["containers"]]
         assert images == [f"{release.image}:{release.version}"]
+        assert daemonsets[0]["spec"]["template"]["spec"]["nodeSelector"] == \
+            {"kiamfast.io/release-test": "no-such-node"}
     finally:
         release.helm("uninstall", name, "--wait", *target)
         kube_cluster.admin.request("DELETE", f"/api/v1/namespaces/{name}")
