@@ -77,8 +77,8 @@ _arm64_prebuild: subprocess.Popen | None = None
 def pytest_collection_finish(session):
     """The arm64 build, started in the background when the release test will run."""
     global _arm64_prebuild
-    if missing_reason() or not any(item.path.name == "test_release.py"
-                                   for item in session.items):
+    if (session.config.option.collectonly or missing_reason()
+            or not any(item.path.name == "test_release.py" for item in session.items)):
         return
     log = tools_dir() / "release-arm64-prebuild.log"
     with log.open("wb") as out:
