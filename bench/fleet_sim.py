@@ -59,7 +59,7 @@ from kiamfast import table as tbl
 from kiamfast.control.iam import render
 from kiamfast.control.iam.keys import CredentialRequest
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.sts import StsClient
+from kiamfast.control.iam.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, ManualClock, MotoSts
 
 ACCOUNT = "123456789012"

@@ -139,7 +139,7 @@ def bare_pool(c, calls: int) -> float:
     """Seconds ``calls`` AssumeRole calls take from a bare pool of MAX_INFLIGHT threads
     through the same proxy (botocore + moto + latency, no manager, no rate limit)."""
     import prefetch as pf
-    from kiamfast.control.sts import StsClient
+    from kiamfast.control.iam.sts import StsClient
     sts = StsClient(endpoint_url=c.proxy.url, max_attempts=1, max_pool_connections=16)
     try:
         return pf.bare_client(sts, calls, concurrency=MAX_INFLIGHT)

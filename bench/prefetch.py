@@ -28,7 +28,7 @@ import time
 from kiamfast import table as tbl
 from kiamfast.control.iam.keys import CredentialRequest
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.sts import StsClient
+from kiamfast.control.iam.sts import StsClient
 from kiamfast.testing.sts import FaultProxy, ManualClock, MotoSts
 
 from benchutil import aws_env  # static credentials, never the real metadata service

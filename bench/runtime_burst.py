@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller
+from kiamfast.control.cri.client import RuntimeClient
+from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
 

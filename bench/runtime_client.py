@@ -39,7 +39,7 @@ def hwm_kib():   # the peak RSS of this process image (ru_maxrss keeps the forki
             return int(line.split()[1])
 endpoint, polls = sys.argv[1], int(sys.argv[2])
 t0 = time.perf_counter()
-from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri import client as runtime
 imported = time.perf_counter() - t0
 rss_import = hwm_kib()
 client = runtime.RuntimeClient(endpoint, timeout=10.0)

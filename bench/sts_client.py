@@ -17,7 +17,7 @@ seven times by default, the options interleaved; the table gives medians of
 Options:
   * ``today``: the client kiamfast had before issue 32, one botocore session and
     ``create_client('sts')`` with every data file botocore loads for it;
-  * ``kiamfast``: ``kiamfast.control.sts.StsClient`` as built (loaded synchronously here);
+  * ``kiamfast``: ``kiamfast.control.iam.sts.StsClient`` as built (loaded synchronously here);
   * ``signer``: a prototype of botocore's ``SigV4Auth`` on an ``AWSRequest``, botocore's own
     HTTP session, the STS endpoint rule set evaluated directly and the answer parsed with
     xml.etree: no client object at all (a measurement, not a client to ship);
@@ -97,7 +97,7 @@ def _today(url: str):
 
 
 def _kiamfast(url: str):
-    from kiamfast.control.sts import StsClient
+    from kiamfast.control.iam.sts import StsClient
     client = StsClient(region=REGION, endpoint_url=url)
     client.load()
 

@@ -41,18 +41,18 @@ from kiamfast import __version__, channel, logs, metrics_text
 from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
 from kiamfast.control import imds_client, iptables
+from kiamfast.control.health import Health
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.policy import RolePolicy
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.publish import metrics as control_metrics
 from kiamfast.control.publish.aux import AuxPublisher
-from kiamfast.control.sts import StsClient
+from kiamfast.control.iam.sts import StsClient
 
 log = logging.getLogger("kiamfast.control")
 
 STARTED = time.monotonic()      # the process's start, as near as Python knows it
-HEALTH_INTERVAL = 30.0
 PUBLISH_INTERVAL = 2.0
 HEARTBEAT_INTERVAL = 1.0
 NODE_COUNT_INTERVAL = 60.0      # --sts-account-qps without --sts-fleet-nodes (jittered)
@@ -80,9 +80,8 @@ class ControlProcess:
         self.taint: Any = None                 # k8s.node.StartupTaint
         self.aux = AuxPublisher(table)
         self.ready = False
-        self.instance_id = ""
-        self.health_error = "no health check yet"
-        self.api_state = "connecting"
+        self.health = Health(metadata_addr=config.metadata_addr, host_ip=config.host_ip,
+                             aux=self.aux)
         self._wake_scheduled = False
         self._stop = asyncio.Event()
 
@@ -134,7 +133,7 @@ class ControlProcess:
         tasks.append(asyncio.create_task(self.source.run(), name="api-watch"))
         tasks += [asyncio.create_task(self._expire(), name="expire"),
                   asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                  asyncio.create_task(self._health(), name="health"),
+                  asyncio.create_task(self.health.run(self._publish_health), name="health"),
                   asyncio.create_task(self._publish(), name="publish")]
         if self.config.iptables:                                # 4.
             await loop.run_in_executor(None, iptables.install_rules, self.config)
@@ -168,6 +167,7 @@ class ControlProcess:
         self.runtime = RuntimeSource(endpoint=self.config.cri_endpoint, model=None,
                                      commit=self._commit, on_change=self._publish_health,
                                      table_runtime_mode=self.table.runtime_mode)
+        self.health.runtime = self.runtime
         self.model = NodeModel(
             policy=RolePolicy.from_config(self.config), table=self.table, sink=self.manager,
             notify=self.notify, slot_refs=refs, token_only=self._token_only(),
@@ -221,8 +221,8 @@ class ControlProcess:
     async def _become_ready(self) -> None:
         await self.source.synced.wait()
         milestone("pods listed")
-        if self.api_state == "connecting":
-            self.api_state = "ok"
+        if self.health.kubernetes == "connecting":
+            self.health.kubernetes = "ok"
             self._publish_health()
         if self.runtime.poller is not None:
             try:
@@ -299,40 +299,13 @@ class ControlProcess:
             self.manager.reclaim()     # slots a restart held, once no address names them
             await asyncio.sleep(HEARTBEAT_INTERVAL)
 
-    async def _health(self) -> None:
-        """kube2iam's health check: the instance ID read from the metadata service."""
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                self.instance_id = await loop.run_in_executor(None, imds_client.instance_id,
-                                                              self.config.metadata_addr)
-                self.health_error = ""
-            except imds_client.ImdsError as e:
-                self.instance_id, self.health_error = "", str(e)
-            self._publish_health()
-            await asyncio.sleep(HEALTH_INTERVAL)
-
-    @property
-    def healthy(self) -> bool:
-        return bool(self.instance_id) and not self.runtime.link.broken
-
-    def _publish_health(self) -> None:
-        """kube2iam's /healthz body, plus where addresses come from (the runtime's state),
-        the API server's and the startup taint's."""
-        if not self.healthy:
-            self.aux.health(None, self.runtime.link.broken or self.health_error)
-            return
-        body = {"hostIP": self.config.host_ip, "instanceId": self.instance_id,
-                "runtime": self.runtime.state, "kubernetes": self.api_state,
-                "taint": self.taint.state if self.taint is not None else "pending"}
-        if self.container is not None:
-            body["containerCredentials"] = self.container.health()
-        self.aux.health(body, "")
-
     def _api_failing(self, error: str) -> None:
         """The API source's state changed (its error, or "" once it answers again)."""
-        self.api_state = f"unreachable: {error}" if error else "ok"
+        self.health.kubernetes = f"unreachable: {error}" if error else "ok"
         self._publish_health()
+
+    def _publish_health(self) -> None:
+        self.health.publish(container=self.container, taint=self.taint)
 
     async def _publish(self) -> None:
         """Metrics text, denials and /debug/store for the workers to serve."""
@@ -348,7 +321,7 @@ class ControlProcess:
         from kiamfast.cli import build_info
         commit, built = build_info()
         return control_metrics.ControlState(
-            healthy=self.healthy, ready=self.ready, runtime_up=self.runtime.state == "ok",
+            healthy=self.health.healthy, ready=self.ready, runtime_up=self.runtime.state == "ok",
             publish_failures=self.aux.failures, version=__version__, commit=commit,
             built=built, pods=len(self.model.pods), pending_pods=self.model.pending_pods,
             watch={**self.source.stats(), **self.model.counters},

@@ -275,7 +275,7 @@ def test_role_annotation_change_re_acquires(make_model, table, sink):
 
 def view(*sandboxes, started_ns=1_000):
     """A runtime poll: (uid, ip or ips, annotations) per READY sandbox."""
-    from kiamfast.control.cri.poller import RuntimeView, Sandbox
+    from kiamfast.control.cri.client import RuntimeView, Sandbox
     sbs = []
     for uid, ips, ann in sandboxes:
         ips = (ips,) if isinstance(ips, str) else tuple(ips)

@@ -39,7 +39,7 @@ class HostRoutes:
 
 
 def view(*sandboxes, started_ns=1_000):
-    from kiamfast.control.cri.poller import RuntimeView, Sandbox
+    from kiamfast.control.cri.client import RuntimeView, Sandbox
     sbs = [Sandbox(id=f"sb-{uid}", pod_uid=uid, name=f"pod-{uid}", namespace="default",
                    ips=(ip,), annotations={}, created_ns=0) for uid, ip in sandboxes]
     return RuntimeView(started_ns=started_ns, sandboxes=tuple(sbs),

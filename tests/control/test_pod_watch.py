@@ -10,7 +10,7 @@ import pytest
 from control_support import BASE, NS_KEY, ROLE_KEY, SlotSink, lookup
 
 from kiamfast import table as tablemod
-from kiamfast.control.cri.poller import RuntimeView, Sandbox
+from kiamfast.control.cri.client import RuntimeView, Sandbox
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.k8s.source import ApiSource
 from kiamfast.control.iam.policy import RolePolicy

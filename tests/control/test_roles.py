@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiamfast.control.iam.policy import (NO_ROLE, GoRegexpError, IdentityKind, InvalidBaseArn,
-                                    PodIdentity, RolePolicy, compile_go_regexp, go_glob,
-                                    translate_go_regexp)
+from kiamfast.control.iam.patterns import (GoRegexpError, compile_go_regexp, go_glob,
+                                           translate_go_regexp)
+from kiamfast.control.iam.policy import (NO_ROLE, IdentityKind, InvalidBaseArn, PodIdentity,
+                                         RolePolicy)
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

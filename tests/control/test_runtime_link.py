@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri import client as runtime
 from kiamfast.control.cri.link import AutoEndpointClient, LinkMonitor, node_ready_since
 
 

@@ -13,7 +13,7 @@ from kiamfast.config import Config
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.schedule import node_share
 from kiamfast.budget import TokenBucket
-from kiamfast.control.sts import StsClient, StsThrottled
+from kiamfast.control.iam.sts import StsClient, StsThrottled
 from kiamfast.testing.sts import ManualClock
 
 from metric_samples import Samples

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kiamfast.control import sts as stsmod
-from kiamfast.control.sts import StsClient, StsDenied, StsThrottled, StsTransient
+from kiamfast.control.iam import sts as stsmod
+from kiamfast.control.iam.sts import StsClient, StsDenied, StsThrottled, StsTransient
 
 ROLE = "arn:aws:iam::123456789012:role/team/app"
 
@@ -175,7 +175,7 @@ def test_from_config(proxy):
 
 _IMPORTS_AND_BUILDS = r"""
 import sys, threading
-import kiamfast.control.process, kiamfast.control.iam.manager, kiamfast.control.sts as sts
+import kiamfast.control.process, kiamfast.control.iam.manager, kiamfast.control.iam.sts as sts
 print(sorted(m for m in sys.modules if m.startswith("botocore")))
 builders = []
 

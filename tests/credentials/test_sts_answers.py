@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kiamfast.control.sts import StsClient, StsDenied, StsThrottled, StsTransient
+from kiamfast.control.iam.sts import StsClient, StsDenied, StsThrottled, StsTransient
 from kiamfast.testing.background import BackgroundServer
 
 ROLE = "arn:aws:iam::123456789012:role/team/app"

@@ -1,6 +1,6 @@
 """What the STS client sends: the same bytes botocore's stock client sends, verified on the wire.
 
-The client leaves botocore's legacy endpoint table out (kiamfast/control/sts.py). The
+The client leaves botocore's legacy endpoint table out (kiamfast/control/iam/sts.py). The
 reference is the client kiamfast built before that change, ``create_client('sts')`` on a
 plain session: for the same inputs and the same clock, both must produce the same request,
 byte for byte: URL, body, every header (the per-request ``amz-sdk-invocation-id`` UUID
@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from kiamfast.control.sts import StsClient, StsTransient
+from kiamfast.control.iam.sts import StsClient, StsTransient
 
 ROLE = "arn:aws:iam::123456789012:role/team/app"
 FIXED = dt.datetime(2026, 5, 1, 12, 0, 0)   # what botocore's clock returns: naive UTC
@@ -313,9 +313,9 @@ def test_tls_is_verified_against_the_system_bundle_or_aws_ca_bundle(proxy, tmp_p
 def test_the_lean_loader_finds_a_service_by_its_own_directory_as_botocore_would():
     import botocore.exceptions
     import botocore.loaders
-    from kiamfast.control.sts import _lean_loader
+    from kiamfast.control.iam.sts_session import lean_loader
     stock = botocore.loaders.Loader()
-    lean = _lean_loader(stock)
+    lean = lean_loader(stock)
     services = lean.list_available_services("service-2")
     assert "sts" in services and "sso" in services            # the chain's own clients
     assert "no-such-service" not in services and "../sts" not in services

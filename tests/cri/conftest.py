@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from containerd import Containerd, NodeNetns, unavailable_reason  # noqa: E402
 
-from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller, RuntimeView  # noqa: E402
+from kiamfast.control.cri.client import RuntimeClient, RuntimeView  # noqa: E402
+from kiamfast.control.cri.poller import RuntimePoller  # noqa: E402
 from kiamfast.testing.cri_fault import CriFault  # noqa: E402
 
 

@@ -19,7 +19,8 @@ import pytest
 
 from poller_tasks import running, stop
 
-from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller, RuntimeUnavailable
+from kiamfast.control.cri.client import RuntimeClient, RuntimeUnavailable
+from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
 ROLE = "iam.amazonaws.com/role"

@@ -25,7 +25,7 @@ import pytest
 
 from kiamfast.control.cri.transport import (WINDOW, GrpcError, StatusCode, UnixChannel,
                                             grpc_timeout, unix_socket_path)
-from kiamfast.control.cri.poller import RuntimeClient
+from kiamfast.control.cri.client import RuntimeClient
 
 SERVICE = "test.Transport"
 

@@ -26,9 +26,9 @@ import pytest
 from containerd import sweep_stale_runs
 from poller_tasks import running, stop
 
-from kiamfast.control.cri import poller as runtime
-from kiamfast.control.cri.poller import (RuntimeClient, RuntimePoller, RuntimeUnavailable,
-                                      resolve_endpoint)
+from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri.client import RuntimeClient, RuntimeUnavailable, resolve_endpoint
+from kiamfast.control.cri.poller import RuntimePoller
 
 ROLE = "iam.amazonaws.com/role"
 

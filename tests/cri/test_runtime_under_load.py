@@ -25,7 +25,8 @@ import pytest
 
 from poller_tasks import running, stop
 
-from kiamfast.control.cri.poller import RuntimeClient, RuntimePoller, RuntimeView
+from kiamfast.control.cri.client import RuntimeClient, RuntimeView
+from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.testing.cri_fault import fake_sandbox
 
 SECOND = 10**9

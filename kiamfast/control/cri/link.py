@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri import client as runtime
 
 log = logging.getLogger("kiamfast.runtime")
 

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kiamfast.control.cri import link as runtime_link
-from kiamfast.control.cri import poller as runtime
+from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.control.cri import routes as host_routes
 
 log = logging.getLogger("kiamfast.runtime")
@@ -49,7 +50,7 @@ class RuntimeSource:
         self.expected = table_runtime_mode
         self.poller = self._poller(endpoint)
 
-    def _poller(self, endpoint: str) -> runtime.RuntimePoller | None:
+    def _poller(self, endpoint: str) -> RuntimePoller | None:
         if endpoint.strip() == "auto":
             client: Any = runtime_link.AutoEndpointClient()
             if runtime.resolve_endpoint("auto") is not None:
@@ -69,7 +70,7 @@ class RuntimeSource:
         self.state = "connecting"
         # backoff_max: a local socket costs nothing to retry, and an 'auto' socket that
         # appears late should be found within seconds.
-        return runtime.RuntimePoller(client, on_view=self._on_view,
+        return RuntimePoller(client, on_view=self._on_view,
                                      on_state=self._on_state,
                                      on_failure=self._on_failure, backoff_max=5.0)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kiamfast.config import tag_value_problem
 from kiamfast.control.iam import render
-from kiamfast.control.sts import sanitize_session_name
+from kiamfast.control.iam.sts import sanitize_session_name
 
 SESSION_POLICIES = ("node-role", "pod", "kube2iam")
 TAG_NAMESPACE = "kiamfast-namespace"

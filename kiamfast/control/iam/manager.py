@@ -51,7 +51,7 @@ from kiamfast.control.iam.keys import (TAGSESSION_HINT, CredentialKey, Credentia
 from kiamfast.control.iam.metrics import StsMetrics
 from kiamfast.control.iam.schedule import (PRIO_NEW, PRIO_REFRESH, PRIO_WANTED, QUICK_RETRY,
                                            Schedule, node_share)
-from kiamfast.control.sts import (Credentials, StsDenied, StsError, StsThrottled,
+from kiamfast.control.iam.sts import (Credentials, StsDenied, StsError, StsThrottled,
                                   StsTransient, classify)
 from kiamfast.table import CRED_EMPTY, CRED_ERROR, CRED_PENDING, CRED_READY
 

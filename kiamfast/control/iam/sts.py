@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as _dt
-import glob
 import logging
 import os
 import re
@@ -60,14 +59,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-log = logging.getLogger("kiamfast.control.sts")
+from kiamfast.control.iam.sts_session import assume_role_url, sts_session
+
+log = logging.getLogger("kiamfast.sts")
 
 DEFAULT_REGION = "us-east-1"
 MIN_DURATION = 900
 MAX_DURATION = 43200
 
 _SESSION_NAME_BAD = re.compile(r"[^\w+=,.@-]", re.ASCII)
-_SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 # botocore's own check of a region name (utils.validate_region_name): a DNS label.
 _REGION_NAME = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{,63}(?<!-)$")
 
@@ -163,87 +163,6 @@ def classify(exc: BaseException, *, role_arn: str = "") -> StsError:
     return StsTransient(name, str(exc), role_arn=role_arn)
 
 
-def _lean_loader(loader: Any) -> Any:
-    """A botocore Loader with the same search paths as ``loader`` that answers the legacy
-    endpoint table with an empty one when the table would come from botocore's own data
-    (a table the user put in a ``data_path`` is loaded as before), and finds a service by
-    its own directory."""
-    import botocore.loaders
-
-    class StsOnlyLoader(botocore.loaders.Loader):
-        def list_available_services(self, type_name: str) -> Any:
-            return _KnownServices(self, type_name)
-
-        def load_data_with_path(self, name: str) -> Any:
-            if name == "endpoints":
-                for path in self.search_paths:
-                    full = os.path.join(path, name)
-                    if self.file_loader.exists(full):
-                        if self.is_builtin_path(full):
-                            return {"partitions": [], "version": 3}, full
-                        break
-            return super().load_data_with_path(name)
-
-    return StsOnlyLoader(extra_search_paths=list(loader.search_paths),
-                         include_default_search_paths=False)
-
-
-class _KnownServices:
-    """``name in services`` looks at that name's directories alone (botocore walks all ~450
-    to answer it, ~17 ms a model type); iterated, it is botocore's own list."""
-
-    def __init__(self, loader: Any, type_name: str):
-        self._loader, self._type_name = loader, type_name
-
-    def __contains__(self, name: object) -> bool:
-        return (isinstance(name, str) and _SERVICE_NAME.match(name) is not None
-                and any(glob.glob(os.path.join(path, name, "*", self._type_name + ".json*"))
-                        for path in self._loader.search_paths))
-
-    def __iter__(self) -> Any:
-        import botocore.loaders
-        return iter(botocore.loaders.Loader.list_available_services(self._loader,
-                                                                     self._type_name))
-
-
-def _in_a_partition(region: str, partitions: Mapping[str, Any]) -> bool:
-    """A region of a partition by its name's form (``partitions.json``'s ``regionRegex``),
-    which pseudo-regions such as ``aws-global`` do not have although that file lists them."""
-    return any(re.match(p["regionRegex"], region) for p in partitions.get("partitions", []))
-
-
-def _sts_session(region: str) -> Any:
-    """A botocore session that leaves the legacy endpoint table out where STS's rule set
-    decides alone: a region of a known partition, no dualstack."""
-    import botocore.session
-    session = botocore.session.get_session()
-    lean = _lean_loader(session.get_component("data_loader"))
-    if (not session.get_config_variable("use_dualstack_endpoint")
-            and _in_a_partition(region, lean.load_data("partitions"))):
-        session.register_component("data_loader", lean)
-    return session
-
-
-def _assume_role_url(client: Any) -> str:
-    """Where ``client`` sends AssumeRole, as its own endpoint resolution decides: a call
-    stopped at its ``before-call`` event, before signing (nothing is sent)."""
-    import botocore.awsrequest
-    seen: list[str] = []
-
-    def stop(params: dict, **_: Any) -> tuple[Any, dict]:
-        seen.append(params["url"])
-        return botocore.awsrequest.AWSResponse(params["url"], 200, {}, None), {}
-
-    event = "before-call.sts.AssumeRole"
-    client.meta.events.register_first(event, stop, unique_id="kiamfast-sts-url")
-    try:
-        client.assume_role(RoleArn="arn:aws:iam::123456789012:role/where",
-                           RoleSessionName="where")
-    finally:
-        client.meta.events.unregister(event, unique_id="kiamfast-sts-url")
-    return seen[0].removesuffix("/")
-
-
 class StsClient:
     """One botocore STS client plus the thread pool that runs its calls."""
 
@@ -316,7 +235,7 @@ class StsClient:
         import botocore.config
         import botocore.configprovider
 
-        session = self._session or _sts_session(self.region)
+        session = self._session or sts_session(self.region)
         session.set_config_variable("sts_regional_endpoints", "regional")
         endpoint = self._endpoint_arg
         if endpoint is None and not session.get_config_variable(
@@ -336,7 +255,7 @@ class StsClient:
                                        config=config)
         # Not client.meta.endpoint_url: that is the legacy table's answer (a guess without
         # the table), which STS's rule set overrides for every call.
-        self._endpoint = endpoint or _assume_role_url(client)
+        self._endpoint = endpoint or assume_role_url(client)
         log.info("STS client for %s at %s built in %.0f ms", self.region, self._endpoint,
                  (time.monotonic() - started) * 1000)
         if self._closed:
