@@ -127,3 +127,47 @@ def test_no_two_test_modules_share_a_name():
             continue
         assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
         seen[path.name] = path
+
+
+# The control process's shape (docs/architecture.md, "Control process"): sources → mappings →
+# credentials → publish.  Sources never import each other; mappings never import iam (the
+# policy and the credential sink are handed in); the agent's own API client stays a leaf; only
+# the CLI starts the supervisor.
+SHAPE = [
+    ("kiamfast/control/k8s", ("kiamfast.control.cri", "kiamfast.control.mappings",
+                              "kiamfast.control.iam", "kiamfast.control.process")),
+    ("kiamfast/control/cri", ("kiamfast.control.k8s", "kiamfast.control.mappings",
+                              "kiamfast.control.iam", "kiamfast.control.process")),
+    ("kiamfast/control/mappings", ("kiamfast.control.iam", "kiamfast.control.k8s",
+                                   "kiamfast.control.cri", "kiamfast.control.process",
+                                   "kiamfast.kube")),
+    ("kiamfast/control/iam", ("kiamfast.control.k8s", "kiamfast.control.cri",
+                              "kiamfast.control.publish", "kiamfast.control.process",
+                              "kiamfast.kube")),
+    ("kiamfast/kube", ("kiamfast.",)),
+    ("kiamfast/metrics_text.py", ("kiamfast.",)),
+    ("kiamfast/budget.py", ("kiamfast.",)),
+]
+
+
+def test_the_control_process_keeps_its_shape():
+    offenders = {}
+    for entry, forbidden in SHAPE:
+        own = entry.removesuffix(".py").replace("/", ".")   # a package may import itself
+        found = {f: [n for n in names if not (n == own or n.startswith(own + ".")
+                                              or n == "kiamfast.__version__")]
+                 for f, names in _offenders([entry], forbidden).items()}
+        found = {f: names for f, names in found.items() if names}
+        if found:
+            offenders[entry] = found
+    assert offenders == {}
+
+
+def test_only_the_cli_imports_the_supervisor():
+    files = [f for f in sorted((ROOT / "kiamfast").rglob("*.py"))
+             if ROOT / "kiamfast" / "supervisor" not in f.parents
+             and f != ROOT / "kiamfast" / "cli.py"]
+    offenders = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f)
+                                                  if n.startswith("kiamfast.supervisor"))
+                 for f in files}
+    assert {f: n for f, n in offenders.items() if n} == {}

@@ -43,7 +43,7 @@ from kiamfast.container_credentials.review import (
     unavailable,
 )
 from kiamfast.control.iam.render import account_id, parse_response
-from kiamfast.control.iam.policy import IdentityKind
+from kiamfast.control.mappings.decisions import IdentityKind
 
 log = logging.getLogger("kiamfast.container_credentials")
 

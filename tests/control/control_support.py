@@ -28,7 +28,7 @@ class SlotSink:
         with self.lock:
             if self.fail:
                 raise RuntimeError("no credential slots left")
-            key = (req.role_arn, req.external_id)
+            key = (req.role_arn, req.external_id or None)
             slot = self.slots.setdefault(key, len(self.slots))
             self.holders[pod_uid] = key
             self.requests[pod_uid] = req

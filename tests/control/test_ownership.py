@@ -1,6 +1,7 @@
 """The ownership model: which pod owns which address, as written into a real table file."""
 from kiamfast import table as tablemod
-from kiamfast.control.iam.policy import IdentityKind, RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.decisions import IdentityKind
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.mappings.addresses import canonical_ip, pod_ips
 

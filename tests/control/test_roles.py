@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kiamfast.control.iam.patterns import (GoRegexpError, compile_go_regexp, go_glob,
                                            translate_go_regexp)
-from kiamfast.control.iam.policy import (NO_ROLE, IdentityKind, InvalidBaseArn, PodIdentity,
-                                         RolePolicy)
+from kiamfast.control.iam.policy import InvalidBaseArn, RolePolicy
+from kiamfast.control.mappings.decisions import NO_ROLE, IdentityKind, PodIdentity
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from kiamfast.control.iam.policy import IdentityKind, RolePolicy
+from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.decisions import IdentityKind
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

@@ -34,7 +34,7 @@ class RoleSlots:
 
     def acquire(self, pod_uid: str, req: Any) -> int:
         with self.lock:
-            return self.slots.setdefault((req.role_arn, req.external_id), len(self.slots))
+            return self.slots.setdefault((req.role_arn, req.external_id or None), len(self.slots))
 
     def release(self, pod_uid: str) -> None:
         pass

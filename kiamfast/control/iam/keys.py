@@ -57,7 +57,8 @@ TAGSESSION_HINT = ("session tags are sent: the role's trust policy must allow "
 
 @dataclass(frozen=True)
 class CredentialRequest:
-    """What a pod's decision tells the credential manager about the pod."""
+    """What the credential manager reads of a pod (a `mappings.decisions.PodDecision` has the
+    same attributes, and is what the node model hands it; tools and tests build these)."""
     role_arn: str
     external_id: str | None = None
     namespace: str = ""

@@ -54,7 +54,6 @@ the default role) names.
 """
 from __future__ import annotations
 
-import enum
 import logging
 import re
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ import orjson
 import re2
 
 from kiamfast.control.iam.patterns import GoRegexpError, compile_go_regexp, go_glob
+from kiamfast.control.mappings.decisions import NO_ROLE, IdentityKind, PodIdentity
 
 log = logging.getLogger(__name__)
 
@@ -85,35 +85,6 @@ MAX_ROLE_ARN_LENGTH = 2048
 
 class InvalidBaseArn(ValueError):
     """`--base-role-arn` is not a role ARN prefix (kube2iam exits on this too)."""
-
-
-class IdentityKind(enum.IntEnum):
-    ROLE = 1
-    NO_ROLE = 2
-    DENIED = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PodIdentity:
-    """The decision for one pod.  Compare with `==`: equal decisions need no table write."""
-
-    kind: IdentityKind
-    role_arn: str = ""
-    external_id: str = ""
-    reason: str = ""
-    # DENIED only because the pod's namespace is not (yet) known to the agent.
-    namespace_unknown: bool = False
-
-    @classmethod
-    def role(cls, arn: str, external_id: str = "") -> "PodIdentity":
-        return cls(IdentityKind.ROLE, arn, external_id)
-
-    @classmethod
-    def denied(cls, reason: str) -> "PodIdentity":
-        return cls(IdentityKind.DENIED, reason=reason)
-
-
-NO_ROLE = PodIdentity(IdentityKind.NO_ROLE)
 
 
 # ---- namespace rules -------------------------------------------------------------------------

@@ -18,13 +18,43 @@ the container-credentials path read the same object.
 """
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from kiamfast.control.iam.policy import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
 
 log = logging.getLogger("kiamfast.ownership")
+
+class IdentityKind(enum.IntEnum):
+    ROLE = 1
+    NO_ROLE = 2
+    DENIED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PodIdentity:
+    """What the role policy decided for one pod.  Compare with `==`: equal decisions need no
+    table write."""
+
+    kind: IdentityKind
+    role_arn: str = ""
+    external_id: str = ""
+    reason: str = ""
+    # DENIED only because the pod's namespace is not (yet) known to the agent.
+    namespace_unknown: bool = False
+
+    @classmethod
+    def role(cls, arn: str, external_id: str = "") -> "PodIdentity":
+        return cls(IdentityKind.ROLE, arn, external_id)
+
+    @classmethod
+    def denied(cls, reason: str) -> "PodIdentity":
+        return cls(IdentityKind.DENIED, reason=reason)
+
+
+NO_ROLE = PodIdentity(IdentityKind.NO_ROLE)
 
 LIVE_PHASES = frozenset({"", "Pending", "Running", "Unknown"})
 
@@ -94,6 +124,14 @@ class PodDecision:
         return self.identity.role_arn if self.identity is not None else ""
 
     @property
+    def pod_name(self) -> str:              # what the credential manager's keys read
+        return self.name
+
+    @property
+    def pod_ip(self) -> str | None:
+        return self.address
+
+    @property
     def external_id(self) -> str:
         return self.identity.external_id if self.identity is not None else ""
 
@@ -104,9 +142,10 @@ class PodDecision:
 
 
 class Decider:
-    """The role policy with the two rules of the module docstring."""
+    """The role policy (`iam.policy.RolePolicy`, handed in: mappings never import iam) with
+    the two rules of the module docstring."""
 
-    def __init__(self, *, policy: RolePolicy, namespace_grace: float,
+    def __init__(self, *, policy: Any, namespace_grace: float,
                  clock: Callable[[], float],
                  role_of_slot: Callable[[int], tuple[str, str | None] | None],
                  adopted: Mapping[str, int]) -> None:
@@ -119,7 +158,7 @@ class Decider:
         self.synced = False
 
     def decide(self, pod: PodRecord,
-               rules: NamespaceRules | None) -> tuple[PodIdentity | None, str]:
+               rules: Any) -> tuple[PodIdentity | None, str]:
         """(identity or None = wait, source) for a live pod; keeps ``undecided_since``."""
         ident = self.policy.decide(pod.annotations, rules, namespace=pod.namespace,
                                    pod=pod.name)

@@ -35,11 +35,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from kiamfast.control.iam.keys import CredentialRequest
-from kiamfast.control.iam.policy import IdentityKind, NamespaceRules, PodIdentity, RolePolicy
 from kiamfast.control.mappings.addresses import canonical_ip, pod_ips, resource_version
 from kiamfast.control.mappings.api_owners import ApiOwners
-from kiamfast.control.mappings.decisions import Decider, PodDecision, PodRecord
+from kiamfast.control.mappings.decisions import (Decider, IdentityKind, PodDecision, PodIdentity,
+                                                 PodRecord)
 from kiamfast.control.mappings.merge import KEEP, HostRoutesLike, Merge, Undecided
 from kiamfast.control.mappings.runtime_owners import RuntimeOwners, RuntimeViewLike, SandboxLike
 from kiamfast.control.publish.addresses import AddressTable, TableWriter, Written
@@ -59,7 +58,7 @@ class CredentialSink(Protocol):
 class NodeModel:
     """Feed it events and runtime views, then ``commit()``."""
 
-    def __init__(self, *, policy: RolePolicy, table: TableWriter, sink: CredentialSink,
+    def __init__(self, *, policy: Any, table: TableWriter, sink: CredentialSink,
                  notify: Callable[[], None] = lambda: None, namespace_grace: float = 10.0,
                  tombstones: int = 16384, clock: Callable[[], float] = time.monotonic,
                  adopted: Mapping[str, Written] | None = None, expect_runtime: bool = False,
@@ -73,7 +72,7 @@ class NodeModel:
         self.clock = clock
         self.pods: dict[str, PodRecord] = {}              # from the API
         self.sandbox_pods: dict[str, PodRecord] = {}      # the runtime's, not (yet) the API's
-        self.namespaces: dict[str, NamespaceRules] = {}
+        self.namespaces: dict[str, Any] = {}       # name -> the policy's namespace rules
         self._by_ns: dict[str, set[str]] = {}
         self.addresses = AddressTable(table, adopted=adopted or {}, refs=slot_refs)
         self.slot_refs = self.addresses.refs
@@ -476,10 +475,12 @@ class NodeModel:
         if pod.cred_key == want:
             return ident
         try:
-            pod.cred_slot = self.sink.acquire(pod.uid, CredentialRequest(
-                role_arn=ident.role_arn, external_id=ident.external_id or None,
-                namespace=pod.namespace, pod_name=pod.name,
-                service_account=pod.service_account, pod_ip=ip))
+            # The decision is what the credential manager keys and names the session by.
+            pod.cred_slot = self.sink.acquire(pod.uid, PodDecision(
+                uid=pod.uid, namespace=pod.namespace, name=pod.name,
+                service_account=pod.service_account, identity=ident,
+                token_only=pod.token_only, host_network=pod.host_network, address=ip,
+                source=pod.source))
             pod.cred_key = want
             return ident
         except Exception as e:   # slots exhausted: stay undecided (503), retry later
