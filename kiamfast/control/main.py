@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from kiamfast import __version__, channel, logs, metrics_text
+from kiamfast import __version__, channel, logs, metrics_text, milestones
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config, container_credentials_addrs
@@ -306,6 +306,7 @@ class ControlProcess:
 
     async def _become_ready(self) -> None:
         await self.watcher.wait_synced()
+        milestones.mark("pods listed")
         if self.poller is not None:
             try:
                 await asyncio.wait_for(self.runtime_settled.wait(),
@@ -318,10 +319,12 @@ class ControlProcess:
         deadline = time.monotonic() + self.config.ready_prefetch_timeout
         while time.monotonic() < deadline and not self._prefetched():
             await asyncio.sleep(0.05)
+        milestones.mark("all roles fetched" if self._prefetched() else "prefetch timed out")
         self.ready = True
         self.table.set_status(ready=True)
         self.notify()
         log.info("ready", extra={"credential_keys": self.manager.stats().get("keys_ready")})
+        milestones.mark("ready")
         await self._remove_taint()
 
     def _prefetched(self) -> bool:
@@ -333,6 +336,7 @@ class ControlProcess:
         is ready must not stay closed to pods because one PATCH failed."""
         from kubernetes import client as kclient
         await self.taint_removal.remove_until_done(kclient.CoreV1Api(self.watcher.api_client))
+        milestones.mark(f"taint {self.taint_removal.state}")
         if self.instance_id:
             self._publish_health()
 

@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiamfast import milestones
 from kiamfast.budget import TokenBucket, backoff
 from kiamfast.control.iam import render
 from kiamfast.control.iam.keys import (TAGSESSION_HINT, CredentialKey, CredentialRequest,
@@ -519,6 +520,7 @@ class CredentialManager:
             self.metrics.inflight.set(self.schedule.inflight)
         elapsed = time.monotonic() - started
         if isinstance(result, Credentials):
+            milestones.mark("first STS answer")
             self.metrics.sts_call(key.role_arn, "Success", "success", elapsed)
             self._counts["sts_success"] += 1
             self.schedule.succeeded()
