@@ -40,7 +40,9 @@ both models.  Every served document is checked against the proxy's record of the
 issued its access key: same role, the node's session name; anything else counts as a
 wrong identity.  ``others``: the account's other STS callers (CI jobs, other services),
 a steady rate taken from the same budget (``FaultProxy.spend_budget``): how many of their
-calls the arrival left throttled.
+calls the arrival left throttled.  ``sts_latency``: every STS call takes that long in
+simulated time (the sim waits for such calls as for timers); 0 by default (STS answers at
+once: what the budget allows, not how fast STS is).
 
 ``python bench/fleet_sim.py --scenario arrival|steady|brownout [--nodes N ...]`` prints one
 JSON result; ``bench/run --only fleet`` runs the issue's scenarios side by side.
@@ -101,6 +103,7 @@ class Scenario:
     seed: int = 1
     tag_keys: str = ""                   # --session-tags with these keys ("": no tags)
     others: float = 0.0                  # the account's other STS callers, calls/s, steady
+    sts_latency: float = 0.0             # simulated seconds each STS call takes
 
 
 @dataclass
@@ -116,6 +119,23 @@ class Pod:
     first_ok: bool | None = None
     served_at: float | None = None
     wrong_identity: bool = False
+
+
+class SlowSts:
+    """The STS client, each call taking ``latency`` seconds of simulated time first (it
+    reaches STS then, and is answered at once); ``sleeping`` counts the calls waiting."""
+
+    def __init__(self, sts: StsClient, clock: ManualClock, latency: float) -> None:
+        self.sts, self.clock, self.latency = sts, clock, latency
+        self.sleeping = 0
+
+    async def assume_role(self, *args, **kwargs):
+        self.sleeping += 1
+        try:
+            await self.clock.sleep(self.latency)
+        finally:
+            self.sleeping -= 1
+        return await self.sts.assume_role(*args, **kwargs)
 
 
 class RecordingTable:
@@ -168,6 +188,7 @@ class Fleet:
         self.sc, self.proxy, self.sts, self.clock, self.tmp = sc, proxy, sts, clock, tmp
         self.rng = random.Random(sc.seed)
         self.managers: list[CredentialManager] = []
+        self.slow: list[SlowSts | None] = []
         self.tables: list[RecordingTable] = []
         self.tasks: list[asyncio.Task] = []
         self.pods: list[Pod] = []
@@ -211,14 +232,17 @@ class Fleet:
                                  cred_capacity=8, value_size=8192, aux_count=1,
                                  aux_size=64, max_workers=1)
         rec = RecordingTable(table, self.clock.time, lambda t, slot, n=n: self._lost(n, slot))
+        slow = SlowSts(self.sts, self.clock, sc.sts_latency) if sc.sts_latency else None
         mgr = CredentialManager(
-            table=rec, sts=self.sts, capacity=8, node_name=f"node-{n}", base_role_arn=BASE,
+            table=rec, sts=slow or self.sts, capacity=8, node_name=f"node-{n}",
+            base_role_arn=BASE,
             qps=sc.qps, burst=sc.burst, account_qps=sc.account_qps,
             fleet_nodes=sc.fleet_nodes or sc.nodes, clock=self.clock.time,
             session_tags=bool(sc.tag_keys), tag_keys=sc.tag_keys or "kiamfast",
             cluster_name="sim" if sc.tag_keys else "",
             sleep=self.clock.sleep, rng=random.Random(sc.seed * 100003 + n))
         self.managers.append(mgr)
+        self.slow.append(slow)
         self.tables.append(rec)
         self.tasks.append(asyncio.create_task(mgr.run()))
         self.node_index[n] = len(self.managers) - 1
@@ -281,7 +305,9 @@ class Fleet:
         quiet = 0
         while quiet < 8:
             await asyncio.sleep(0)
-            if all(m.settled for m in self.managers):
+            if all(m.settled or (slow is not None and m.schedule.blocked
+                                 and m.schedule.inflight == slow.sleeping)
+                   for m, slow in zip(self.managers, self.slow)):
                 quiet += 1
             else:
                 quiet = 0
@@ -450,12 +476,13 @@ def budget_allows(pods: list[Pod], sc: Scenario) -> int:
             t += max((1.0 - tokens) / sc.budget, 1e-6)
             continue
         deadline, key = heapq.heappop(ready)
-        if deadline != math.inf and deadline + patience < t:
+        if deadline != math.inf and deadline + patience - sc.sts_latency < t:
             heapq.heappush(ready, (math.inf, key))   # too late for its first pod: last
             continue
         tokens -= 1.0
         fetched[key] = t
-    return sum(1 for k, ps in keys.items() for p in ps if fetched[k] <= p.asks_at + patience)
+    return sum(1 for k, ps in keys.items() for p in ps
+               if fetched[k] + sc.sts_latency <= p.asks_at + patience)
 
 
 def most_in_window(times: list[float], window: float) -> int:

@@ -3,8 +3,8 @@ already asking (issue 32's measure).
 
 A scenario is N pods over R roles on the node of bench_agent's cluster: the Kubernetes API
 emulator, moto's STS behind the fault proxy (no added latency: a local STS), nginx as the
-metadata service.  The two agents take turns on the same fakes, kiamfast first, each run a
-fresh process (kiamfast: a fresh table, the node tainted with its startup taint;
+metadata service.  The two agents take turns on the same fakes (neither always first), each
+run a fresh process (kiamfast: a fresh table, the node tainted with its startup taint;
 kube2iam: the real binary, tests/tools/build_kube2iam.sh), so every comparison is between
 runs seconds apart on the same machine.  Per run:
 
@@ -544,7 +544,7 @@ def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
             pods[ip] = ba.role_name(i % roles)
             c.add_pod(ip, pods[ip])
         for index in range(opts.runs):
-            for name in AGENTS:
+            for name in AGENTS if index % 2 == 0 else AGENTS[::-1]:   # neither always first
                 if name == "kiamfast":
                     table = f"/dev/shm/kiamfast-bench-start-{os.getpid()}-{secrets.token_hex(4)}"
                     agent = Kiamfast(c, table_path=table, flags=opts.kiamfast_flags)

@@ -458,6 +458,15 @@ def section_fleet(quick: bool, out: Path, log) -> Section:
         sec.body += "\n" + fs.footprint_markdown(
             [(name, fs.footprint(flags)) for name, flags in fs.FOOTPRINT_FLAGS.items()])
     for name, r in results:
+        if name == "arrival":
+            sec.headline.append((
+                "fleet arrival: first calls served (the budget allows), peak ÷ budget, "
+                "throttled share of calls",
+                f"{r['first_call_ok']:,} ({r['first_call_budget_allows']:,}), "
+                f"{r['peak_over_budget']:.2f}, {r['throttled_share']:.1%}",
+                "all it allows, ≤ 1.1, < 5 %",
+                _ok(r["first_call_ok"] >= r["first_call_budget_allows"]
+                    and r["peak_over_budget"] <= 1.1 and r["throttled_share"] < 0.05)))
         sec.headline.append((f"fleet, {name}: wrong identity, pods served, lost credentials",
                              f"{r['wrong_identity']}, {r['pods_served']}/{r['pods']}, "
                              f"{r['pods_lost_credentials']}", "0, all, 0",

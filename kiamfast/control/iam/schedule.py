@@ -174,6 +174,13 @@ class Schedule:
         waiting for a token or the end of a throttling pause counts as settled)."""
         return not (self.inflight or (self.queued and not self._token_wait))
 
+    @property
+    def blocked(self) -> bool:
+        """Nothing more can start before time moves on or a call in flight returns (a
+        simulation whose STS takes simulated time waits for this)."""
+        return (not self.queued or self._token_wait
+                or self.inflight >= self.max_inflight)
+
     # ---- running -----------------------------------------------------------------------------
 
     async def run(self) -> None:
