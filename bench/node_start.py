@@ -327,6 +327,27 @@ class Sampler:
 
 # ---- the agents ----------------------------------------------------------------------------
 
+def agent_port() -> int:
+    """A free port below the ephemeral range: the pods' client binds thousands of sockets
+    to ephemeral ports of their addresses, and kube2iam listens on every address (a port
+    they hold would make its bind fail)."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 class Kiamfast:
     """``python -m kiamfast`` for the bench node, on a table path that outlives a run."""
 
@@ -334,9 +355,8 @@ class Kiamfast:
 
     def __init__(self, c, *, table_path: str, flags: tuple[str, ...]) -> None:
         import bench_agent as ba
-        from benchutil import free_port
         self.c = c
-        self.port = free_port()
+        self.port = agent_port()
         self.table_path = table_path
         self.argv = ba.agent_argv(c, port=self.port, table_path=table_path, extra=[
             "--log-level=info", f"--node-startup-taint={STARTUP_TAINT}",
@@ -414,10 +434,9 @@ class Kube2iam:
     table_path = None
 
     def __init__(self, c) -> None:
-        from benchutil import free_port
         from kube2iam_harness import NoRegionsEc2
         self.c = c
-        self.port = free_port()
+        self.port = agent_port()
         self.ec2 = NoRegionsEc2().start()
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
@@ -433,7 +452,8 @@ class Kube2iam:
                 f"--base-role-arn={ba.BASE_ARN}"]
         env = kube2iam_env(Path(c.tmp), sts_url=c.proxy.url, ec2_url=self.ec2.url,
                            imds_url=f"http://127.0.0.1:{c.imds_port}")
-        with open(os.path.join(c.tmp, f"kube2iam-{label}.log"), "wb") as log:
+        self.log_path = os.path.join(c.tmp, f"kube2iam-{label}.log")
+        with open(self.log_path, "wb") as log:
             self.started = time.monotonic()
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
                                          start_new_session=True)
@@ -448,6 +468,12 @@ class Kube2iam:
 
     def milestones(self) -> dict[str, float]:
         return {}
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -510,6 +536,9 @@ def one_start(agent, c, pods: dict[str, str], *, roles: int, index: int, opts: O
         steady = sampler.sample()
         run = _judge(agent, c, pods, raw, case="start", index=index, roles=roles,
                      calls_before=calls_before)
+        if run.served < run.pods:
+            log(f"  node start: {agent.name} served {run.served} of {run.pods} pods; its log "
+                f"ends:\n{agent.log_tail()}")
         run.milestones = agent.milestones()
         run.memory = {"peak": sampler.peak, "peak_total": sampler.peak_total,
                       "steady": steady, "table": tmpfs_bytes(agent.table_path)
