@@ -39,8 +39,8 @@ tries again later: the kubelet's crash-loop back-off (10 s, doubling, at most 30
 both models.  Every served document is checked against the proxy's record of the call that
 issued its access key: same role, the node's session name; anything else counts as a
 wrong identity.  ``others``: the account's other STS callers (CI jobs, other services),
-a steady rate taken from the same budget (``FaultProxy.spend_budget``): how many of their
-calls the arrival left throttled.  ``sts_latency``: every STS call takes that long in
+a steady rate taken from the same budget (``FaultProxy.spend_budget``) after the fleet's
+calls of each 50 ms step: how many of their calls the arrival left throttled.  ``sts_latency``: every STS call takes that long in
 simulated time (the sim waits for such calls as for timers); 0 by default (STS answers at
 once: what the budget allows, not how fast STS is).
 
@@ -198,6 +198,7 @@ class Fleet:
         self._seq = 0
         self.others: dict[int, list[int]] = {}         # second -> [taken, throttled]
         self._others_due = 0.0
+        self._others_last = 0.0
 
     # ---- the schedule -------------------------------------------------------------------
     def plan(self) -> None:
@@ -319,6 +320,7 @@ class Fleet:
         self.node_index: dict[int, int] = {}
         self.issued: dict[str, object] = {}
         self.proxy.set_budget(sc.budget, sc.budget_burst)
+        self._others_last = self.t0
         self.plan()
         end = self.t0 + sc.duration
         cpu0 = time.process_time()
@@ -338,13 +340,13 @@ class Fleet:
                     else:
                         self.proxy.set_budget(what)
                 await self.settle()
+                self.other_callers(now)
                 nxt = min(self._events[0][0] if self._events else end,
                           self.clock.next_deadline or end, now + 30.0, end)
                 step = max(nxt - now, sc.quantum)
                 if sc.others:         # their calls spread over time, not in lumps
                     step = sc.quantum
                 self.clock.advance(step)
-                self.other_callers(step)
         finally:
             for m in self.managers:
                 m.close()
@@ -353,9 +355,13 @@ class Fleet:
                 rec.table.close()
         return self.result(time.process_time() - cpu0)
 
-    def other_callers(self, seconds: float) -> None:
-        """The account's other STS callers, ``others`` calls/s against the same budget."""
-        self._others_due += self.sc.others * seconds
+    def other_callers(self, now: float) -> None:
+        """The account's other STS callers, ``others`` calls/s against the same budget: the
+        calls of the step that ends ``now``, after the fleet's calls at ``now`` (so they get
+        what the fleet leaves: when the fleet keeps the budget empty, theirs are throttled
+        as its own are)."""
+        self._others_due += self.sc.others * (now - self._others_last)
+        self._others_last = now
         calls = int(self._others_due)
         if not calls:
             return

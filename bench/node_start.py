@@ -715,9 +715,9 @@ def markdown(res: Result) -> str:
     lines = [f"The node holds N pods over R roles, every pod asking (token, listing, document; "
              f"1 s timeout; again 100 ms after each attempt began) before the agent starts; "
              f"{o['runs']} start(s) per agent and scenario, alternating; STS is moto with no "
-             "added latency (a local STS); kiamfast API-only (`--cri-endpoint=none`), its "
-             "default STS limits" + (f" and `{' '.join(o['kiamfast_flags'])}`"
-                                     if o["kiamfast_flags"] else "") + ". Seconds from the "
+             "added latency (a local STS); kiamfast API-only (`--cri-endpoint=none`), " +
+             (f"with `{' '.join(o['kiamfast_flags'])}`" if o["kiamfast_flags"]
+              else "its default STS limits (`--sts-qps 5 --sts-burst 20`)") + ". Seconds from the "
              "agent's process start; medians (min–max) over the runs.", "",
              "| pods / roles | agent | every pod served its own role | median pod | first pod "
              "| first answer of any kind | answers with another role | STS calls |",
