@@ -212,7 +212,7 @@ def agent(c: Cluster, *, workers: int = 1, sts_qps: float | None = None,
     finally:
         stop(proc, timeout=15)
         log.close()
-        for path in (table_path, table_path + ".key"):
+        for path in (table_path, table_path + ".key", table_path + ".lock"):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

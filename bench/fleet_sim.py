@@ -23,7 +23,14 @@ request is judged by the table, the way a worker answers it: it is served if the
 is servable before the client gives up.  Two client models (sdk-imds.md §2):
 
 * ``botocore``: one attempt; the worker holds it for ``--wait-budget`` (0.35 s) and then
-  answers 503, which botocore does not retry: patience 0.35 s;
+  answers 503, which botocore does not retry: patience 0.35 s.  From botocore's source
+  (utils.py ``IMDSFetcher``, checked against 1.43.11 and 1.44.8): each request has a 1 s
+  timeout (``DEFAULT_METADATA_SERVICE_TIMEOUT``, ``AWS_METADATA_SERVICE_TIMEOUT``) and
+  ``num_attempts`` 1 (``AWS_METADATA_SERVICE_NUM_ATTEMPTS``); a non-200 answer would be
+  retried, but within that one attempt there is none.  The fetch is the token PUT (the
+  worker answers it at once), the listing and the document; the listing is the request held
+  while the credentials are pending, and its 503 ends the fetch (no document request), so
+  the wait budget, shorter than the timeout, is the whole patience;
 * ``go``: the Go SDK retries 503 (3 attempts, backoff up to 1 s, 5 s per operation):
   patience 2 s.
 
@@ -31,7 +38,11 @@ A request that is not served tells the manager (``wanted``, as a worker does) an
 tries again later: the kubelet's crash-loop back-off (10 s, doubling, at most 300 s) for
 both models.  Every served document is checked against the proxy's record of the call that
 issued its access key: same role, the node's session name; anything else counts as a
-wrong identity.
+wrong identity.  ``others``: the account's other STS callers (CI jobs, other services),
+a steady rate taken from the same budget (``FaultProxy.spend_budget``) after the fleet's
+calls of each 50 ms step: how many of their calls the arrival left throttled.  ``sts_latency``: every STS call takes that long in
+simulated time (the sim waits for such calls as for timers); 0 by default (STS answers at
+once: what the budget allows, not how fast STS is).
 
 ``python bench/fleet_sim.py --scenario arrival|steady|brownout [--nodes N ...]`` prints one
 JSON result; ``bench/run --only fleet`` runs the issue's scenarios side by side.
@@ -91,6 +102,8 @@ class Scenario:
     quantum: float = 0.05
     seed: int = 1
     tag_keys: str = ""                   # --session-tags with these keys ("": no tags)
+    others: float = 0.0                  # the account's other STS callers, calls/s, steady
+    sts_latency: float = 0.0             # simulated seconds each STS call takes
 
 
 @dataclass
@@ -106,6 +119,23 @@ class Pod:
     first_ok: bool | None = None
     served_at: float | None = None
     wrong_identity: bool = False
+
+
+class SlowSts:
+    """The STS client, each call taking ``latency`` seconds of simulated time first (it
+    reaches STS then, and is answered at once); ``sleeping`` counts the calls waiting."""
+
+    def __init__(self, sts: StsClient, clock: ManualClock, latency: float) -> None:
+        self.sts, self.clock, self.latency = sts, clock, latency
+        self.sleeping = 0
+
+    async def assume_role(self, *args, **kwargs):
+        self.sleeping += 1
+        try:
+            await self.clock.sleep(self.latency)
+        finally:
+            self.sleeping -= 1
+        return await self.sts.assume_role(*args, **kwargs)
 
 
 class RecordingTable:
@@ -158,6 +188,7 @@ class Fleet:
         self.sc, self.proxy, self.sts, self.clock, self.tmp = sc, proxy, sts, clock, tmp
         self.rng = random.Random(sc.seed)
         self.managers: list[CredentialManager] = []
+        self.slow: list[SlowSts | None] = []
         self.tables: list[RecordingTable] = []
         self.tasks: list[asyncio.Task] = []
         self.pods: list[Pod] = []
@@ -165,6 +196,9 @@ class Fleet:
         self.users: dict[tuple[int, int], int] = {}     # (node, slot) -> pods using it
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = 0
+        self.others: dict[int, list[int]] = {}         # second -> [taken, throttled]
+        self._others_due = 0.0
+        self._others_last = 0.0
 
     # ---- the schedule -------------------------------------------------------------------
     def plan(self) -> None:
@@ -199,14 +233,17 @@ class Fleet:
                                  cred_capacity=8, value_size=8192, aux_count=1,
                                  aux_size=64, max_workers=1)
         rec = RecordingTable(table, self.clock.time, lambda t, slot, n=n: self._lost(n, slot))
+        slow = SlowSts(self.sts, self.clock, sc.sts_latency) if sc.sts_latency else None
         mgr = CredentialManager(
-            table=rec, sts=self.sts, capacity=8, node_name=f"node-{n}", base_role_arn=BASE,
+            table=rec, sts=slow or self.sts, capacity=8, node_name=f"node-{n}",
+            base_role_arn=BASE,
             qps=sc.qps, burst=sc.burst, account_qps=sc.account_qps,
             fleet_nodes=sc.fleet_nodes or sc.nodes, clock=self.clock.time,
             session_tags=bool(sc.tag_keys), tag_keys=sc.tag_keys or "kiamfast",
             cluster_name="sim" if sc.tag_keys else "",
             sleep=self.clock.sleep, rng=random.Random(sc.seed * 100003 + n))
         self.managers.append(mgr)
+        self.slow.append(slow)
         self.tables.append(rec)
         self.tasks.append(asyncio.create_task(mgr.run()))
         self.node_index[n] = len(self.managers) - 1
@@ -269,7 +306,9 @@ class Fleet:
         quiet = 0
         while quiet < 8:
             await asyncio.sleep(0)
-            if all(m.settled for m in self.managers):
+            if all(m.settled or (slow is not None and m.schedule.blocked
+                                 and m.schedule.inflight == slow.sleeping)
+                   for m, slow in zip(self.managers, self.slow)):
                 quiet += 1
             else:
                 quiet = 0
@@ -281,6 +320,7 @@ class Fleet:
         self.node_index: dict[int, int] = {}
         self.issued: dict[str, object] = {}
         self.proxy.set_budget(sc.budget, sc.budget_burst)
+        self._others_last = self.t0
         self.plan()
         end = self.t0 + sc.duration
         cpu0 = time.process_time()
@@ -300,9 +340,13 @@ class Fleet:
                     else:
                         self.proxy.set_budget(what)
                 await self.settle()
+                self.other_callers(now)
                 nxt = min(self._events[0][0] if self._events else end,
                           self.clock.next_deadline or end, now + 30.0, end)
-                self.clock.advance(max(nxt - now, sc.quantum))
+                step = max(nxt - now, sc.quantum)
+                if sc.others:         # their calls spread over time, not in lumps
+                    step = sc.quantum
+                self.clock.advance(step)
         finally:
             for m in self.managers:
                 m.close()
@@ -310,6 +354,22 @@ class Fleet:
             for rec in self.tables:
                 rec.table.close()
         return self.result(time.process_time() - cpu0)
+
+    def other_callers(self, now: float) -> None:
+        """The account's other STS callers, ``others`` calls/s against the same budget: the
+        calls of the step that ends ``now``, after the fleet's calls at ``now`` (so they get
+        what the fleet leaves: when the fleet keeps the budget empty, theirs are throttled
+        as its own are)."""
+        self._others_due += self.sc.others * (now - self._others_last)
+        self._others_last = now
+        calls = int(self._others_due)
+        if not calls:
+            return
+        self._others_due -= calls
+        taken = self.proxy.spend_budget(calls)
+        row = self.others.setdefault(int(self.clock.time() - self.t0), [0, 0])
+        row[0] += taken
+        row[1] += calls - taken
 
     # ---- figures ------------------------------------------------------------------------
     def result(self, cpu: float) -> dict:
@@ -372,10 +432,26 @@ class Fleet:
             "late_first_call_ok": sum(1 for p in late if p.first_ok),
             "late_served": sum(1 for p in late if p.served_at is not None),
             "calls_per_s": {k: per_second[k] for k in sorted(per_second) if k < 60},
+            "peak_over_budget": round(peak / sc.budget, 3),
+            "throttled_share": round(outcomes.count("throttle") / len(calls), 4) if calls
+            else 0.0,
+            **self.others_figures(),
             "bound_to_table_s": _pcts(to_table),
             "bound_to_served_s": _pcts(sorted(p.served_at - p.bound_at for p in served)),
             "sim_cpu_s": round(cpu, 1),
         }
+
+
+    def others_figures(self) -> dict:
+        if not self.sc.others:
+            return {}
+        taken = sum(t for t, _ in self.others.values())
+        throttled = sum(th for _, th in self.others.values())
+        worst = max(self.others.values(), key=lambda r: r[1] / max(1, sum(r)))
+        return {"others_calls": taken + throttled, "others_throttled": throttled,
+                "others_throttled_seconds": sum(1 for _, th in self.others.values() if th),
+                "others_worst_second_throttled": round(worst[1] / max(1, sum(worst)), 3),
+                "others_per_s": {k: self.others[k] for k in sorted(self.others) if k < 60}}
 
 
 def budget_allows(pods: list[Pod], sc: Scenario) -> int:
@@ -406,12 +482,13 @@ def budget_allows(pods: list[Pod], sc: Scenario) -> int:
             t += max((1.0 - tokens) / sc.budget, 1e-6)
             continue
         deadline, key = heapq.heappop(ready)
-        if deadline != math.inf and deadline + patience < t:
+        if deadline != math.inf and deadline + patience - sc.sts_latency < t:
             heapq.heappush(ready, (math.inf, key))   # too late for its first pod: last
             continue
         tokens -= 1.0
         fetched[key] = t
-    return sum(1 for k, ps in keys.items() for p in ps if fetched[k] <= p.asks_at + patience)
+    return sum(1 for k, ps in keys.items() for p in ps
+               if fetched[k] + sc.sts_latency <= p.asks_at + patience)
 
 
 def most_in_window(times: list[float], window: float) -> int:
@@ -494,13 +571,18 @@ def runs(quick: bool) -> list[tuple[str, Scenario]]:
     """The issue's scenarios: arrival at its scale (2,000 nodes Ready within 10 s, 600/s);
     the brownout and the steady state, which run for hours of simulated time, with nodes and
     the budget scaled together (the same share per node: 200 nodes at 60/s, 1,000 at 60/s
-    for 10,000 at 600/s); the Go SDK at 500 nodes and 150/s.  ``quick``: 50 nodes at
-    15/s, arrival and brownout."""
+    for 10,000 at 600/s); the Go SDK at 500 nodes and 150/s; the account's other callers
+    during the arrival.  ``quick``: 50 nodes at 15/s: arrival (alone and beside the other
+    callers) and brownout."""
     if quick:
         return [("arrival", arrival(nodes=50, budget=15.0)),
+                ("arrival, other callers at 10 %",
+                 replace(arrival(nodes=50, budget=15.0), others=1.5, duration=40.0)),
                 ("brownout 10 % for 10 min", brownout(nodes=50, budget=15.0))]
     arr = arrival(nodes=2000, budget=600.0)
     return [("arrival", arr), ("arrival, today's defaults", todays_defaults(arr)),
+            ("arrival, the account's other callers at 10 % of it",
+             replace(arr, others=60.0, duration=60.0)),
             ("arrival, Go SDK (500 nodes at 150/s)",
              replace(arrival(nodes=500, budget=150.0), client="go")),
             ("brownout 10 % for 10 min (200 nodes at 60/s)",
@@ -554,9 +636,9 @@ def footprint_markdown(rows: list[tuple[str, dict]]) -> str:
 
 
 def markdown(results: list[tuple[str, dict]]) -> str:
-    head = ("| scenario | nodes × pods | budget /s | STS ok / throttled | peak /s | "
-            "first calls ok (budget allows) | served | wrong identity | lost creds | "
-            "bound → table p50 / p99 / max s | refresh calls/s (÷ budget) |\n"
+    head = ("| scenario | nodes × pods | budget /s | STS ok / throttled (% of calls) | peak /s "
+            "(÷ budget) | first calls ok (budget allows) | served | wrong identity | lost creds "
+            "| bound → table p50 / p99 / max s | refresh calls/s (÷ budget) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for name, r in results:
@@ -565,11 +647,18 @@ def markdown(results: list[tuple[str, dict]]) -> str:
         rows.append(
             f"| {name} | {sc['nodes']} × {sc['pods_per_node']} ({sc['roles_per_node']} of "
             f"{sc['role_pool']} roles) | {sc['budget']:g} | {r['sts_ok']} / "
-            f"{r['sts_throttled']} | {r['peak_calls_per_s']} | {r['first_call_ok']} / "
+            f"{r['sts_throttled']} ({r['throttled_share']:.1%}) | {r['peak_calls_per_s']} "
+            f"({r['peak_over_budget']:.2f}) | {r['first_call_ok']} / "
             f"{r['pods']} ({r['first_call_budget_allows']}) | {r['pods_served']} | "
             f"{r['wrong_identity']} | {r['pods_lost_credentials']} | {t['p50']} / {t['p99']} "
             f"/ {t['max']} | {_share(r.get('steady_calls_per_s'), sc['budget'])} |")
-    return head + "\n".join(rows) + "\n"
+    notes = [f"\n{name}: the account's other STS callers, {r['scenario']['others']:g} calls/s "
+             f"steady, had {r['others_throttled']:,} of {r['others_calls']:,} calls throttled "
+             f"({r['others_throttled'] / max(1, r['others_calls']):.1%}), in "
+             f"{r['others_throttled_seconds']} seconds of the run (worst second: "
+             f"{r['others_worst_second_throttled']:.0%} of theirs).\n"
+             for name, r in results if r.get("others_calls")]
+    return head + "\n".join(rows) + "\n" + "".join(notes)
 
 
 def _share(rate: float | None, budget: float) -> str:

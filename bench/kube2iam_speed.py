@@ -1,4 +1,4 @@
-"""kube2iam and kiamfast side by side, same run: the hot path, node start, CPU, RSS.
+"""kube2iam and kiamfast side by side, same run: the hot path, CPU, RSS.
 
 Both agents run against the same fakes (tests/kube2iam/kube2iam_harness.py's ``Cluster``:
 the API server emulator, moto's STS behind the recording proxy, the fake metadata service)
@@ -22,9 +22,7 @@ a file here); kiamfast runs at its default too (info; it logs no request).
   processes, from their CPU clocks; also beyond its idle background), wrk's and the
   agent's CPU use (a round where neither had its core is flagged machine-bound), RSS
   (kiamfast: the sum of its processes).
-* **Node start**: both started against a node already holding N pods (40 roles); the time
-  from the process start until every pod has been served its own role's credentials,
-  polling every pod from its own address (16 at a time).
+* Node start, beside kube2iam too, is bench/node_start.py's.
 * **Scaling**: kiamfast with ``--workers 1`` and ``--workers 2``, and kube2iam (Go, as many
   threads as cores), unpinned on both cores with wrk beside them.
 
@@ -39,14 +37,12 @@ import os
 import socket
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchutil import ROOT, cpu_seconds, median, pod_addresses, rss_bytes
+from benchutil import ROOT, cpu_seconds, median, rss_bytes
 
 for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
     if str(_p) not in sys.path:
@@ -57,7 +53,6 @@ import server_load as sl                    # noqa: E402
 from kube2iam_harness import NODE, Cluster, Kube2iam, kube2iam_binary  # noqa: E402
 
 AGENTS = ("kube2iam", "kiamfast")
-ROLES = 40
 CONNECTIONS = 64
 SERVER_CPU, LOAD_CPU = 0, 1
 CREDS = "/latest/meta-data/iam/security-credentials/"
@@ -70,13 +65,11 @@ METADATA = ("169.254.169.254", 80)
 class Options:
     rounds: int = 5
     duration: float = 3.0
-    pod_counts: tuple[int, ...] = (110, 250)
-    start_reps: int = 3
     workers: tuple[int, ...] = (1, 2)
     dnat: bool = True
 
 
-QUICK = Options(rounds=1, duration=1.0, pod_counts=(110,), start_reps=1, workers=())
+QUICK = Options(rounds=1, duration=1.0, workers=())
 
 
 @dataclass
@@ -112,24 +105,11 @@ class Load:
 
 
 @dataclass
-class Start:
-    """One node start: seconds from process start to every pod served its own role."""
-    agent: str
-    pods: int
-    listening: float           # seconds from the process start until it accepted
-    seconds: float
-    served: int
-    wrong: int                 # answers carrying another role's key
-    rss_mib: float
-
-
-@dataclass
 class Result:
     options: dict
     paths: dict = field(default_factory=dict)      # path -> agent -> [Load per round]
     identity: dict = field(default_factory=dict)   # path -> agent -> role the pod was served
     rss_mib: dict = field(default_factory=dict)    # agent -> RSS after the loopback rounds
-    starts: list[Start] = field(default_factory=list)
     scaling: dict = field(default_factory=dict)    # label -> [Load per round]
     skipped: dict = field(default_factory=dict)    # what was not measured -> why
     load: list = field(default_factory=list)       # 1-min load average, start and end
@@ -399,59 +379,6 @@ def dnat_to(node, port: int) -> None:
                  "--to-destination", f"{NODE_IP}:{port}"], check=True)
 
 
-# ---- node start ------------------------------------------------------------------------------
-
-def node_start(cluster: Cluster, name: str, ips: list[str], roles: dict[str, str], tmp: str,
-               timeout: float = 120.0) -> Start:
-    """Start ``name`` and ask every pod's credentials from its address until each is
-    served: the seconds from the process start to the last pod's first 200."""
-    t0 = time.monotonic()
-    agent = start(name, cluster, tmp, None)
-    try:
-        wait_listening(agent.port, timeout)
-        listening = time.monotonic() - t0
-        wrong = [0]
-        lock = threading.Lock()
-
-        def serve(ip: str) -> float:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                got = served_role(cluster, ("127.0.0.1", agent.port), roles[ip], source=ip)
-                if got == roles[ip]:
-                    return time.monotonic() - t0
-                if got is not None:
-                    with lock:
-                        wrong[0] += 1
-                time.sleep(0.01)
-            return float("nan")
-
-        with ThreadPoolExecutor(16) as pool:
-            times = list(pool.map(serve, ips))
-        served = [t for t in times if t == t]
-        every = max(served) if len(served) == len(ips) else float("nan")
-        return Start(agent=name, pods=len(ips), listening=listening, seconds=every,
-                     served=len(served), wrong=wrong[0], rss_mib=agent.rss_mib())
-    finally:
-        agent.stop()
-
-
-def node_starts(res: Result, opts: Options, tmp: str, log) -> None:
-    for pods in opts.pod_counts:
-        cluster = Cluster()
-        try:
-            ips = pod_addresses(pods)
-            roles = {ip: ba.role_name(i % ROLES) for i, ip in enumerate(ips)}
-            for i, ip in enumerate(ips):
-                cluster.api.create_pod("bench", f"pod-{i}", node=NODE, ips=[ip],
-                                       annotations={ba.ROLE_KEY: roles[ip]}, phase="Running")
-            for _ in range(opts.start_reps):
-                for name in AGENTS:
-                    res.starts.append(node_start(cluster, name, ips, roles, tmp))
-            log(f"  kube2iam speed: node start, {pods} pods done")
-        finally:
-            cluster.stop()
-
-
 # ---- the whole comparison --------------------------------------------------------------------
 
 def run(opts: Options, log=print) -> Result:
@@ -467,7 +394,6 @@ def run(opts: Options, log=print) -> Result:
             res.skipped["through the DNAT"] = reason
         else:
             dnat_hot_path(res, opts, tmp, log)
-        node_starts(res, opts, tmp, log)
     res.load.append(os.getloadavg()[0])
     return res
 
@@ -559,24 +485,6 @@ def markdown(res: Result) -> str:
             lines.append(f"| {label} | {med(rs, 'rps'):,.0f} | "
                          f"{med(rs, 'rps') / per_core:.2f} | {per_core:,.0f} | "
                          f"{med(rs, 'p99_ms'):.2f} |")
-    if res.starts:
-        lines += ["", f"Node start: the node already holds N pods ({ROLES} roles); seconds "
-                  "from the process start until every pod was served its own role, polling "
-                  f"every pod from its address; medians of {o['start_reps']} starts. STS is "
-                  "moto without added latency; kiamfast runs with `--sts-qps 100 --sts-burst "
-                  "100` (kube2iam has no STS rate limit; kiamfast's default 5/s, burst 20, "
-                  "would add about 4 s for 40 roles: the node start section measures it). "
-                  "kube2iam asks STS on a role's first request; kiamfast fetches every role "
-                  "once the control process has started and listed the node's pods.", "",
-                  "| pods | agent | listening s | every pod served s | pods served | wrong role | "
-                  "RSS MiB then |", "|---:|---|---:|---:|---:|---:|---:|"]
-        for pods in o["pod_counts"]:
-            for name in AGENTS:
-                rs = [s for s in res.starts if s.pods == pods and s.agent == name]
-                lines.append(f"| {pods} | {name} | {median([s.listening for s in rs]):.2f} | "
-                             f"{median([s.seconds for s in rs]):.2f} | "
-                             f"{min(s.served for s in rs)} | {sum(s.wrong for s in rs)} | "
-                             f"{median([s.rss_mib for s in rs]):.1f} |")
     return "\n".join(lines)
 
 
@@ -598,15 +506,11 @@ def headline(res: Result) -> list[tuple[str, str, str, str]]:
                      f"1/{1 / r['p99']:.0f}", "≤ 1/10", verdict(r["p99"] <= 0.1)))
     for what, why in res.skipped.items():
         rows.append((f"vs kube2iam, {what}", f"skipped: {why}", "", ""))
-    for pods in res.options["pod_counts"]:
-        s = {n: median([x.seconds for x in res.starts if x.pods == pods and x.agent == n])
-             for n in AGENTS}
-        rows.append((f"vs kube2iam: node start to every pod served, {pods} pods",
-                     f"{s['kiamfast']:.2f} s vs {s['kube2iam']:.2f} s", "", ""))
-    wrong = {n: sum(s.wrong for s in res.starts if s.agent == n) for n in AGENTS}
     failed = {n: sum(r.failed + r.timeouts for runs in (*res.paths.values(), res.scaling)
                      for label, rs in runs.items() if label.startswith(n) for r in rs)
               for n in AGENTS}
+    wrong = {n: sum(role != "bench-role-0" for path in res.identity.values()
+                    for agent, role in path.items() if agent == n) for n in AGENTS}
     rows.append(("vs kube2iam runs: wrong roles, failed or timed-out requests: kiamfast "
                  "(kube2iam)", f"{wrong['kiamfast']}, {failed['kiamfast']} "
                  f"({wrong['kube2iam']}, {failed['kube2iam']})", "0, 0",

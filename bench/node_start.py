@@ -1,233 +1,897 @@
-"""Node start: time from ``python -m kiamfast`` to ready (``/readyz`` 200: synced, every pod's
-credentials fetched), for 110 and 250 pods with 40 roles and 100 ms of STS latency.
+"""Node start: kiamfast beside the real kube2iam in one run, on a fresh node whose pods are
+already asking (issue 32's measure).
 
-Baselines, measured in the same run:
+A scenario is N pods over R roles on the node of bench_agent's cluster: the Kubernetes API
+emulator, moto's STS behind the fault proxy (no added latency: a local STS), nginx as the
+metadata service.  The two agents take turns on the same fakes (neither always first), each
+run a fresh process (kiamfast: a fresh table, the node tainted with its startup taint;
+kube2iam: the real binary, tests/tools/build_kube2iam.sh), so every comparison is between
+runs seconds apart on the same machine.  Per run:
 
-* the **empty node** (0 pods): interpreter start, imports, table, workers listening, the
-  first list: what every start costs before any credential exists;
-* the **STS bound**: the least time 40 AssumeRole calls of 100 ms can take under the
-  agent's limits (``max(ceil(40 / in-flight) x 100 ms, (40 - burst) / qps + 100 ms)``,
-  ``bench/prefetch.py``'s ``ideal_prefetch``), for the default limits (5/s, burst
-  20, 8 in flight: the rate limit dominates) and relaxed ones (100/s, burst 40).
+* **The pods ask before the agent starts.**  A client process (this file with
+  ``--pods-client``) makes every pod a loopback source address (127.0.x.y, as bench_agent
+  does) asking as botocore does: PUT a token, GET the listing, GET the document of the
+  listed role, each with botocore's 1 s timeout, on one connection; and again 100 ms after
+  the attempt began, until the pod has its own role's credentials.  Once every pod asks,
+  the agent is started.  Per pod: seconds from the agent's process start to its first
+  document of its own role (the role STS issued the access key for, from the proxy's
+  record), and every document of another role (must be 0 for kiamfast; kube2iam's are
+  recorded).  STS calls are counted.
+* **Memory** of every process of the agent: RSS and PSS (``/proc/PID/smaps_rollup``),
+  sampled every 50 ms until every pod is served (peak) and once more a second after the
+  agent is settled (steady); the kernel's own RSS peak (VmHWM); the table file's tmpfs
+  pages apart (``st_blocks``): they are charged to the pod's memory limit as shmem, mapped
+  or not.  PSS includes each process's share of the mapped table (``Pss_Shmem``, shown).
+* **Milestones** from kiamfast's own log lines (``start: <what> after <s>s``,
+  kiamfast/milestones.py), seconds from the supervisor's process start: table created or
+  adopted, worker listening, pods listed, first STS answer, all roles fetched, ready, taint
+  removed.  For both agents the client sees the first answer of any kind.
+* **The restart** (a container restart): with the pods asking again, every process of the
+  agent is killed (SIGKILL) and the agent started again with the same table and token key;
+  per pod, seconds from the new process start to its first answer with its own role.
+  kube2iam keeps nothing across a restart, so its restart is a start (measured the same
+  way).
 
-So ``ready - empty node`` is what prefetching costs, and its ratio to the STS bound is the
-agent's own overhead on it. Correctness: when ``/readyz`` first answers 200, every pod's
-listing and document must already be served from the table (200, its own role, at once).
+Once per run of the benchmark, each process's imports in a bare interpreter (median of a
+few): seconds and peak RSS, beside the bare interpreter.
 
-    python bench/node_start.py [--quick]
+``python bench/node_start.py [--quick] [--runs N] [--scenario 60x20 ...]`` prints the
+report; ``bench/run --only node-start`` puts it in the benchmark report.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import os
+import re
+import secrets
+import signal
 import socket
+import statistics
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from benchutil import median, pod_addresses
+from benchutil import ROOT, child_env, children, cmdline, median, pod_addresses, python, stop
 
-ROLES = 40
-LATENCY = 0.1
-LIMITS = {"default (5/s, burst 20)": (None, None, 5.0, 20),
-          "relaxed (100/s, burst 40)": (100.0, 40, 100.0, 40)}
-MAX_INFLIGHT = 8   # the credential manager's default
+AGENTS = ("kiamfast", "kube2iam")
+CREDS = "/latest/meta-data/iam/security-credentials/"
+PERIOD = 0.1                 # a pod asks again 100 ms after its previous attempt began
+CLIENT_TIMEOUT = 1.0         # botocore's IMDS timeout (DEFAULT_METADATA_SERVICE_TIMEOUT)
+STARTUP_TAINT = "kiamfast.io/agent-not-ready"
+MILESTONES = ("table created", "table adopted", "worker listening", "pods listed",
+              "first STS answer", "all roles fetched", "ready", "taint removed")
+_MARK = re.compile(r'start: ([^"\n]+?) after ([0-9.]+)s')
+
+for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam"):
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
 
 
 @dataclass
-class StartRun:
+class Options:
+    scenarios: tuple[tuple[int, int], ...] = ((60, 20), (250, 100))   # (pods, roles)
+    runs: int = 5                  # starts per agent and scenario, alternating
+    restart: bool = True
+    imports: int = 5               # bare-interpreter import measurements per process
+    kiamfast_flags: tuple[str, ...] = ()
+    timeout: float = 60.0          # a run in which some pod is not served by then: NaN
+
+
+QUICK = Options(scenarios=((12, 4),), runs=1, imports=1, timeout=45.0)
+
+
+@dataclass
+class Run:
+    agent: str
+    case: str                      # "start" or "restart"
     pods: int
-    limits: str
-    listen_s: float
-    ready_s: float
+    roles: int
+    index: int                     # the alternation round
+    served_s: list[float]          # per pod: first document of its own role (NaN: never)
+    wrong: int                     # documents of another role
+    wrong_roles: list[str]
+    first_answer_s: float          # the first HTTP answer any pod got
     sts_calls: int
-    served_at_ready: int         # pods whose listing + document were right at once
-    wrong_at_ready: int
-    sts_bound_s: float
-    first_call_s: float = float("nan")   # first AssumeRole arrived at STS (from start)
-    last_answer_s: float = float("nan")  # last AssumeRole arrived + the injected latency
-    bare_s: float = float("nan")         # the same calls from a bare thread pool (baseline)
+    attempts: int
+    milestones: dict[str, float] = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+
+    @property
+    def served(self) -> int:
+        return sum(1 for t in self.served_s if t == t)
+
+    @property
+    def every_s(self) -> float:
+        return max(self.served_s) if self.served == self.pods else float("nan")
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.served_s) if self.served == self.pods else float("nan")
+
+    @property
+    def first_s(self) -> float:
+        return min((t for t in self.served_s if t == t), default=float("nan"))
 
 
 @dataclass
-class NodeStartResult:
-    runs: list[StartRun] = field(default_factory=list)
-    reps: int = 1
+class Result:
+    options: dict
+    runs: list[Run] = field(default_factory=list)
+    imports: dict = field(default_factory=dict)     # process -> {"s": ..., "rss_mib": ...}
+    load: list = field(default_factory=list)
 
 
-def ideal(roles: int, limits: str) -> float:
-    import prefetch as pf
-    _, _, qps, burst = LIMITS[limits]
-    return pf.ideal_prefetch(roles, latency=LATENCY, concurrency=MAX_INFLIGHT, qps=qps,
-                             burst=burst)
+# ---- the pods: a client process ------------------------------------------------------------
 
-
-def _fetch(port: int, ip: str, path: bytes) -> tuple[int, bytes]:
-    with socket.create_connection(("127.0.0.1", port), source_address=(ip, 0),
-                                  timeout=2) as s:
-        s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path)
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
+async def _exchange(loop, sock: socket.socket, request: bytes) -> tuple[int, bytes]:
+    await loop.sock_sendall(sock, request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await loop.sock_recv(sock, 65536)
+        if not chunk:
+            raise ConnectionError("closed before the head")
+        data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    fields = {k.strip().lower(): v.strip() for k, _, v in
+              (line.partition(b":") for line in lines[1:])}
+    if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while not body.endswith(b"0\r\n\r\n"):
+            chunk = await loop.sock_recv(sock, 65536)
+            if not chunk:
+                raise ConnectionError("closed in a chunked body")
+            body += chunk
+        out, rest = b"", body
+        while True:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            if not size:
+                return status, out
+            out, rest = out + rest[:size], rest[size + 2:]
+    length = int(fields.get(b"content-length", b"0"))
+    while len(body) < length:
+        chunk = await loop.sock_recv(sock, 65536)
+        if not chunk:
+            raise ConnectionError("closed in the body")
+        body += chunk
+    return status, body[:length]
 
 
-def check_served(port: int, pods: dict[str, str], keys: dict[str, str]) -> tuple[int, int]:
-    """(pods served right at once, pods served a wrong role) right after ready."""
-    good = wrong = 0
-    for ip, role in pods.items():
-        st, body = _fetch(port, ip, b"/latest/meta-data/iam/security-credentials/")
-        if st != 200:
-            continue
-        if body.decode() != role:
-            wrong += 1
-            continue
-        st, body = _fetch(port, ip, b"/latest/meta-data/iam/security-credentials/" +
-                          role.encode())
-        if st != 200:
-            continue
-        if keys.get(json.loads(body).get("AccessKeyId", "")) == role:
-            good += 1
-        else:
-            wrong += 1
-    return good, wrong
+def _get(path: str, token: str | None) -> bytes:
+    extra = f"X-aws-ec2-metadata-token: {token}\r\n" if token else ""
+    return (f"GET {path} HTTP/1.1\r\nHost: 169.254.169.254\r\nAccept-Encoding: identity\r\n"
+            f"{extra}\r\n").encode()
 
 
-def run(*, pod_counts=(0, 110, 250), reps: int = 3, limits=tuple(LIMITS),
-        log=print) -> NodeStartResult:
+_PUT = (b"PUT /latest/api/token HTTP/1.1\r\nHost: 169.254.169.254\r\n"
+        b"X-aws-ec2-metadata-token-ttl-seconds: 21600\r\nContent-Length: 0\r\n\r\n")
+
+
+async def _attempt(loop, port: int, ip: str, pod: dict) -> str | None:
+    """One fetch as botocore's (token, listing, document): the role served, if any."""
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        sock.bind((ip, 0))
+        await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), CLIENT_TIMEOUT)
+        status, body = await asyncio.wait_for(_exchange(loop, sock, _PUT), CLIENT_TIMEOUT)
+        pod["first_answer"] = pod["first_answer"] or time.monotonic()
+        token = body.decode() if status == 200 else None   # 403/404/405: IMDSv1, as botocore
+        status, body = await asyncio.wait_for(_exchange(loop, sock, _get(CREDS, token)),
+                                              CLIENT_TIMEOUT)
+        if status != 200 or not body:
+            return None
+        name = body.decode().split("\n")[0].strip()
+        status, body = await asyncio.wait_for(
+            _exchange(loop, sock, _get(CREDS + name, token)), CLIENT_TIMEOUT)
+        if status != 200:
+            return None
+        try:
+            key = json.loads(body).get("AccessKeyId", "")
+        except ValueError:
+            return None
+        if key:
+            pod["answers"].append((time.monotonic(), name, key))
+            return name
+        return None
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError) as e:
+        kind = type(e).__name__
+        pod["errors"][kind] = pod["errors"].get(kind, 0) + 1
+        return None
+    finally:
+        sock.close()
+
+
+async def _pod(loop, port: int, ip: str, role: str, pod: dict, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        began = time.monotonic()
+        pod["attempts"] += 1
+        if await _attempt(loop, port, ip, pod) == role:
+            pod["served"] = time.monotonic()
+            return
+        await asyncio.sleep(max(0.0, began + PERIOD - time.monotonic()))
+
+
+async def _pods_main(spec: dict) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + spec["timeout"]
+    pods = {ip: {"attempts": 0, "answers": [], "errors": {}, "served": None,
+                 "first_answer": None} for ip, _ in spec["pods"]}
+    tasks = [asyncio.create_task(_pod(loop, spec["port"], ip, role, pods[ip], deadline))
+             for ip, role in spec["pods"]]
+    await asyncio.sleep(2 * PERIOD)      # every pod has made its first attempt
+    print("asking", flush=True)
+    await asyncio.gather(*tasks)
+    return pods
+
+
+def pods_client_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    try:
+        import uvloop
+        result = uvloop.run(_pods_main(spec))
+    except ImportError:
+        result = asyncio.run(_pods_main(spec))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+class Pods:
+    """The client process: every pod asking the agent on ``port`` until served."""
+
+    def __init__(self, port: int, pods: dict[str, str], timeout: float) -> None:
+        spec = json.dumps({"port": port, "pods": sorted(pods.items()), "timeout": timeout})
+        self.proc = subprocess.Popen([python(), __file__, "--pods-client", spec],
+                                     env=child_env(), stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if line.strip() != "asking":
+            self.proc.kill()
+            raise RuntimeError(f"the pods' client did not start: {line!r}")
+
+    def result(self, timeout: float) -> dict:
+        out, _ = self.proc.communicate(timeout=timeout)
+        return json.loads(out.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+def smaps(pid: int) -> dict[str, int]:
+    """RSS, PSS and its shmem part (bytes) of one process; {} if it is gone."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("Rss", "Pss", "Pss_Shmem"):
+                    out[name.lower()] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    out["hwm"] = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def tmpfs_bytes(path: str) -> int:
+    """What a file on tmpfs holds in memory (its allocated blocks)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
+class Sampler:
+    """Every 50 ms: each process's RSS and PSS, keeping the peak of each and of the sum."""
+
+    def __init__(self, processes, table_path: str | None = None) -> None:
+        self.processes = processes        # () -> {name: pid}
+        self.table_path = table_path
+        self.peak: dict[str, dict[str, int]] = {}
+        self.peak_total = {"rss": 0, "pss": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.sample()
+
+    def sample(self) -> dict[str, dict[str, int]]:
+        now = {name: m for name, pid in self.processes().items() if (m := smaps(pid))}
+        for name, m in now.items():
+            p = self.peak.setdefault(name, {})
+            for k, v in m.items():
+                p[k] = max(p.get(k, 0), v)
+        for k in ("rss", "pss"):
+            self.peak_total[k] = max(self.peak_total[k], sum(m.get(k, 0) for m in now.values()))
+        return now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ---- the agents ----------------------------------------------------------------------------
+
+def agent_port() -> int:
+    """A free port below the ephemeral range: the pods' client binds thousands of sockets
+    to ephemeral ports of their addresses, and kube2iam listens on every address (a port
+    they hold would make its bind fail)."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+class Kiamfast:
+    """``python -m kiamfast`` for the bench node, on a table path that outlives a run."""
+
+    name = "kiamfast"
+
+    def __init__(self, c, *, table_path: str, flags: tuple[str, ...]) -> None:
+        import bench_agent as ba
+        self.c = c
+        self.port = agent_port()
+        self.table_path = table_path
+        self.argv = ba.agent_argv(c, port=self.port, table_path=table_path, extra=[
+            "--log-level=info", f"--node-startup-taint={STARTUP_TAINT}",
+            "--ready-prefetch-timeout=120s", *flags])
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.log_path = ""
+
+    def start(self, label: str) -> None:
+        self.c.api.add_node(self.c.node, taints=[{"key": STARTUP_TAINT,
+                                                  "effect": "NoSchedule"}])
+        self.log_path = os.path.join(self.c.tmp, f"kiamfast-{label}.log")
+        with open(self.log_path, "wb") as log:
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(self.argv, env=child_env(), stdout=log,
+                                         stderr=subprocess.STDOUT)
+
+    def processes(self) -> dict[str, int]:
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        out = {"supervisor": self.proc.pid}
+        for pid in children(self.proc.pid):
+            args = cmdline(pid)
+            if "kiamfast.server.worker" in args:
+                out[f"worker-{args[args.index('--worker-index') + 1]}"
+                    if "--worker-index" in args else "worker"] = pid
+            elif "kiamfast.control" in args:
+                out["control"] = pid
+        return out
+
+    def settle(self, timeout: float) -> None:
+        """Until /readyz says 200 and the startup taint is gone."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kiamfast exited: {self.log_tail()}")
+            if ("taint removed" in self.milestones() or "taint disabled" in self.milestones()):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"kiamfast not ready in {timeout:g} s: {self.log_tail()}")
+
+    def milestones(self) -> dict[str, float]:
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return {}
+        out: dict[str, float] = {}
+        for what, seconds in _MARK.findall(text):
+            out.setdefault(what, float(seconds))
+        return out
+
+    def kill(self) -> None:
+        """Every process at once (SIGKILL), as a container restart does."""
+        pids = list(self.processes().values())
+        for pid in reversed(pids):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        stop(self.proc, timeout=15)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class Kube2iam:
+    """The real kube2iam against the same node, started as kube2iam_harness.BenchKube2iam
+    starts it (on a port chosen before the pods ask)."""
+
+    name = "kube2iam"
+    table_path = None
+
+    def __init__(self, c) -> None:
+        from kube2iam_harness import NoRegionsEc2
+        self.c = c
+        self.port = agent_port()
+        self.ec2 = NoRegionsEc2().start()
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self, label: str) -> None:
+        import bench_agent as ba
+        from kube2iam_harness import kube2iam_binary, kube2iam_env
+        c = self.c
+        argv = [str(kube2iam_binary()), f"--api-server={c.api.url}",
+                f"--api-token={c.api.token}", f"--node={c.node}", "--iptables=false",
+                f"--host-ip={ba.HOST_IP}", f"--app-port={self.port}",
+                f"--metrics-port={self.port}", f"--metadata-addr=127.0.0.1:{c.imds_port}",
+                f"--base-role-arn={ba.BASE_ARN}"]
+        env = kube2iam_env(Path(c.tmp), sts_url=c.proxy.url, ec2_url=self.ec2.url,
+                           imds_url=f"http://127.0.0.1:{c.imds_port}")
+        self.log_path = os.path.join(c.tmp, f"kube2iam-{label}.log")
+        with open(self.log_path, "wb") as log:
+            self.started = time.monotonic()
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
+                                         start_new_session=True)
+
+    def processes(self) -> dict[str, int]:
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        return {"kube2iam": self.proc.pid}
+
+    def settle(self, timeout: float) -> None:
+        time.sleep(1.0)       # it fetches on demand: every pod served is all it does
+
+    def milestones(self) -> dict[str, float]:
+        return {}
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return Path(self.log_path).read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.ec2.stop()
+
+
+# ---- one start -----------------------------------------------------------------------------
+
+def _judge(agent, c, pods: dict[str, str], raw: dict, *, case: str, index: int, roles: int,
+           calls_before: int) -> Run:
+    keys = c.access_keys()
+    served_s, wrong, wrong_roles, first = [], 0, [], float("nan")
+    attempts = 0
+    for ip, role in sorted(pods.items()):
+        p = raw[ip]
+        attempts += p["attempts"]
+        if p["first_answer"] is not None:
+            t = p["first_answer"] - agent.started
+            first = t if first != first else min(first, t)
+        own = None
+        for at, _, key in p["answers"]:
+            issued = keys.get(key)
+            if issued == role:
+                own = at - agent.started if own is None else own
+            else:
+                wrong += 1
+                wrong_roles.append(f"{role} got {issued or 'a key STS never issued'}")
+        served_s.append(own if own is not None else float("nan"))
+    calls = len(c.proxy.assume_role_calls()) - calls_before
+    return Run(agent=agent.name, case=case, pods=len(pods), roles=roles, index=index,
+               served_s=served_s, wrong=wrong, wrong_roles=wrong_roles[:10],
+               first_answer_s=first, sts_calls=calls, attempts=attempts)
+
+
+def one_start(agent, c, pods: dict[str, str], *, roles: int, index: int, opts: Options,
+              log) -> list[Run]:
+    """Start ``agent`` with every pod asking; then, if asked, kill and restart it with the
+    pods asking again.  The runs of this start (and its restart)."""
+    out = []
+    calls_before = len(c.proxy.assume_role_calls())
+    client = Pods(agent.port, pods, opts.timeout)
+    sampler = None
+    try:
+        agent.start(f"{index}-start")
+        sampler = Sampler(agent.processes)
+        raw = client.result(opts.timeout + 30)
+        sampler.stop()
+        agent.settle(opts.timeout)
+        time.sleep(1.0)
+        steady = sampler.sample()
+        run = _judge(agent, c, pods, raw, case="start", index=index, roles=roles,
+                     calls_before=calls_before)
+        if run.served < run.pods:
+            log(f"  node start: {agent.name} served {run.served} of {run.pods} pods; its log "
+                f"ends:\n{agent.log_tail()}")
+        run.milestones = agent.milestones()
+        run.memory = {"peak": sampler.peak, "peak_total": sampler.peak_total,
+                      "steady": steady, "table": tmpfs_bytes(agent.table_path)
+                      if agent.table_path else 0}
+        out.append(run)
+        if opts.restart:
+            calls_before = len(c.proxy.assume_role_calls())
+            agent.kill()
+            client = Pods(agent.port, pods, opts.timeout)
+            agent.start(f"{index}-restart")
+            raw = client.result(opts.timeout + 30)
+            run = _judge(agent, c, pods, raw, case="restart", index=index, roles=roles,
+                         calls_before=calls_before)
+            agent.settle(opts.timeout)
+            run.milestones = agent.milestones()
+            out.append(run)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        client.close()
+        agent.stop()
+    log(f"  node start: {agent.name} {len(pods)} pods, round {index + 1}: every pod served "
+        f"after {out[0].every_s:.2f} s" if out else f"  node start: {agent.name} failed")
+    return out
+
+
+def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
     import bench_agent as ba
+    with ba.cluster() as c:
+        pods = {}
+        for i, ip in enumerate(pod_addresses(pods_n)):
+            pods[ip] = ba.role_name(i % roles)
+            c.add_pod(ip, pods[ip])
+        for index in range(opts.runs):
+            for name in AGENTS if index % 2 == 0 else AGENTS[::-1]:   # neither always first
+                if name == "kiamfast":
+                    table = f"/dev/shm/kiamfast-bench-start-{os.getpid()}-{secrets.token_hex(4)}"
+                    agent = Kiamfast(c, table_path=table, flags=opts.kiamfast_flags)
+                else:
+                    agent, table = Kube2iam(c), None
+                try:
+                    res.runs += one_start(agent, c, pods, roles=roles, index=index, opts=opts,
+                                          log=log)
+                finally:
+                    for path in (table, table and table + ".key", table and table + ".lock"):
+                        if path:
+                            with contextlib.suppress(OSError):
+                                os.unlink(path)
 
+
+# ---- imports -------------------------------------------------------------------------------
+
+IMPORTS = {
+    "bare interpreter": "",
+    "supervisor (kiamfast.cli, kiamfast.supervisor)": "import kiamfast.cli, kiamfast.supervisor",
+    "worker (kiamfast.server.worker, _server)": "import kiamfast.server.worker, kiamfast._server",
+    "control (kiamfast.control.process)": "import kiamfast.control.process",
+    "control + a botocore STS client": (
+        "import kiamfast.control.process\nfrom kiamfast.control.iam.sts import StsClient\n"
+        "StsClient(endpoint_url='http://127.0.0.1:9', region='us-east-1').close()"),
+}
+
+
+_PROBE = """\
+import os, time
+def _since_start():
+    with open("/proc/self/stat", "rb") as f:
+        started = int(f.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+{code}
+with open("/proc/self/status") as f:
+    hwm = [line.split()[1] for line in f if line.startswith("VmHWM:")][0]
+print(_since_start(), hwm)
+"""
+
+
+def measure_imports(reps: int) -> dict[str, dict[str, float]]:
+    """Each entry in a fresh ``python -P``: seconds from the interpreter's start (/proc,
+    10 ms steps) to the end of the imports, and peak RSS (VmHWM: the process's own since
+    exec; getrusage's would count the forking parent's)."""
+    out = {}
+    for what, code in IMPORTS.items():
+        secs, rss = [], []
+        for _ in range(reps):
+            p = subprocess.run([python(), "-P", "-c", _PROBE.format(code=code)],
+                               env=child_env(), capture_output=True, text=True, timeout=60,
+                               cwd="/")
+            if p.returncode:
+                raise RuntimeError(f"importing for {what!r} failed: {p.stderr[-2000:]}")
+            s, kb = p.stdout.split()
+            secs.append(float(s))
+            rss.append(int(kb) / 1024)
+        out[what] = {"s": statistics.median(secs), "rss_mib": statistics.median(rss)}
+    return out
+
+
+# ---- the whole comparison ------------------------------------------------------------------
+
+def run(opts: Options = Options(), log=print) -> Result:
+    import bench_agent as ba
+    from kube2iam_harness import kube2iam_binary
+    if kube2iam_binary() is None:
+        raise RuntimeError("kube2iam is not built: run tests/tools/build_kube2iam.sh")
     if not ba.full_agent_available():
-        raise RuntimeError("needs the full agent (kiamfast.control.process is not there yet)")
-    res = NodeStartResult(reps=reps)
-    for lim in limits:
-        flag_qps, flag_burst, _, _ = LIMITS[lim]
-        for n in pod_counts:
-            for rep in range(reps):
-                first_rep = rep == 0
-                # A fresh cluster per start: nothing cached anywhere (STS proxy counts too).
-                with ba.cluster(sts_latency=LATENCY) as c:
-                    pods = {}
-                    for i, ip in enumerate(pod_addresses(n)):
-                        role = ba.role_name(i % ROLES)
-                        c.add_pod(ip, role)
-                        pods[ip] = role
-                    with ba.agent(c, sts_qps=flag_qps, sts_burst=flag_burst) as a:
-                        listen = _wait_listen(a)
-                        ready = a.wait_ready(120, poll=0.002)
-                        good, wrong = check_served(a.port, pods, c.access_keys())
-                        recs = c.proxy.assume_role_calls()
-                        calls = len(recs)
-                        first = min((r.at for r in recs), default=float("nan")) - a.started
-                        last = max((r.at for r in recs), default=float("nan")) - a.started \
-                            + LATENCY
-                    bare = bare_pool(c, len(set(pods.values()))) if pods and first_rep \
-                        else float("nan")
-                res.runs.append(StartRun(pods=n, limits=lim, listen_s=listen, ready_s=ready,
-                                         sts_calls=calls, served_at_ready=good,
-                                         wrong_at_ready=wrong,
-                                         sts_bound_s=ideal(len(set(pods.values())), lim)
-                                         if pods else 0.0, first_call_s=first,
-                                         last_answer_s=last, bare_s=bare))
-            log(f"  node start: {lim}, {n} pods done")
+        raise RuntimeError("needs the full agent")
+    res = Result(options=dict(opts.__dict__), load=[os.getloadavg()[0]])
+    res.imports = measure_imports(opts.imports)
+    log("  node start: imports measured")
+    for pods_n, roles in opts.scenarios:
+        scenario(res, pods_n, roles, opts, log)
+    res.load.append(os.getloadavg()[0])
     return res
 
 
-def bare_pool(c, calls: int) -> float:
-    """Seconds ``calls`` AssumeRole calls take from a bare pool of MAX_INFLIGHT threads
-    through the same proxy (botocore + moto + latency, no manager, no rate limit)."""
-    import prefetch as pf
-    from kiamfast.control.iam.sts import StsClient
-    sts = StsClient(endpoint_url=c.proxy.url, max_attempts=1, max_pool_connections=16)
-    try:
-        return pf.bare_client(sts, calls, concurrency=MAX_INFLIGHT)
-    finally:
-        sts.close()
+# ---- summaries -----------------------------------------------------------------------------
+
+def runs_of(res: Result, agent: str, pods: int, case: str = "start") -> list[Run]:
+    return [r for r in res.runs if r.agent == agent and r.pods == pods and r.case == case]
 
 
-def _wait_listen(a) -> float:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if a.proc.poll() is not None:
-            raise RuntimeError(f"agent exited: {a.log_tail()}")
-        try:
-            socket.create_connection(("127.0.0.1", a.port), timeout=0.2).close()
-            return time.monotonic() - a.started
-        except OSError:
-            time.sleep(0.002)
-    raise RuntimeError("agent never listened")
+def _rng(xs: list[float], fmt: str = "{:.2f}") -> str:
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return "—"
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return (fmt.format(median(xs)) + " (" + fmt.format(min(xs)) + "–" + fmt.format(max(xs))
+            + ")")
 
 
-def summarize(res: NodeStartResult) -> list[dict]:
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def compare(res: Result, pods: int) -> dict:
+    """The issue's targets for one scenario, from the paired runs (same round)."""
+    k = {r.index: r for r in runs_of(res, "kiamfast", pods)}
+    g = {r.index: r for r in runs_of(res, "kube2iam", pods)}
+    pairs = [(k[i], g[i]) for i in sorted(k) if i in g]
+    no_later = all(a.every_s <= b.every_s for a, b in pairs) if pairs else False
+    ratio = median([a.median_s / b.median_s for a, b in pairs if b.median_s])
+    every = [a.every_s for a, _ in pairs]
+    return {"pairs": len(pairs), "no_later_every_run": no_later, "median_ratio": ratio,
+            "kiamfast_every_max": max(every) if every and all(x == x for x in every)
+            else float("nan")}
+
+
+def memory_rows(res: Result, pods: int) -> list[str]:
     rows = []
-    groups: dict[tuple[str, int], list[StartRun]] = {}
-    for r in res.runs:
-        groups.setdefault((r.limits, r.pods), []).append(r)
-    for (lim, n), rs in groups.items():
-        empty = groups.get((lim, 0))
-        base = median([r.ready_s for r in empty]) if empty else float("nan")
-        ready = median([r.ready_s for r in rs])
-        bound = median([r.sts_bound_s for r in rs])
-        window = median([r.last_answer_s - r.first_call_s for r in rs])
-        bare = median([r.bare_s for r in rs])
-        floor = max(bound, bare) if bare == bare else bound
-        rows.append({"limits": lim, "pods": n, "listen": median([r.listen_s for r in rs]),
-                     "first_call": median([r.first_call_s for r in rs]),
-                     "last_answer": median([r.last_answer_s for r in rs]),
-                     "window": window,
-                     "bare": bare, "floor": floor,
-                     "window_ratio": window / floor if n and floor else float("nan"),
-                     "after_last": median([r.ready_s - r.last_answer_s for r in rs]),
-                     "ready": ready, "ready_min": min(r.ready_s for r in rs),
-                     "ready_max": max(r.ready_s for r in rs), "empty": base,
-                     "prefetch": ready - base if n else 0.0, "bound": bound,
-                     "ratio": (ready - base) / bound if n and bound else float("nan"),
-                     "calls": median([r.sts_calls for r in rs]),
-                     "served": min(r.served_at_ready for r in rs),
-                     "wrong": sum(r.wrong_at_ready for r in rs), "reps": len(rs)})
+    for agent in AGENTS:
+        rs = runs_of(res, agent, pods)
+        names = sorted({n for r in rs for n in r.memory.get("steady", {})})
+        for name in names:
+            steady = [r.memory["steady"].get(name, {}) for r in rs]
+            peak = [r.memory["peak"].get(name, {}) for r in rs]
+            rows.append(f"| {pods} | {agent} | {name} | "
+                        f"{_mib(median([m.get('rss', 0) for m in steady]))} | "
+                        f"{_mib(median([m.get('pss', 0) for m in steady]))} | "
+                        f"{_mib(median([m.get('pss_shmem', 0) for m in steady]))} | "
+                        f"{_mib(median([m.get('pss', 0) for m in peak]))} | "
+                        f"{_mib(median([m.get('hwm', 0) for m in peak]))} |")
+        total_steady = [sum(m.get("pss", 0) for m in r.memory["steady"].values()) for r in rs]
+        total_rss = [sum(m.get("rss", 0) for m in r.memory["steady"].values()) for r in rs]
+        table = [r.memory.get("table", 0) for r in rs]
+        rows.append(f"| {pods} | {agent} | **all** | {_mib(median(total_rss))} | "
+                    f"**{_mib(median(total_steady))}** | | "
+                    f"{_mib(median([r.memory['peak_total']['pss'] for r in rs]))} | "
+                    f"table file (tmpfs): {_mib(median(table))} |")
     return rows
 
 
-def markdown(res: NodeStartResult) -> str:
-    lines = [f"{ROLES} roles (pods round-robin), STS latency {LATENCY * 1e3:.0f} ms (fault "
-             f"proxy in front of moto), median of {res.reps} start(s), each on a fresh "
-             "cluster; all times in seconds from process start. Baselines in the same run: "
-             "the **empty node**'s time to ready (the fixed cost of a start), and the **STS "
-             "bound**, the least time 40 calls of 100 ms take under the rate limit and 8 in "
-             "flight, and the same 40 calls timed from a **bare pool** of 8 threads (botocore, "
-             "the proxy and moto on this machine, no rate limit). *STS window* = first "
-             "AssumeRole sent to last answered (from the STS proxy's records); it is compared "
-             "with the larger of bound and bare pool.", "",
-             "| STS limits | pods | listening | first STS call | last STS answer | **ready** "
-             "(min–max) | ready, empty node | STS window | STS bound | bare pool | window ÷ "
-             "max(bound, bare) | ready − last answer | AssumeRole calls | pods served at ready "
-             "| wrong |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in summarize(res):
-        if r["pods"]:
-            sts = (f"{r['first_call']:.2f} | {r['last_answer']:.2f} | ")
-            win = (f"{r['window']:.2f} | {r['bound']:.2f} | {r['bare']:.2f} | "
-                   f"{r['window_ratio']:.2f} | "
-                   f"{r['after_last']:.3f} | ")
-        else:
-            sts, win = "— | — | ", "— | — | — | — | — | "
-        lines.append(
-            f"| {r['limits']} | {r['pods']} | {r['listen']:.2f} | {sts}**{r['ready']:.2f}** "
-            f"({r['ready_min']:.2f}–{r['ready_max']:.2f}) | {r['empty']:.2f} | {win}"
-            f"{r['calls']:.0f} | {r['served']}/{r['pods']} | {r['wrong']} |")
+def markdown(res: Result) -> str:
+    o = res.options
+    lines = [f"The node holds N pods over R roles, every pod asking (token, listing, document; "
+             f"1 s timeout; again 100 ms after each attempt began) before the agent starts; "
+             f"{o['runs']} start(s) per agent and scenario, alternating; STS is moto with no "
+             "added latency (a local STS); kiamfast API-only (`--cri-endpoint=none`), " +
+             (f"with `{' '.join(o['kiamfast_flags'])}`" if o["kiamfast_flags"]
+              else "its default STS limits (`--sts-qps 5 --sts-burst 20`)") + ". Seconds from the "
+             "agent's process start; medians (min–max) over the runs.", "",
+             "| pods / roles | agent | every pod served its own role | median pod | first pod "
+             "| first answer of any kind | answers with another role | STS calls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for pods, roles in o["scenarios"]:
+        for agent in AGENTS:
+            rs = runs_of(res, agent, pods)
+            if not rs:
+                continue
+            lines.append(f"| {pods} / {roles} | {agent} | {_rng([r.every_s for r in rs])} | "
+                         f"{_rng([r.median_s for r in rs])} | {_rng([r.first_s for r in rs])} "
+                         f"| {_rng([r.first_answer_s for r in rs])} | "
+                         f"{sum(r.wrong for r in rs)} | "
+                         f"{_rng([r.sts_calls for r in rs], '{:.0f}')} |")
+    lines += ["", "Targets per scenario (runs paired by round):", "",
+              "| pods / roles | kiamfast no later than kube2iam in every run | median pod, "
+              "kiamfast ÷ kube2iam (target ≤ 0.5) | kiamfast's slowest run to every pod |",
+              "|---|---|---:|---:|"]
+    for pods, roles in o["scenarios"]:
+        cmp = compare(res, pods)
+        lines.append(f"| {pods} / {roles} | {'yes' if cmp['no_later_every_run'] else 'no'} "
+                     f"({cmp['pairs']} pairs) | {cmp['median_ratio']:.2f} | "
+                     f"{cmp['kiamfast_every_max']:.2f} s |")
+    if o["restart"]:
+        lines += ["", "Restart (every process killed, started again with the same table and "
+                  "token key; the pods asking): seconds from the new process start.", "",
+                  "| pods / roles | agent | first pod served | median pod | every pod | "
+                  "answers with another role | STS calls |", "|---|---|---:|---:|---:|---:|---:|"]
+        for pods, roles in o["scenarios"]:
+            for agent in AGENTS:
+                rs = runs_of(res, agent, pods, "restart")
+                if rs:
+                    lines.append(f"| {pods} / {roles} | {agent} | "
+                                 f"{_rng([r.first_s for r in rs], '{:.3f}')} | "
+                                 f"{_rng([r.median_s for r in rs], '{:.3f}')} | "
+                                 f"{_rng([r.every_s for r in rs], '{:.3f}')} | "
+                                 f"{sum(r.wrong for r in rs)} | "
+                                 f"{_rng([r.sts_calls for r in rs], '{:.0f}')} |")
+    lines += ["", "kiamfast's milestones (its log, seconds from the supervisor's process "
+              "start; medians):", "",
+              "| pods / roles | case | " + " | ".join(MILESTONES) + " |",
+              "|---|---|" + "---:|" * len(MILESTONES)]
+    for pods, roles in o["scenarios"]:
+        for case in ("start", "restart"):
+            rs = runs_of(res, "kiamfast", pods, case)
+            if rs:
+                cells = [_rng([r.milestones.get(m, float("nan")) for r in rs], "{:.3f}")
+                         for m in MILESTONES]
+                lines.append(f"| {pods} / {roles} | {case} | " + " | ".join(cells) + " |")
+    lines += ["", "Memory (MiB), steady = a second after the agent settled (kiamfast: ready "
+              "and taint removed), peak = while the pods were being served (sampled every "
+              "50 ms; VmHWM is the kernel's RSS peak). PSS counts each process's share of "
+              "the mapped table (of which shmem); the table file's tmpfs pages are given "
+              "apart.", "",
+              "| pods | agent | process | RSS | PSS | of which shmem | peak PSS | peak RSS "
+              "(VmHWM) |", "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for pods, _ in o["scenarios"]:
+        lines += memory_rows(res, pods)
+    if res.imports:
+        lines += ["", "Imports in a bare `python -P` (median of "
+                  f"{o['imports']}): seconds from the interpreter's start to the end of the "
+                  "imports (10 ms steps), and peak RSS.", "",
+                  "| process | s | peak RSS MiB |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v['s']:.2f} | {v['rss_mib']:.1f} |" for k, v in res.imports.items()]
+    lines += ["", f"Load average (1 min) {res.load[0]:.1f} at the start, {res.load[-1]:.1f} at "
+              f"the end, on {os.cpu_count()} CPUs."]
     return "\n".join(lines)
 
 
+def headline(res: Result) -> list[tuple[str, str, str, str]]:
+    ok = lambda c: "✅" if c else "❌"   # noqa: E731
+    rows = []
+    o = res.options
+    for pods, roles in o["scenarios"]:
+        cmp = compare(res, pods)
+        bound = 1.0 if pods <= 60 else 2.0
+        rows.append((f"node start, {pods} pods / {roles} roles: every pod its own role, "
+                     "kiamfast vs kube2iam (medians)",
+                     f"{median([r.every_s for r in runs_of(res, 'kiamfast', pods)]):.2f} s vs "
+                     f"{median([r.every_s for r in runs_of(res, 'kube2iam', pods)]):.2f} s",
+                     f"no later in every run, < {bound:g} s",
+                     ok(cmp["no_later_every_run"] and cmp["kiamfast_every_max"] < bound)))
+        rows.append((f"node start, {pods} pods: median pod, kiamfast ÷ kube2iam",
+                     f"{cmp['median_ratio']:.2f}", "≤ 0.5", ok(cmp["median_ratio"] <= 0.5)))
+        rs = runs_of(res, "kiamfast", pods)
+        pss = median([sum(m.get("pss", 0) for m in r.memory["steady"].values()) for r in rs])
+        k2i = median([sum(m.get("pss", 0) for m in r.memory["steady"].values())
+                      for r in runs_of(res, "kube2iam", pods)])
+        limit = 72 if pods <= 60 else 100
+        rows.append((f"node start, {pods} pods: PSS of all the agent's processes, kiamfast "
+                     "(kube2iam)", f"{_mib(pss)} MiB ({_mib(k2i)})", f"≤ {limit} MiB",
+                     ok(pss <= limit * 2**20)))
+        rr = runs_of(res, "kiamfast", pods, "restart")
+        if rr:
+            rows.append((f"restart, {pods} pods: first pod served (from the process start)",
+                         f"{median([r.first_s for r in rr]):.3f} s", "≤ 0.3 s "
+                         "(owner proven current)", ok(median([r.first_s for r in rr]) <= 0.3)))
+    wrong = sum(r.wrong for r in res.runs if r.agent == "kiamfast")
+    unserved = sum(r.pods - r.served for r in res.runs if r.agent == "kiamfast")
+    rows.append(("node start: kiamfast answers with another role, pods never served (kube2iam)",
+                 f"{wrong}, {unserved} ({sum(r.wrong for r in res.runs if r.agent == 'kube2iam')}"
+                 f", {sum(r.pods - r.served for r in res.runs if r.agent == 'kube2iam')})",
+                 "0, 0", ok(wrong == 0 and unserved == 0)))
+    return rows
+
+
+def plot(res: Result, out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    scen = res.options["scenarios"]
+    fig, axes = plt.subplots(1, len(scen), figsize=(6 * len(scen), 4), squeeze=False)
+    colors = {"kiamfast": "tab:blue", "kube2iam": "tab:orange"}
+    for ax, (pods, roles) in zip(axes[0], scen):
+        for agent in AGENTS:
+            for i, r in enumerate(runs_of(res, agent, pods)):
+                xs = sorted(t for t in r.served_s if t == t)
+                ax.step(xs, [(j + 1) / pods for j in range(len(xs))], where="post",
+                        color=colors[agent], alpha=0.6, label=agent if i == 0 else None)
+        ks = runs_of(res, "kiamfast", pods)
+        for m, style in (("worker listening", ":"), ("pods listed", "--"),
+                         ("first STS answer", "-."), ("ready", "-")):
+            t = median([r.milestones.get(m, float("nan")) for r in ks])
+            if t == t:
+                ax.axvline(t, color="tab:blue", linestyle=style, linewidth=0.8,
+                           label=f"kiamfast: {m}")
+        ax.set_xlabel("seconds from the agent's process start")
+        ax.set_ylabel("pods served their own role")
+        ax.set_title(f"{pods} pods / {roles} roles, every pod asking from the start",
+                     fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "node_start.png", dpi=110)
+    plt.close(fig)
+    return ["node_start.png"]
+
+
+def _scenario(text: str) -> tuple[int, int]:
+    pods, _, roles = text.partition("x")
+    return int(pods), int(roles)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pods-client"]:
+        return pods_client_main(argv[1])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int)
+    ap.add_argument("--scenario", action="append", type=_scenario,
+                    help="PODSxROLES (repeatable), e.g. 60x20")
+    ap.add_argument("--no-restart", action="store_true")
+    ap.add_argument("--kiamfast-flag", action="append", default=[],
+                    help="an extra flag for kiamfast (repeatable)")
+    ap.add_argument("--json", help="also write the runs here")
     args = ap.parse_args(argv)
-    res = run(reps=1) if args.quick else run()
+    opts = QUICK if args.quick else Options()
+    if args.runs:
+        opts.runs = args.runs
+    if args.scenario:
+        opts.scenarios = tuple(args.scenario)
+    opts.restart = not args.no_restart
+    opts.kiamfast_flags = tuple(args.kiamfast_flag)
+    res = run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"options": res.options, "imports": res.imports,
+             "runs": [dict(r.__dict__) for r in res.runs]}, indent=1, default=str))
     return 0
 
 
 if __name__ == "__main__":
+    if str(Path(__file__).resolve().parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

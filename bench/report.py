@@ -3,19 +3,21 @@
 The README's performance section quotes this report. These machines are shared and noisy,
 so no figure here is an absolute timing on its own: every timing is a ratio to, or a
 distribution next to, a baseline measured in the same run (the Python and C ceilings for
-the hot path, the empty node and the STS bound for node start, a bare watch client for the
-control process, kube2iam's policy on the same events for STS calls). The machine's facts
-are recorded with the figures.
+the hot path, the real kube2iam started in turns on the same node for node start, a bare
+watch client for the control process, kube2iam's policy on the same events for STS calls).
+The machine's facts are recorded with the figures.
 
 Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
-(bench/churn.py, API-only), ``node_start`` (bench/node_start.py), ``scale``
+(bench/churn.py, API-only), ``node-start`` (bench/node_start.py: kiamfast and the real
+kube2iam started in turns on a node whose pods already ask; ``node_start`` is the same),
+``scale``
 (bench/scale_sim.py), ``runtime`` (bench/runtime_churn.py, runtime_first_call.py,
 runtime_polling.py: the container runtime's path, on a real containerd when root has one),
 ``kubelet`` (bench/kubelet_timing.py: a real kubelet's podIP delay and new pods' first SDK
 call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries),
 ``fleet`` (bench/fleet_sim.py: many nodes' credential managers against one STS budget),
 ``kube2iam`` (bench/kube2iam_speed.py: the real kube2iam beside kiamfast in the same run:
-hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers),
+hot path on one core, on loopback and through the DNAT, CPU, RSS, workers),
 ``container-credentials`` (bench/container_credentials.py: the token path beside the same
 agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's cost to
 the others), ``webhook`` (bench/webhook_load.py: the injection webhook's RSS and the API
@@ -44,7 +46,7 @@ from pathlib import Path
 import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
-SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
+SECTIONS = ("hotpath", "churn", "node-start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
             "container-credentials", "webhook")
 
 
@@ -143,44 +145,6 @@ def plot_churn(r, out: Path) -> list[str]:
     fig.savefig(out / "churn_latency.png", dpi=110)
     plt.close(fig)
     return ["churn_latency.png"]
-
-
-def plot_node_start(rows: list[dict], out: Path) -> list[str]:
-    plt = _plt()
-    lims = sorted({r["limits"] for r in rows})
-    fig, axes = plt.subplots(len(lims), 1, figsize=(9, 1.4 + 1.1 * len(rows) / len(lims) *
-                                                         len(lims)), squeeze=False)
-    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green"]
-    labels = ["start → listening", "→ first STS call", "STS window", "→ ready"]
-    for ax, lim in zip(axes[:, 0], lims):
-        rs = [r for r in rows if r["limits"] == lim]
-        for y, r in enumerate(rs):
-            if r["pods"]:
-                marks = [r["listen"], r["first_call"], r["last_answer"], r["ready"]]
-            else:
-                marks = [r["listen"], r["listen"], r["listen"], r["ready"]]
-            left = 0.0
-            for k, m in enumerate(marks):
-                ax.barh(y, max(m - left, 0), left=left, color=colors[k],
-                        label=labels[k] if y == 0 or (k == 2 and r["pods"] and y == 1) else None)
-                left = max(left, m)
-            if r["pods"]:
-                ax.plot([r["first_call"], r["first_call"] + r["floor"]], [y + 0.45] * 2,
-                        color="black", linewidth=2, label="STS floor" if y == 1 else None)
-        ax.axvline(rs[0]["empty"], color="red", linestyle="--", linewidth=1,
-                   label="ready, empty node")
-        ax.set_yticks(range(len(rs)))
-        ax.set_yticklabels([f"{r['pods']} pods" for r in rs])
-        ax.set_xlabel("seconds from process start (medians)")
-        ax.set_title(f"STS limits: {lim}", fontsize=10)
-        handles, labs = ax.get_legend_handles_labels()
-        seen = dict(zip(labs, handles))
-        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="lower right")
-    fig.suptitle("Node start: where the time goes (40 roles, STS 100 ms)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "node_start.png", dpi=110)
-    plt.close(fig)
-    return ["node_start.png"]
 
 
 def plot_scale(f, out: Path) -> list[str]:
@@ -305,24 +269,13 @@ def section_churn(quick: bool, out: Path, log) -> Section:
 
 def section_node_start(quick: bool, out: Path, log) -> Section:
     import node_start as ns
-    res = ns.run(pod_counts=(0, 110), reps=1, limits=("default (5/s, burst 20)",), log=log) \
-        if quick else ns.run(log=log)
-    sec = Section("Node start: process start to ready")
+    res = ns.run(ns.QUICK if quick else ns.Options(), log=log)
+    sec = Section("Node start beside kube2iam: a fresh node whose pods are already asking")
     sec.body = ns.markdown(res)
-    rows = ns.summarize(res)
-    sec.figures = plot_node_start(rows, out)
-    for r in rows:
-        if r["pods"]:
-            sec.headline.append((f"node start, {r['pods']} pods, STS {r['limits']}: ready "
-                                 "(empty node; STS window ÷ its floor)",
-                                 f"{r['ready']:.2f} s ({r['empty']:.2f} s; "
-                                 f"{r['window_ratio']:.2f})", "window close to the bound",
-                                 ""))
-            if r["wrong"] or r["served"] < r["pods"]:
-                sec.headline.append((f"node start, {r['pods']} pods: served at ready",
-                                     f"{r['served']}/{r['pods']}, wrong {r['wrong']}",
-                                     "all, 0 wrong", _ok(False)))
-    sec.raw = {"rows": rows}
+    sec.headline = ns.headline(res)
+    sec.figures = ns.plot(res, out)
+    sec.raw = {"options": res.options, "imports": res.imports,
+               "runs": [dict(r.__dict__) for r in res.runs]}
     return sec
 
 
@@ -506,6 +459,15 @@ def section_fleet(quick: bool, out: Path, log) -> Section:
         sec.body += "\n" + fs.footprint_markdown(
             [(name, fs.footprint(flags)) for name, flags in fs.FOOTPRINT_FLAGS.items()])
     for name, r in results:
+        if name == "arrival":
+            sec.headline.append((
+                "fleet arrival: first calls served (the budget allows), peak ÷ budget, "
+                "throttled share of calls",
+                f"{r['first_call_ok']:,} ({r['first_call_budget_allows']:,}), "
+                f"{r['peak_over_budget']:.2f}, {r['throttled_share']:.1%}",
+                "all it allows, ≤ 1.1, < 5 %",
+                _ok(r["first_call_ok"] >= r["first_call_budget_allows"]
+                    and r["peak_over_budget"] <= 1.1 and r["throttled_share"] < 0.05)))
         sec.headline.append((f"fleet, {name}: wrong identity, pods served, lost credentials",
                              f"{r['wrong_identity']}, {r['pods_served']}/{r['pods']}, "
                              f"{r['pods_lost_credentials']}", "0, all, 0",
@@ -518,15 +480,14 @@ def section_fleet(quick: bool, out: Path, log) -> Section:
 def section_kube2iam(quick: bool, out: Path, log) -> Section:
     import kube2iam_speed as ks
     res = ks.run(ks.QUICK if quick else ks.Options(), log=log)
-    sec = Section("kube2iam beside kiamfast, same run: hot path, node start, CPU, RSS")
+    sec = Section("kube2iam beside kiamfast, same run: hot path, CPU, RSS")
     sec.body = ks.markdown(res)
     sec.headline = ks.headline(res)
     sec.raw = {"options": res.options, "identity": res.identity, "rss_mib": res.rss_mib,
                "skipped": res.skipped,
                "paths": {p: {a: [r.__dict__ for r in rs] for a, rs in runs.items()}
                          for p, runs in res.paths.items()},
-               "scaling": {k: [r.__dict__ for r in rs] for k, rs in res.scaling.items()},
-               "starts": [s.__dict__ for s in res.starts]}
+               "scaling": {k: [r.__dict__ for r in rs] for k, rs in res.scaling.items()}}
     return sec
 
 
@@ -565,7 +526,8 @@ def section_webhook(quick: bool, out: Path, log) -> Section:
 
 
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
-           "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
+           "node-start": section_node_start, "node_start": section_node_start,
+           "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
            "container-credentials": section_container_credentials,
            "webhook": section_webhook}

@@ -45,7 +45,8 @@ class TokenBucket:
     INCREASE_DIVISOR = 8      # ... and each success gives back rate / 8
 
     def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep,
-                 min_rate: float | None = None):
+                 min_rate: float | None = None, tokens: float | None = None):
+        """``tokens``: saved up at the start (default: a full burst)."""
         if rate <= 0 or burst < 1:
             raise ValueError("rate must be > 0 and burst >= 1")
         self.max_rate = float(rate)
@@ -56,7 +57,7 @@ class TokenBucket:
         self.burst = float(burst)
         self._clock = clock
         self._sleep = sleep
-        self._tokens = float(burst)
+        self._tokens = float(burst) if tokens is None else min(float(burst), tokens)
         self._last = clock()
         self.paused_until = 0.0
         self.taken = 0

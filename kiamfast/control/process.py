@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from kiamfast import __version__, channel, logs, metrics_text
+from kiamfast import __version__, channel, logs, metrics_text, milestones
 from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
 from kiamfast.control import imds_client, iptables
@@ -52,14 +52,9 @@ from kiamfast.control.iam.sts import StsClient
 
 log = logging.getLogger("kiamfast.control")
 
-STARTED = time.monotonic()      # the process's start, as near as Python knows it
 PUBLISH_INTERVAL = 2.0
 HEARTBEAT_INTERVAL = 1.0
 NODE_COUNT_INTERVAL = 60.0      # --sts-account-qps without --sts-fleet-nodes (jittered)
-
-
-def milestone(step: str) -> None:
-    log.info("start: %s after %.3fs", step, time.monotonic() - STARTED)
 
 
 class ControlTaskFailed(Exception):
@@ -137,7 +132,7 @@ class ControlProcess:
                   asyncio.create_task(self._publish(), name="publish")]
         if self.config.iptables:                                # 4.
             await loop.run_in_executor(None, iptables.install_rules, self.config)
-            milestone("DNAT rule installed")
+            milestones.mark("DNAT rule installed")
         tasks += self._optional_tasks()
         starting = asyncio.create_task(self._become_ready(), name="ready")   # 5.
         starting.add_done_callback(self._log_failure)
@@ -178,7 +173,7 @@ class ControlProcess:
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
-        milestone("table adopted")
+        milestones.mark("credentials adopted")
 
     def _connect_api(self) -> None:
         """Step 3: the API client (its configuration checked now: ConfigError ends the
@@ -220,7 +215,7 @@ class ControlProcess:
 
     async def _become_ready(self) -> None:
         await self.source.synced.wait()
-        milestone("pods listed")
+        milestones.mark("pods listed")
         if self.health.kubernetes == "connecting":
             self.health.kubernetes = "ok"
             self._publish_health()
@@ -235,13 +230,19 @@ class ControlProcess:
         deadline = time.monotonic() + self.config.ready_prefetch_timeout
         while time.monotonic() < deadline and self.manager.stats().get("keys_pending", 0):
             await asyncio.sleep(0.01)
-        milestone("all roles fetched")
+        milestones.mark("all roles fetched" if not self.manager.stats().get("keys_pending", 0)
+                        else "prefetch timed out")
         self.ready = True
         self.table.set_status(ready=True)
         self.notify()
-        milestone("ready")
+        milestones.mark("ready")
         log.info("ready", extra={"credential_keys": self.manager.stats().get("keys_ready")})
+        self.taint.on_change = self._taint_changed
         await self.taint.run(self.api)       # removes it, then keeps it removed
+
+    def _taint_changed(self) -> None:
+        milestones.mark(f"taint {self.taint.state}")
+        self._publish_health()
 
     @staticmethod
     def _log_failure(task: asyncio.Task) -> None:

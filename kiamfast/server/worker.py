@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiamfast import milestones
 from kiamfast import table as _table
 from kiamfast.sockets import ListenError, listen_socket
 from kiamfast.server.settings import SettingsError, WorkerSettings
@@ -132,8 +133,7 @@ async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None
     ws = await serve(settings, table, channel_sock=channel_sock, worker_index=worker_index,
                      app_sock=_inherited_socket(app_fd, "listen"),
                      metrics_sock=_inherited_socket(metrics_fd, "listen"))
-    log.info("worker listening", extra={"worker": worker_index, "port": ws.port,
-                                        "pid": os.getpid()})
+    milestones.mark("worker listening", worker=worker_index, port=ws.port, pid=os.getpid())
     await stop.wait()
     await ws.close(grace=SHUTDOWN_GRACE)
     table.close()

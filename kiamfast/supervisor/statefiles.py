@@ -20,6 +20,7 @@ import secrets
 import stat
 import time
 
+from kiamfast import milestones
 from kiamfast.config import Config
 from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError
 
@@ -151,6 +152,7 @@ def open_table(config: Config) -> Table:
     table = _adopt_table(config.table_path, layout)
     if table is None:
         table = Table.create(config.table_path, **layout)
+        milestones.mark("table created")
     return table
 
 
@@ -177,6 +179,7 @@ def _adopt_table(path: str, layout: dict[str, int]) -> Table | None:
         return None
     _forget_the_node(table)
     log.info("adopted the table %s: credentials kept, addresses cleared", path)
+    milestones.mark("table adopted")
     return table
 
 

@@ -41,7 +41,7 @@ import socket
 import subprocess
 import time
 
-from kiamfast import channel, logs
+from kiamfast import channel, logs, milestones
 from kiamfast.config import EXIT_CONFIG, Config, config_to_json
 from kiamfast.container_credentials.link import LinkError
 from kiamfast.server.settings import WorkerSettings
@@ -222,5 +222,6 @@ class Supervisor:
 
 
 def run(config: Config) -> int:
+    milestones.hand_down()
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
     return Supervisor(config).run()

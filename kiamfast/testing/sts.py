@@ -211,6 +211,14 @@ class FaultProxy(BackgroundServer):
                                                           else rate)),
                                        clock=self.clock or time.time)
 
+    def spend_budget(self, calls: int) -> int:
+        """``calls`` STS calls of the account's other callers, taken from the budget and sent
+        nowhere: how many it took (the others were throttled)."""
+        with self._lock:
+            if self._budget is None:
+                return calls
+            return sum(1 for _ in range(calls) if self._budget.try_take() <= 0)
+
     def clear_faults(self, fault_id: int | None = None) -> None:
         with self._lock:
             self._faults = [f for f in self._faults if fault_id is not None and f.id != fault_id]

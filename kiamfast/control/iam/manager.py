@@ -44,13 +44,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kiamfast import milestones
 from kiamfast.budget import TokenBucket, backoff
 from kiamfast.control.iam import render
 from kiamfast.control.iam.keys import (TAGSESSION_HINT, CredentialKey, CredentialRequest,
                                        SessionNaming, tag_problem)
 from kiamfast.control.iam.metrics import StsMetrics
-from kiamfast.control.iam.schedule import (PRIO_NEW, PRIO_REFRESH, PRIO_WANTED, QUICK_RETRY,
-                                           Schedule, node_share)
+from kiamfast.control.iam.schedule import (HEADROOM, PRIO_NEW, PRIO_REFRESH, PRIO_WANTED,
+                                           PROBE_AFTER, QUICK_RETRY, Schedule, node_share)
 from kiamfast.control.iam.sts import (Credentials, StsDenied, StsError, StsThrottled,
                                   StsTransient, classify)
 from kiamfast.table import CRED_EMPTY, CRED_ERROR, CRED_PENDING, CRED_READY
@@ -114,11 +115,14 @@ class _Entry:
     not_before: float = 0.0        # backoff: no attempt before this (except refresh-ahead)
     last_error: StsError | None = None
     inflight: bool = False
-    queued: int | None = None      # priority it is queued with, None if not queued
+    queued: tuple | None = None    # (priority, deadline) it is queued with, None if not queued
     timer: int = 0                 # version of the one live timer; older timers are ignored
     timer_prio: int = PRIO_NEW     # queue priority when a "fetch" timer fires
     idle_since: float | None = None
     waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
+    asked_at: float = 0.0          # when it started waiting
+    due: float = float("inf")      # when its first pod could ask: the earliest acquisition ...
+    addressed: bool = False        # ... of a pod with an address, if any has one
     freed: bool = False
     issued: int = 0                # credentials issued for this key so far
     quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
@@ -166,16 +170,24 @@ class CredentialManager:
         self.clock = clock
         self.rng = rng or random.Random()
         # With a fleet budget but no node count yet (it comes from the API), the floor is
-        # the one without a budget until set_fleet_nodes: the lower of the two.
+        # the one without a budget until set_fleet_nodes: the lower of the two.  A node of
+        # a fleet starts at that floor, with one token (schedule.py: a fleet arriving
+        # together stays within the account's budget from its first call).
         self.account_qps = account_qps
+        fleet = account_qps > 0
         self.bucket = TokenBucket(
             qps, burst, clock=clock, sleep=sleep,
             min_rate=node_share(account_qps, fleet_nodes, qps)
-            if account_qps > 0 and fleet_nodes > 0 else None)
+            if fleet and fleet_nodes > 0 else None, tokens=1.0 if fleet else None)
+        if fleet:
+            self.bucket.rate = self.bucket.min_rate
         self.schedule = Schedule(bucket=self.bucket, max_inflight=max_inflight,
                                  fetch=self._fetch, on_timer=self._on_timer, clock=clock,
-                                 sleep=sleep, throttle_base=throttle_base,
-                                 throttle_max=throttle_max, rng=self.rng)
+                                 sleep=sleep, rank=self._deadline,
+                                 probe_after=PROBE_AFTER if fleet else 0.0,
+                                 headroom=HEADROOM if fleet else 0.0,
+                                 throttle_base=throttle_base, throttle_max=throttle_max,
+                                 rng=self.rng)
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}
         self._pods: dict[str, CredentialKey] = {}
@@ -221,8 +233,10 @@ class CredentialManager:
         if share != self.bucket.min_rate:
             log.info("STS share: %.3g calls/s (%g over %d nodes)", share, self.account_qps,
                      nodes)
+        self.bucket.tokens      # what was saved so far accrued at the old rate
         self.bucket.min_rate = share
-        self.bucket.rate = max(self.bucket.rate, share)
+        # Until the node has been calm long enough to probe, it runs at its share exactly.
+        self.bucket.rate = max(self.bucket.rate, share) if self.schedule.probing else share
         self.metrics.rate.set(self.bucket.rate)
 
     # ---- the pods' API ------------------------------------------------------------------------
@@ -243,6 +257,7 @@ class CredentialManager:
             if old == key:
                 entry = self._entries[key]
                 entry.users[pod_uid] = req
+                self._sooner(entry, req)
                 return entry.slot
             self.release(pod_uid)
         entry = self._entries.get(key)
@@ -255,10 +270,12 @@ class CredentialManager:
                 self._revive(entry)
             if entry.creds is not None and entry.state == _READY:
                 self._audit("credentials shared", entry, pods=[(pod_uid, req)])
+            self._sooner(entry, req)
             return entry.slot
         slot = self._alloc_slot()
         entry = _Entry(key=key, slot=slot)
         entry.users[pod_uid] = req
+        self._sooner(entry, req, queue=False)
         self._entries[key] = entry
         self._by_slot[slot] = entry
         self._pods[pod_uid] = key
@@ -299,12 +316,42 @@ class CredentialManager:
         now = self.clock()
         if entry.state == _DENIED or (entry.state == _READY and now < entry.serve_until):
             return  # servable from our point of view; the worker's read was stale
+        if not entry.waiting:
+            entry.asked_at = now
         self._set_waiting(entry, True)
         if entry.inflight or (now < entry.not_before
                               and not isinstance(entry.last_error, StsThrottled)):
             return
         entry.quick_retry = True
         self.schedule.enqueue(entry, PRIO_WANTED)
+
+    # ---- the order of calls --------------------------------------------------------------------
+
+    def _sooner(self, entry: _Entry, req: CredentialRequest, *, queue: bool = True) -> None:
+        """A pod acquired the key (or came back with more to say): its deadline moves up to
+        when this pod could ask.  A pod with an address can ask at any moment; one without
+        cannot until its sandbox has one, so any addressed pod's key comes first."""
+        now = self.clock()
+        if req.pod_ip and not entry.addressed:
+            entry.addressed, entry.due = True, now
+        elif not entry.addressed:
+            entry.due = min(entry.due, now)
+        else:
+            return
+        if queue and entry.queued is not None:
+            self.schedule.enqueue(entry, entry.queued[0])   # re-ranked if it moved up
+
+    @staticmethod
+    def _deadline(entry: _Entry, prio: int) -> tuple[float, ...]:
+        """The key's place within its priority (earliest deadline first): waited-for keys
+        in the order their pods asked; new keys, those of addressed pods first, then by
+        when their first pod arrived; refreshes by when their credentials stop being
+        servable."""
+        if prio == PRIO_WANTED:
+            return (entry.asked_at,)
+        if prio == PRIO_NEW:
+            return (0.0 if entry.addressed else 1.0, entry.due)
+        return (entry.serve_until,)
 
     def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
         """A restarted control process: take over what a previous one left in the table, as
@@ -471,6 +518,7 @@ class CredentialManager:
 
     def _revive(self, entry: _Entry) -> None:
         entry.idle_since = None
+        entry.due, entry.addressed = float("inf"), False   # its new pods' (_sooner)
         self.schedule.cancel_timer(entry)     # the "free" timer
         now = self.clock()
         if entry.inflight:
@@ -519,6 +567,7 @@ class CredentialManager:
             self.metrics.inflight.set(self.schedule.inflight)
         elapsed = time.monotonic() - started
         if isinstance(result, Credentials):
+            milestones.mark("first STS answer")
             self.metrics.sts_call(key.role_arn, "Success", "success", elapsed)
             self._counts["sts_success"] += 1
             self.schedule.succeeded()

@@ -7,11 +7,27 @@ pauses the bucket (jittered exponential: the budget is account-wide) and halves 
 share of it (:func:`node_share`), which every node may always use.  At most ``max_inflight``
 calls are out at once.
 
-Calls are taken from a priority queue: a key a pod is *waiting* for (a worker said so) beats
-prefetching new keys, which beats refresh-ahead, and keeps that priority through its retries
-until it is servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a
-waited-for key does not wait for the node's token or pause: it borrows a token (debt of at
-most a burst, which later tokens pay back: over time the node's rate holds).
+A fleet arriving together (an autoscaler adding hundreds of nodes at once) stays within the
+account's budget from its first call.  With a fleet budget a node *starts* at its share with
+one token, and grows above it only after ``probe_after`` seconds without a throttling answer
+(from its start or the last one); nodes calm that long probe up to ``--sts-qps`` while STS
+accepts (a fleet whose nodes are mostly idle uses the budget).  Every call also takes a
+token of the node's *pace*, ``1 - headroom`` of its rate, whose first token comes at a
+random moment: nodes that start together do not call together, and the fleet's prefetch
+and refresh never take more than that part of the budget.  The headroom is for the calls
+no pod can wait for, which may go beyond the pace (below).  Nodes starting at
+``--sts-qps`` with a full burst took almost twice the budget at once and throttled each
+other; ``bench/fleet_sim.py`` measures both.
+
+Calls are taken earliest deadline first: by priority, then by when the credentials are
+needed (``rank``, the manager's).  A key a pod is *waiting* for (a worker said so) comes
+first, in the order the pods asked; then keys nobody has credentials for yet, the pods
+that can ask soonest first; then refresh-ahead, the credentials that stop being servable
+soonest first.  A waited-for key keeps its priority through its retries until it is
+servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a
+waited-for key does not wait for the node's token, pace or pause: it borrows a token (debt
+of at most a burst, which later tokens pay back by delaying the next prefetch: over time
+the node's rate holds).
 
 The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (the
 manager's) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
@@ -24,7 +40,7 @@ import asyncio
 import heapq
 import itertools
 import random
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Hashable
 
 from kiamfast.budget import TokenBucket, backoff
 
@@ -35,6 +51,14 @@ PRIO_REFRESH = 2    # refresh-ahead of credentials still being served
 # A throttled call of a key a pod's request is held for retries once this soon (seconds):
 # within the worker's wait budget (0.35 s by default), and spread so retries do not align.
 QUICK_RETRY = (0.05, 0.15)
+
+# With a fleet budget, a node stays at its share until it has run this long (seconds)
+# without a throttling answer: longer than a fleet's arrival takes to prefetch ...
+PROBE_AFTER = 60.0
+# ... and its pace leaves this part of its rate to the keys its pods ask for before they
+# are fetched (bench/fleet_sim.py's arrival at 500 nodes and 150/s: 0.2 peaked at 1.13x
+# the budget, 0.3 at 1.05x; at 2,000 nodes and 600/s, 0.3 at 1.07x).
+HEADROOM = 0.3
 
 
 def node_share(account_qps: float, fleet_nodes: int, node_qps: float) -> float:
@@ -57,23 +81,34 @@ class Schedule:
                  fetch: Callable[[Any, int], Awaitable[None]],
                  on_timer: Callable[[Any, str], None],
                  clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]],
+                 rank: Callable[[Any, int], tuple[Hashable, ...]] = lambda entry, prio: (),
+                 probe_after: float = 0.0, headroom: float = 0.0,
                  throttle_base: float = 1.0, throttle_max: float = 30.0,
                  rng: random.Random | None = None) -> None:
         self.bucket = bucket
+        self.rank = rank                    # (entry, prio) -> its deadline within the prio
+        self.probe_after = probe_after
+        self.rng = rng or random.Random()
+        # Every call also takes a token of the pace, (1 - headroom) of the node's rate (a
+        # waited-for key borrows one); its first token comes at a random moment.
+        self.headroom = headroom
+        self.pace = TokenBucket(bucket.rate * (1.0 - headroom), max(1, int(bucket.burst)),
+                                clock=clock, sleep=sleep, tokens=self.rng.random()
+                                ) if headroom else None
         self.max_inflight = max(1, max_inflight)
         self.fetch = fetch
         self.on_timer = on_timer
         self.clock = clock
         self.sleep = sleep
         self.throttle_base, self.throttle_max = throttle_base, throttle_max
-        self.rng = rng or random.Random()
         self.inflight = 0
         self.queued = 0                     # entries with a live item in the ready queue
-        self._ready: list[tuple[int, int, Any]] = []
+        self._ready: list[tuple[tuple[Any, ...], int, Any]] = []
         self._timers: list[tuple[float, int, int, str, Any]] = []
         self._seq = itertools.count()
         self._token_wait = False
         self._throttle_streak = 0
+        self._calm_since = clock()          # the start, or the last throttling answer
         self._work = asyncio.Event()        # the ready queue got an item
         self._timer_wake = asyncio.Event()  # an earlier timer was added
         self._slot_free = asyncio.Event()   # an in-flight call finished
@@ -83,16 +118,18 @@ class Schedule:
     # ---- what the manager asks ---------------------------------------------------------------
 
     def enqueue(self, entry: Any, prio: int) -> None:
+        """Queue the entry (again, if its priority or deadline moved up)."""
         if entry.freed or entry.inflight or entry.unsendable:
             return
         if entry.waiting:
             prio = PRIO_WANTED
-        if entry.queued is not None and entry.queued <= prio:
+        order = (prio, *self.rank(entry, prio))
+        if entry.queued is not None and entry.queued <= order:
             return
         if entry.queued is None:
             self.queued += 1
-        entry.queued = prio
-        heapq.heappush(self._ready, (prio, next(self._seq), entry))
+        entry.queued = order
+        heapq.heappush(self._ready, (order, next(self._seq), entry))
         self._work.set()
 
     def dequeue(self, entry: Any) -> None:
@@ -113,13 +150,20 @@ class Schedule:
     def cancel_timer(self, entry: Any) -> None:
         entry.timer += 1
 
+    @property
+    def probing(self) -> bool:
+        """Whether successes may take the rate up (``probe_after`` calm seconds have passed)."""
+        return self.clock() - self._calm_since >= self.probe_after
+
     def succeeded(self) -> None:
-        """An STS call succeeded: the rate may grow back."""
+        """An STS call succeeded: the rate may grow back (once the node has been calm)."""
         self._throttle_streak = 0
-        self.bucket.speed_up()
+        if self.probing:
+            self.bucket.speed_up()
 
     def throttled(self, ticket: int) -> None:
         """The call that took token ``ticket`` was throttled: the whole node pauses and slows."""
+        self._calm_since = max(self._calm_since, self.clock())
         self._throttle_streak += 1
         self.bucket.pause(backoff(self._throttle_streak, base=self.throttle_base,
                                   cap=self.throttle_max, rng=self.rng))
@@ -130,6 +174,13 @@ class Schedule:
         """Nothing in flight and nothing that could start before time moves on (queued work
         waiting for a token or the end of a throttling pause counts as settled)."""
         return not (self.inflight or (self.queued and not self._token_wait))
+
+    @property
+    def blocked(self) -> bool:
+        """Nothing more can start before time moves on or a call in flight returns (a
+        simulation whose STS takes simulated time waits for this)."""
+        return (not self.queued or self._token_wait
+                or self.inflight >= self.max_inflight)
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -156,18 +207,18 @@ class Schedule:
     def _wanted_first(self) -> bool:
         """The best item of the queue is a key a pod is waiting for."""
         while self._ready:
-            prio, _, entry = self._ready[0]
-            if entry.freed or entry.queued != prio:
+            order, _, entry = self._ready[0]
+            if entry.freed or entry.queued != order:
                 heapq.heappop(self._ready)
                 continue
-            return prio == PRIO_WANTED
+            return order[0] == PRIO_WANTED
         return False
 
     def _pop_ready(self) -> Any | None:
         while self._ready:
-            prio, _, entry = heapq.heappop(self._ready)
-            if entry.freed or entry.queued != prio:
-                continue  # superseded by a better priority, or freed
+            order, _, entry = heapq.heappop(self._ready)
+            if entry.freed or entry.queued != order:
+                continue  # superseded by a better priority or deadline, or freed
             entry.queued = None
             self.queued -= 1
             if entry.inflight or entry.idle_since is not None:
@@ -211,8 +262,16 @@ class Schedule:
                 await self._slot_free.wait()
                 continue
             wait = self.bucket.try_take()
-            if wait > 0 and self._wanted_first() and self.bucket.borrow():
+            wanted = self._wanted_first()
+            if wait > 0 and wanted and self.bucket.borrow():
                 wait = 0.0      # a pod is held for it: go now, later tokens pay it back
+            paced = wait <= 0 and self.pace is not None
+            if paced:
+                wait = self._pace_take()
+                if wait > 0 and wanted and self.pace.borrow():
+                    wait = 0.0
+                elif wait > 0:
+                    self.bucket.refund()
             if wait > 0:  # rate limit or throttling pause: sleep, then look again
                 self._token_wait = True
                 self._work.clear()      # a key a pod waits for cuts the wait short
@@ -224,12 +283,20 @@ class Schedule:
             entry = self._pop_ready()
             if entry is None:
                 self.bucket.refund()
+                if paced:
+                    self.pace.refund()
                 continue
             entry.inflight = True
             self.inflight += 1
             task = asyncio.create_task(self._run_fetch(entry, self.bucket.tickets))
             self._fetches.add(task)
             task.add_done_callback(self._fetches.discard)
+
+    def _pace_take(self) -> float:
+        """A token of the pace, which follows the node's rate (0), or how long to wait."""
+        self.pace.tokens                    # what it saved so far, at the rate it had
+        self.pace.rate = self.bucket.rate * (1.0 - self.headroom)
+        return self.pace.try_take()
 
     async def _run_fetch(self, entry: Any, ticket: int) -> None:
         try:
