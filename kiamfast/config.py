@@ -423,6 +423,22 @@ FLAGS: tuple[Flag, ...] = (
     _f("container-credentials-audience", "str", "kiamfast.io/container-credentials",
        "Audience a container-credentials token must be issued for (the projected token "
        "volume's audience)."),
+    # ---- handing the node over (docs/architecture.md, "Handing the node over") ------------
+    _f("socket-keeper", "str", "", "Unix socket of the pod's socket keeper (a second "
+       "container running `kiamfast keep-sockets --socket PATH`, PATH in an emptyDir both "
+       "mount): the listening sockets are deposited there and taken back when this "
+       "container restarts, so pods' connections wait in the backlog instead of being "
+       "refused. \"\" = off."),
+    _f("handover-socket", "str", "", "Unix socket (mode 0600, in a directory only root "
+       "reaches, e.g. the stateDir /run/kiamfast) where this agent hands the node over to "
+       "the next one: a new agent that finds --app-port taken and this socket live takes "
+       "the listening sockets and the table over without a refused "
+       "connection (surge upgrades and rollbacks). \"\" = off: a second agent stops at "
+       "bind."),
+    _f("ready-file", "str", "", "A file (in the container's own file system, not the "
+       "hostPath) that exists exactly while this agent's own control process is ready, for "
+       "an exec readiness probe (`test -f`): on a port two agents share during a handover, "
+       "an HTTP probe cannot tell which one answered. \"\" = off."),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -528,6 +544,9 @@ class Config:
     container_credentials_addr: str = _default("container-credentials-addr")
     container_credentials_link: str = _default("container-credentials-link")
     container_credentials_audience: str = _default("container-credentials-audience")
+    socket_keeper: str = _default("socket-keeper")
+    handover_socket: str = _default("handover-socket")
+    ready_file: str = _default("ready-file")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
     #: Fields whose value was derived from others (so replace() derives them again).

@@ -35,7 +35,7 @@ from kiamfast import __version__, channel, logs
 from kiamfast import table as tbl
 from kiamfast.cli import build_info
 from kiamfast.config import Config, container_credentials_addrs
-from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint
+from kiamfast.control import iptables, imds_client, runtime, runtime_link, taint, writer_lock
 from kiamfast.control.credentials import CredentialManager
 from kiamfast.control.ownership import Ownership
 from kiamfast.control.pods import PodWatcher
@@ -341,6 +341,7 @@ class ControlProcess:
 
     async def _heartbeat(self) -> None:
         while True:
+            writer_lock.check_sole_writer(self.table)
             self.table.heartbeat()
             self.manager.reclaim()     # slots a restart held, once no address names them
             await asyncio.sleep(HEARTBEAT_INTERVAL)
@@ -510,9 +511,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel-fds", default="")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--container-credentials-fds", default="")
+    parser.add_argument("--table-lock-fd", type=int, default=-1,
+                        help="inherited descriptor of the table's lock file: held before "
+                             "the table is written (control/writer_lock.py)")
+    parser.add_argument("--ready-fd", type=int, default=-1,
+                        help="inherited pipe: one byte once in standby for the lock")
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
+    if args.table_lock_fd >= 0:
+        writer_lock.hold(args.table_lock_fd, ready_fd=args.ready_fd)
+    try:
+        return _serve(config, args)
+    finally:
+        if args.table_lock_fd >= 0:
+            writer_lock.release(args.table_lock_fd)
+
+
+def _serve(config: Config, args: argparse.Namespace) -> int:
     table = tbl.Table.attach(args.table, writer=True)
     if table.repaired:
         log.warning("repaired %d slots a previous control process left half-written or "
