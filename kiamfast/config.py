@@ -439,6 +439,15 @@ FLAGS: tuple[Flag, ...] = (
        "hostPath) that exists exactly while this agent's own control process is ready, for "
        "an exec readiness probe (`test -f`): on a port two agents share during a handover, "
        "an HTTP probe cannot tell which one answered. \"\" = off."),
+    _f("iptables-backstop", "bool", False, "With --iptables: also reject (TCP reset) pods' "
+       "connections to the metadata address that were not redirected, in the filter "
+       "table's INPUT and FORWARD chains, so a pod never reaches the node's metadata "
+       "service while the DNAT rule is missing (e.g. deleted by kube2iam's preStop hook). "
+       "Kept on exit like the DNAT rule."),
+    _f("iptables-check-interval", "duration", 0.0, "With --iptables: check this often that "
+       "the DNAT rule (and the backstop) are still there and put back what is missing; "
+       "with the nft backend a rule change is also noticed at once (netlink). 0 = install "
+       "once at start."),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -547,6 +556,8 @@ class Config:
     socket_keeper: str = _default("socket-keeper")
     handover_socket: str = _default("handover-socket")
     ready_file: str = _default("ready-file")
+    iptables_backstop: bool = _default("iptables-backstop")
+    iptables_check_interval: float = _default("iptables-check-interval")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
     #: Fields whose value was derived from others (so replace() derives them again).

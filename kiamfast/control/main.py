@@ -125,8 +125,10 @@ class ControlProcess:
         self.table.set_status(ready=False, synced=False)
         if self.config.auto_discover_base_arn or self.config.auto_discover_default_role:
             self.config = await loop.run_in_executor(None, discover_roles, self.config)
+        rules = None
         if self.config.iptables:
-            await loop.run_in_executor(None, iptables.install_rules, self.config)
+            rules = iptables.RuleKeeper(self.config)
+            await loop.run_in_executor(None, rules.install)
         self.sts = StsClient.from_config(self.config)
         self.manager = CredentialManager.from_config(
             self.config, table=self.table, sts=self.sts, notify=self.notify,
@@ -165,6 +167,8 @@ class ControlProcess:
             from kubernetes import client as kclient
             tasks.append(asyncio.create_task(follow_node_count(
                 kclient.CoreV1Api(self.watcher.api_client), self.manager), name="node-count"))
+        if rules is not None and self.config.iptables_check_interval > 0:
+            tasks.append(asyncio.create_task(rules.run(), name="iptables"))
         if self.poller is not None:
             tasks.append(asyncio.create_task(self.poller.run(), name="runtime"))
             tasks.append(asyncio.create_task(self._watch_runtime_link(), name="runtime-link"))
