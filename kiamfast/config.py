@@ -435,6 +435,10 @@ FLAGS: tuple[Flag, ...] = (
        "the listening sockets and the table over without a refused "
        "connection (surge upgrades and rollbacks). \"\" = off: a second agent stops at "
        "bind."),
+    _f("handover-port", "int", 0, "Where --app-port is held by a process that cannot hand "
+       "over (kube2iam, a kiamfast without --handover-socket): serve on this port, insert a "
+       "DNAT rule to it ahead of the old one once ready, and move back to --app-port when "
+       "the old process lets go of it. 0 = off: stop at bind."),
     _f("ready-file", "str", "", "A file (in the container's own file system, not the "
        "hostPath) that exists exactly while this agent's own control process is ready, for "
        "an exec readiness probe (`test -f`): on a port two agents share during a handover, "
@@ -555,6 +559,7 @@ class Config:
     container_credentials_audience: str = _default("container-credentials-audience")
     socket_keeper: str = _default("socket-keeper")
     handover_socket: str = _default("handover-socket")
+    handover_port: int = _default("handover-port")
     ready_file: str = _default("ready-file")
     iptables_backstop: bool = _default("iptables-backstop")
     iptables_check_interval: float = _default("iptables-check-interval")
@@ -681,6 +686,10 @@ def _normalise_and_validate(c: Config) -> None:
         port = getattr(c, name.replace("-", "_"))
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(name, "must be a port number 1-65535", value=port)
+    if c.handover_port and (not 0 < c.handover_port < 65536
+                            or c.handover_port in (c.app_port, c.metrics_port)):
+        raise ConfigError("handover-port", "must be 0 (off) or a port number 1-65535 other "
+                          "than --app-port and --metrics-port", value=c.handover_port)
     if not 1 <= c.workers <= 64:
         raise ConfigError("workers", "must be between 1 and 64", value=c.workers)
     if not c.passthrough_qps > 0:

@@ -34,12 +34,14 @@ STS call; who owns which address, and every date of a runtime poll, is forgotten
 Where the sockets come from, first match wins (docs/architecture.md, "Handing the node
 over"): an agent serving at ``--handover-socket`` (taken over: handover.py); the socket
 keeper (``--socket-keeper``: this container was restarted, keeper_client.py); binding them
-here.  Sockets that outlived the previous agent prove the
+here; and where another process holds ``--app-port`` and cannot hand over, the second port
+(``--handover-port``, secondport.py).  Sockets that outlived the previous agent prove the
 host did not reboot, so its table is served on as it is when it was written moments ago.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -52,14 +54,14 @@ from kiamfast.config import EXIT_CONFIG, Config, config_to_json
 from kiamfast.container_credentials.link import LinkError
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.sockets import ListenError
-from kiamfast.supervisor import handover, keeper_client
+from kiamfast.supervisor import handover, keeper_client, secondport
 from kiamfast.supervisor.children import CHILD_PYTHON, RESTART_BACKOFF_MAX, Child, wait_ready
 from kiamfast.supervisor.listeners import (APP, CONTAINER, METRICS, SECOND, ForeignSocket,
                                            Listener, of_kind, take)
 from kiamfast.supervisor.readiness import ReadyFile, own_control_ready
 from kiamfast.supervisor.statefiles import (alternate_table_path, load_token_key, lock_table,
                                             open_lock, open_table, table_layout,
-                                            table_to_continue, token_key_fd)
+                                            table_to_continue, token_key_fd, try_lock_table)
 from kiamfast.table import Table
 
 log = logging.getLogger("kiamfast.supervisor")
@@ -107,6 +109,7 @@ class Supervisor:
         self.keeper = keeper_client.KeeperLink(config.socket_keeper) \
             if config.socket_keeper else None
         self.point: socket.socket | None = None     # --handover-socket, listening
+        self.second: secondport.SecondPort | None = None
         self.ready_file = ReadyFile(config.ready_file)
         self.idle = False             # handed the node over: nothing to serve, nothing to restart
         self._keeper_checked = 0.0
@@ -126,7 +129,7 @@ class Supervisor:
 
     def prepare(self) -> None:
         """Get the sockets (the keeper's, else bound here: a running agent on the port stops
-        us here), take the table lock (a previous agent's control
+        us here, unless --handover-port), take the table lock (a previous agent's control
         process gets LOCK_WAIT to exit), then the table and key, and build the children."""
         cfg = self.config
         deposit = keeper_client.fetch(cfg.socket_keeper) if cfg.socket_keeper else None
@@ -136,20 +139,43 @@ class Supervisor:
             self.idle = True
             return
         received = deposit.received if deposit is not None else []
-        self.held = take(self.config, received)
+        kinds = {d.get("kind") for d, _ in received}
+        second = SECOND in kinds and APP not in kinds   # deposited before the move back
+        try:
+            self.held = take(self.config, received, second_port=second)
+        except ListenError as e:
+            if e.errno != errno.EADDRINUSE or e.port != cfg.app_port \
+                    or not cfg.handover_port or received:
+                raise
+            second = True
+            self.held = take(self.config, [], second_port=True, skip_taken=(METRICS,
+                                                                            CONTAINER))
+        if second:
+            self.second = secondport.SecondPort(self)
         note_path = deposit.note.get("table_path") if deposit is not None else None
-        self._open_table(continuing=bool(received), note_path=note_path)
+        self._open_table(continuing=bool(received), note_path=note_path,
+                         second_port=second)
         self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
         self._build_children()
 
-    def _open_table(self, *, continuing: bool, note_path: str | None) -> None:
+    def _open_table(self, *, continuing: bool, note_path: str | None,
+                    second_port: bool) -> None:
         """The table lock and the table.  Sockets from the keeper (``continuing``): the table
         they were served from, on as it is if written moments ago; else adopted or created
-        (today's start)."""
+        (today's start).  On the second port, the old agent's lock may be held: then the
+        alternate table."""
         cfg = self.config
         path = note_path if note_path in (cfg.table_path,
                                           alternate_table_path(cfg.table_path)) \
             else cfg.table_path
+        if second_port and not note_path:
+            fd = try_lock_table(path)
+            if fd is None:
+                path = alternate_table_path(path)
+                log.warning("the table lock of %s is held (a kiamfast that cannot hand "
+                            "over): this agent writes %s", cfg.table_path, path)
+            else:
+                os.close(fd)
         self.table_path = path
         self.lock_fd = lock_table(path)
         if continuing:
@@ -254,6 +280,8 @@ class Supervisor:
         if self.idle:
             return self._idle()
         if not took_over:
+            if cfg.handover_port and self.second is None:
+                secondport.remove_stale_rules(cfg)
             # All at once: the sockets are listening already (a pod's connection waits in the
             # backlog for the first worker, never refused), so the control process may
             # install the DNAT rule while the workers start, and its imports overlap theirs.
@@ -274,7 +302,12 @@ class Supervisor:
             if code is not None:
                 self.stop()
                 return code
-            self._refresh_keeper(time.monotonic())
+            now = time.monotonic()
+            if self.second is not None:
+                self.second.tick(now)
+                if self.second.state == "done":
+                    self.second = None
+            self._refresh_keeper(now)
             self.ready_file.show(self.own_control_ready())
             if self._serve_takeover():
                 return self._idle()
@@ -319,6 +352,8 @@ class Supervisor:
 
     def stop(self) -> None:
         """SIGTERM every child (workers finish in-flight requests), then SIGKILL stragglers."""
+        if self.second is not None:
+            self.second.stop()
         self.ready_file.show(False)
         live = [c.proc for c in self._all_children() if c.proc and c.proc.poll() is None]
         for p in live:
@@ -387,7 +422,7 @@ class Supervisor:
             return handover.hand_over(conn, self)
 
     def refusal(self) -> str:
-        return ""
+        return self.second.busy() if self.second is not None else ""
 
     def offer(self) -> tuple[str, list[dict], list[int]]:
         return (self.table_path, [lst.description() for lst in self.held],
@@ -502,6 +537,27 @@ class Supervisor:
         for child in self._all_children():
             child.stop(STOP_GRACE)
         self.close()
+
+    # ---- the second port (secondport.SecondPort) ---------------------------------------------
+
+    def add_listener(self, lst: Listener) -> None:
+        self.held.append(lst)
+
+    def drop_listeners(self, gone: list[Listener]) -> None:
+        self.held = [lst for lst in self.held if lst not in gone]
+
+    def swap_workers(self) -> None:
+        """New workers on what ``self.held`` holds now, then the old ones retire: there is
+        always a worker accepting on every port a rule points to."""
+        old = self.children
+        self.children = [self._worker(i) for i in range(self.config.workers)]
+        for child in self.children:
+            child.start(tell_ready=True)
+        problem = wait_ready(self.children, handover.ARM_TIMEOUT)
+        if problem:
+            log.error("new workers: %s", problem)
+        for child in old:
+            child.stop(STOP_GRACE)
 
 
 def run(config: Config) -> int:

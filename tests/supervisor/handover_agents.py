@@ -72,10 +72,13 @@ class Node:
         return [c for c in calls if not c.ok or self.role_of(c.access_key) != ROLE]
 
 
-def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+def wait_until(condition, what, timeout: float = 60.0) -> None:
+    """Wait for ``condition()``; fail with ``what`` (a string, or a callable giving one when
+    it fails: an agent's log as it is then)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, what
+        if time.monotonic() >= deadline:
+            raise AssertionError(what() if callable(what) else what)
         time.sleep(0.02)
 
 

@@ -41,8 +41,8 @@ def test_a_new_agent_takes_the_node_over_and_no_call_fails(node):
     old_workers = old.children("kiamfast.server.worker")
 
     new = node.agent("new")
-    wait_until(lambda: serving(new), "the new agent never became ready:\n" + new.log())
-    wait_until(lambda: idle(old), "the old agent did not go idle:\n" + old.log())
+    wait_until(lambda: serving(new), lambda: "the new agent never became ready:\n" + new.log())
+    wait_until(lambda: idle(old), lambda: "the old agent did not go idle:\n" + old.log())
     assert not serving(old)                   # its readiness is its own, not the port's
     calls_before_end = sum(len(c.snapshot()) for c in callers)
     wait_until(lambda: sum(len(c.snapshot()) for c in callers) > calls_before_end + 20,
@@ -66,7 +66,8 @@ def test_the_old_agent_serves_on_when_the_new_one_dies_before_it_stopped(node):
     new = node.agent("new")
     wait_until(lambda: "started control" in new.log(), "the new agent never armed")
     kill_tree(new)
-    wait_until(lambda: "ended after" in old.log(), "the old agent never noticed:\n" + old.log())
+    wait_until(lambda: "ended after" in old.log(),
+               lambda: "the old agent never noticed:\n" + old.log())
     calls = [call for c in callers for call in c.stop()]
     assert node.wrong(calls) == [], summary(calls)
     assert old.children("kiamfast.server.worker") == workers   # never stopped
@@ -83,9 +84,9 @@ def test_the_old_agent_resumes_when_the_new_one_dies_after_it_let_go(node):
     os.kill(control, signal.SIGSTOP)         # it will not take the lock when it is free
     wait_until(lambda: "the table lock is free" in old.log(), "the old agent never let go")
     kill_tree(new)
-    wait_until(lambda: "serving again" in old.log(), "the old agent never resumed:\n"
-               + old.log())
-    wait_until(lambda: serving(old), "the old agent never got ready again:\n" + old.log())
+    wait_until(lambda: "serving again" in old.log(),
+               lambda: "the old agent never resumed:\n" + old.log())
+    wait_until(lambda: serving(old), lambda: "the old agent never got ready again:\n" + old.log())
     calls = [call for c in callers for call in c.stop()]
     # Waited for (the backlog holds them while the old agent starts again), never refused,
     # never another role.
@@ -119,7 +120,7 @@ def test_an_agent_in_the_middle_of_its_own_takeover_is_not_taken_over(node):
     second = node.agent("second")
     wait_until(lambda: "started control" in second.log(), "the second agent never armed")
     third = node.agent("third")
-    wait_until(lambda: serving(third), "the third agent never ready:\n" + third.log())
+    wait_until(lambda: serving(third), lambda: "the third agent never ready:\n" + third.log())
     wait_until(lambda: idle(second) and idle(first), "the others never idle")
     calls = [call for c in callers for call in c.stop()]
     assert node.wrong(calls) == [], summary(calls)

@@ -59,7 +59,8 @@ def start_keeper(path: str) -> subprocess.Popen:
 def test_a_killed_agent_with_a_keeper_loses_no_call(node, keeper):
     agent = node.agent("agent", handover=False, keeper=keeper)
     agent.wait_ready()
-    wait_until(lambda: "deposited 1 socket" in agent.log(), "nothing deposited:\n" + agent.log())
+    wait_until(lambda: "deposited 1 socket" in agent.log(),
+               lambda: "nothing deposited:\n" + agent.log())
     callers = node.callers(timeout=5.0)
     wait_until(lambda: all(c.snapshot() for c in callers), "no call made")
 
@@ -67,7 +68,7 @@ def test_a_killed_agent_with_a_keeper_loses_no_call(node, keeper):
     time.sleep(DOWN)
     restarted = time.monotonic()
     again = node.agent("agent-again", handover=False, keeper=keeper)
-    wait_until(lambda: serving(again), "the restarted agent never ready:\n" + again.log())
+    wait_until(lambda: serving(again), lambda: "the restarted agent never ready:\n" + again.log())
     time.sleep(0.3)
     calls = [call for c in callers for call in c.stop()]
 
@@ -88,7 +89,7 @@ def test_without_a_keeper_the_calls_meanwhile_are_refused(node):
     kill_tree(agent)
     time.sleep(DOWN)
     again = node.agent("agent-again", handover=False)
-    wait_until(lambda: serving(again), "the restarted agent never ready:\n" + again.log())
+    wait_until(lambda: serving(again), lambda: "the restarted agent never ready:\n" + again.log())
     calls = [call for c in callers for call in c.stop()]
     outcomes = summary(calls)
     assert outcomes.get("refused", 0) > 0, outcomes
