@@ -18,7 +18,9 @@ call with the runtime view on and off; needs root and tests/k8s/build.sh's binar
 hot path on one core, on loopback and through the DNAT, node start, CPU, RSS, workers),
 ``container-credentials`` (bench/container_credentials.py: the token path beside the same
 agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's cost to
-the others).
+the others), ``handover`` (bench/handover.py: 30 pods asking through the DNAT during a
+surge handover, a rolling restart and a container crash, kube2iam's restart beside; the
+socket keeper's memory; the cost of re-asserting the DNAT rule; root only).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -44,7 +46,7 @@ import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
 SECTIONS = ("hotpath", "churn", "node_start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
-            "container-credentials")
+            "container-credentials", "handover")
 
 
 @dataclass
@@ -550,10 +552,22 @@ def section_container_credentials(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_handover(quick: bool, out: Path, log) -> Section:
+    import handover as ho
+    res = ho.run(ho.QUICK if quick else ho.Options(), log=log)
+    sec = Section("Handing the node over: surge, rolling restart, container crash, kube2iam")
+    sec.body = ho.markdown(res)
+    sec.headline = ho.headline(res)
+    sec.raw = {"options": res.options, "scenarios": [s.__dict__ for s in res.scenarios],
+               "keeper": res.keeper, "recheck": res.recheck, "skipped": res.skipped}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node_start": section_node_start, "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
-           "container-credentials": section_container_credentials}
+           "container-credentials": section_container_credentials,
+           "handover": section_handover}
 
 
 # ---- the report ------------------------------------------------------------------------------

@@ -15,13 +15,12 @@ Only our own uid may take part: :func:`listen` creates the Unix socket mode 0600
 random name and renames it into place, :func:`connect` refuses a path that is not a socket
 of our uid with no group or other bits (as the state files are checked), and both sides
 check the peer's uid with ``SO_PEERCRED``.  A leaf module: it imports nothing of kiamfast, so
-the socket keeper stays a small process.
+the socket keeper stays a small process (no ``secrets``: it loads OpenSSL, 4 MiB).
 """
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import stat
 import struct
@@ -49,7 +48,7 @@ def listen(path: str, *, backlog: int = 8) -> socket.socket:
     there: bound under a random name in the same directory and renamed into place (atomic;
     a planted symlink is replaced, never followed)."""
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}")
+    tmp = os.path.join(directory, f".{name}.{os.urandom(6).hex()}")   # not secrets: OpenSSL
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old = os.umask(0o177)

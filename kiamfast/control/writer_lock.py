@@ -28,15 +28,13 @@ class NotSoleWriter(Exception):
 
 
 def hold(lock_fd: int, *, ready_fd: int | None = None) -> None:
-    """Block until this process holds the exclusive lock of ``lock_fd``; first tell the
-    supervisor (one byte on ``ready_fd``) that everything before the lock is done."""
-    if ready_fd is not None and ready_fd >= 0:
-        try:
-            os.write(ready_fd, b"c")
-        except OSError:
-            pass
-        finally:
-            os.close(ready_fd)
+    """Block until this process holds the exclusive lock of ``lock_fd``.  On ``ready_fd``
+    (the supervisor's pipe) it first writes ``c``: everything before the lock is done; then,
+    holding the lock, ``L`` and the CLOCK_MONOTONIC ns it got it at (8 bytes, little
+    endian): a runtime poll dated later is this process's, not the previous writer's."""
+    tell = ready_fd is not None and ready_fd >= 0
+    if tell:
+        _write(ready_fd, b"c")
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -45,9 +43,20 @@ def hold(lock_fd: int, *, ready_fd: int | None = None) -> None:
         started = time.monotonic()
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         log.info("holding the table lock after %.3fs in standby", time.monotonic() - started)
-    # The evidence tests/supervisor/test_one_writer.py checks: from here until this process
-    # exits, nobody else may write the table.
-    log.info("table writer from %d", time.monotonic_ns(), extra={"pid": os.getpid()})
+    held = time.monotonic_ns()
+    if tell:
+        _write(ready_fd, b"L" + held.to_bytes(8, "little"))
+        os.close(ready_fd)
+    # The evidence tests/supervisor/test_handover.py checks: from here until this process
+    # lets go of the lock, nobody else may write the table.
+    log.info("table writer from %d", held, extra={"pid": os.getpid()})
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass   # the supervisor stopped listening: nothing to tell
 
 
 def check_sole_writer(table) -> None:

@@ -75,6 +75,19 @@ class Child:
             proc.kill()
             proc.wait()
 
+    def close_ready_pipe(self) -> None:
+        if self.ready_pipe >= 0:
+            os.close(self.ready_pipe)
+            self.ready_pipe = -1
+
+    def read_ready(self, size: int, timeout: float) -> bytes:
+        """Up to ``size`` more bytes the child says on its ready pipe (b"" if it closed it
+        or said nothing in time)."""
+        if self.ready_pipe < 0:
+            return b""
+        readable, _, _ = select.select([self.ready_pipe], [], [], timeout)
+        return os.read(self.ready_pipe, size) if readable else b""
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -102,9 +115,10 @@ class Child:
                     ran, self.backoff)
 
 
-def wait_ready(children: list[Child], timeout: float) -> str:
+def wait_ready(children: list[Child], timeout: float, *,
+               keep_open: tuple[Child, ...] = ()) -> str:
     """Wait for the ready byte of every child started with ``tell_ready``; "" when all
-    said it, else what went wrong."""
+    said it, else what went wrong.  The pipes of ``keep_open`` stay open (more to say)."""
     waiting = {c.ready_pipe: c for c in children if c.ready_pipe >= 0}
     deadline = time.monotonic() + timeout
     try:
@@ -123,6 +137,5 @@ def wait_ready(children: list[Child], timeout: float) -> str:
         return ""
     finally:
         for child in children:
-            if child.ready_pipe >= 0:
-                os.close(child.ready_pipe)
-                child.ready_pipe = -1
+            if child.ready_pipe >= 0 and child not in keep_open:
+                child.close_ready_pipe()

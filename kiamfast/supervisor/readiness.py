@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -44,11 +45,22 @@ class ReadyFile:
         self.shown = ready
 
 
-def own_control_ready(view, control_pid: int | None) -> bool:
-    """Whether the table ``view`` is marked ready by the control process ``control_pid``."""
+def own_control_ready(view, control_pid: int | None, since_ns: int) -> bool:
+    """Whether the table ``view`` is marked ready by the control process ``control_pid``,
+    which became its writer at ``since_ns`` (CLOCK_MONOTONIC).
+
+    The header names the writer from its attach on, but ``ready`` may still be the previous
+    writer's (a takeover, a table served on after a crash) until the new one clears it at
+    its start.  Its heartbeats come after that: one dated after ``since_ns`` (read before
+    ``ready``, both published with release) proves the flag is this writer's."""
     if view is None or control_pid is None:
         return False
     try:
-        return view.writer_pid == control_pid and view.ready
+        if view.writer_pid != control_pid:
+            return False
+        age = view.heartbeat_age
+        if age is None or time.monotonic_ns() - age * 1e9 <= since_ns:
+            return False
+        return view.ready
     except Exception:   # a closed table: not ready
         return False

@@ -72,6 +72,7 @@ STOP_GRACE = 10.0
 # (its backoff), which the workers serve through as well.
 CONTINUE_WITHIN = RESTART_BACKOFF_MAX
 TAKEOVER_TABLE_AGE = 60.0   # the serving agent's table: its heartbeat is seconds old at most
+FIRST_POLL_WAIT = 5.0       # runtime mode: connections wait in the backlog this long at most
 KEEPER_REFRESH = 2.0
 
 
@@ -112,6 +113,7 @@ class Supervisor:
         self.second: secondport.SecondPort | None = None
         self.ready_file = ReadyFile(config.ready_file)
         self.idle = False             # handed the node over: nothing to serve, nothing to restart
+        self._locked_at: int | None = None   # when our control process took the lock (takeover)
         self._keeper_checked = 0.0
 
     # ---- what prepare() set up, as before ----------------------------------------------------
@@ -336,8 +338,10 @@ class Supervisor:
         return list(self.children)
 
     def own_control_ready(self) -> bool:
-        return own_control_ready(self.view, self.control.pid if self.control and
-                                 self.control.alive() else None)
+        if self.control is None or not self.control.alive():
+            return False
+        since = max(int(self.control.started * 1e9), self._locked_at or 0)
+        return own_control_ready(self.view, self.control.pid, since)
 
     def _reap_and_restart(self) -> int | None:
         """Restart children that died; the exit code to stop with when the control process
@@ -430,9 +434,11 @@ class Supervisor:
 
     def stop_accepting(self) -> None:
         """The workers close their listening sockets, answer what they hold and exit."""
+        started = time.monotonic()
         for child in self.children:
             child.stop(STOP_GRACE)
-        log.info("workers stopped for the handover")
+        log.info("workers stopped for the handover in %.0f ms",
+                 (time.monotonic() - started) * 1000)
 
     def release(self) -> None:
         """The control process exits and the table lock goes with our descriptor of it."""
@@ -440,18 +446,21 @@ class Supervisor:
         if self.control is not None and self.control.alive():
             self.control.restart = False
             self.control.proc.terminate()
-        # The control process's descriptor holds the lock until its last write; ours would
-        # hold it on until it has finished exiting.
+        # The control process lets go of its descriptor of the lock right after its last
+        # write; ours would hold the lock on.  The new control process takes it then: it
+        # need not wait for ours to finish exiting (the interpreter's teardown can take a
+        # second), and neither does the new agent.
         os.close(self.lock_fd)
         self.lock_fd = -1
-        if self.control is not None:
-            self.control.stop(STOP_GRACE)
-        log.info("control process stopped for the handover: the table lock is free")
+        log.info("control process told to stop for the handover: the table lock is free "
+                 "after its last write")
 
     def resume(self) -> None:
         """The takeover failed half-way: serve again on the sockets we still hold.  Once
         the lock was let go, the workers start at once (they serve the table as it is) and
         the new control process waits in standby until the other agent's has exited."""
+        if self.control is not None and not self.control.restart:
+            self.control.stop(STOP_GRACE)       # still exiting after release()
         if self.lock_fd < 0:
             self.lock_fd = open_lock(self.table_path)
             self._build_children()   # new channels, the new lock descriptor
@@ -463,6 +472,8 @@ class Supervisor:
 
     def retire(self) -> None:
         """Handed over: nothing of ours serves any more."""
+        if self.control is not None:
+            self.control.stop(STOP_GRACE)       # reap it (it let go of the lock already)
         for lst in self.held:
             lst.close()
         self.held = []
@@ -500,7 +511,8 @@ class Supervisor:
         for child in self.children:
             child.start(extra_argv=("--paused",), tell_ready=True)
         self.control.start(tell_ready=True)
-        problem = wait_ready(self._all_children(), handover.ARM_TIMEOUT)
+        problem = wait_ready(self._all_children(), handover.ARM_TIMEOUT,
+                             keep_open=(self.control,))
         if problem:
             raise handover.HandoverFailed(problem)
         self.deposit()
@@ -509,17 +521,54 @@ class Supervisor:
         """When our workers start accepting: as soon as the old ones stopped if they answer
         known pods from the table at once (API mode), after the old control process let go
         if every new connection needs a runtime poll of ours."""
-        runtime = self.view is not None and self.view.runtime_mode
-        return step == ("released" if runtime else "stopped-accepting")
+        return step == ("released" if self._runtime_mode() else "stopped-accepting")
+
+    def _runtime_mode(self) -> bool:
+        return self.view is not None and self.view.runtime_mode
 
     def start_accepting(self) -> None:
+        if self._runtime_mode():
+            self._await_first_poll()
         for child in self.children:
             if child.alive():
                 os.kill(child.pid, signal.SIGUSR1)
         log.info("workers accepting")
 
+    def _await_first_poll(self) -> None:
+        """Runtime mode: a connection is answered only after a poll our control process
+        begins after it, and our control process polls on demand only once it runs.  Until
+        its first poll (or failed attempt) is in the table, connections wait in the backlog
+        (no wait budget burns there), not in a worker (whose budget ends in 503).  A poll is
+        ours if it began after our control process took the lock (it says when)."""
+        deadline = time.monotonic() + FIRST_POLL_WAIT
+        locked_at = self._lock_taken_at(deadline)
+        while locked_at is None or max(self.view.verified_ns, self.view.failed_ns) < locked_at:
+            if time.monotonic() > deadline or not self.control.alive():
+                log.warning("our control process has not polled the runtime yet; accepting "
+                            "anyway")
+                return
+            time.sleep(0.002)
+        log.info("our control process polled the runtime %.0f ms after it took the lock",
+                 (time.monotonic_ns() - locked_at) / 1e6)
+
+    def _lock_taken_at(self, deadline: float) -> int | None:
+        """When our control process took the table lock (CLOCK_MONOTONIC ns), from its
+        ready pipe (writer_lock.hold); None if it has not said so by ``deadline``."""
+        if self._locked_at is None:
+            said = b""
+            while len(said) < 9 and time.monotonic() < deadline:
+                more = self.control.read_ready(9 - len(said), deadline - time.monotonic())
+                if not more:
+                    break
+                said += more
+            self.control.close_ready_pipe()
+            if len(said) == 9 and said[:1] == b"L":
+                self._locked_at = int.from_bytes(said[1:], "little")
+        return self._locked_at
+
     def await_writer(self) -> None:
         deadline = time.monotonic() + handover.FINISH_TIMEOUT
+        self._lock_taken_at(deadline)
         while not (self.view.writer_pid == self.control.pid):
             if not self.control.alive():
                 raise handover.HandoverFailed("the control process exited before it held "

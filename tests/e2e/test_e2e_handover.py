@@ -160,3 +160,30 @@ def test_the_switch_from_kube2iam_never_fails_open(node):
     assert bad == [], outcomes(calls)
     assert [r.split("--to-destination ")[1] for r in node.dnat_rules()] == ["10.77.0.1:8181"]
     assert serving(agent) and not idle(agent)
+
+
+def test_a_surge_handover_on_a_node_with_a_container_runtime(runtime_node):
+    """Addresses follow containerd: every new connection waits for a runtime poll begun
+    after it, which only the new control process can make once it holds the lock; so the
+    new workers accept only after its first poll (connections wait in the backlog
+    meanwhile, where no wait budget runs out), and every call is answered.  How long they
+    wait is the new control process's start after the lock (its API and STS clients,
+    0.65-4.4 s on this shared machine): with the SDKs' 1 s timeout some would give up, so
+    these pods wait 5 s and the test reports the slowest."""
+    node = runtime_node
+    old = handover_agent(node, "old").start()
+    old.wait_ready()
+    pods = [node.add_pod(name, role=role, ip_in_api=True) for name, _, role in PODS]
+    for pod in pods:
+        assert pod.wait_credentials().ok
+    callers = pod_callers(pods, timeout=5.0)
+    time.sleep(0.5)
+    new = handover_agent(node, "new").start()
+    wait_until(lambda: serving(new), lambda: "new agent never ready\n" + new.log())
+    wait_until(lambda: idle(old), lambda: "old agent never idle\n" + old.log())
+    time.sleep(0.5)
+    calls = stop_all(callers)
+    slowest = max(c.took for _, c in calls)
+    print(f"surge handover, runtime mode: {outcomes(calls)}; slowest call {slowest:.2f}s")
+    never_wrong(node, calls)
+    assert failed(calls) == [], (outcomes(calls), failed(calls)[:5])

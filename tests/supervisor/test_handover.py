@@ -89,8 +89,11 @@ def test_the_old_agent_resumes_when_the_new_one_dies_after_it_let_go(node):
     wait_until(lambda: serving(old), lambda: "the old agent never got ready again:\n" + old.log())
     calls = [call for c in callers for call in c.stop()]
     # Waited for (the backlog holds them while the old agent starts again), never refused,
-    # never another role.
-    assert node.wrong(calls) == [], (summary(calls), old.log())
+    # never another role.  Only a call the new agent's worker had accepted when it was
+    # killed is lost (reset): at most one per caller.
+    lost = [c for c in node.wrong(calls) if c.outcome in ("reset", "eof")]
+    assert [c for c in node.wrong(calls) if c not in lost] == [], (summary(calls), old.log())
+    assert len(lost) <= len(callers), summary(calls)
 
 
 def test_across_many_handovers_under_load_one_writer_at_a_time(node):
@@ -135,3 +138,4 @@ def test_a_signal_stops_an_idle_agent_at_once(node):
     old.proc.send_signal(signal.SIGTERM)
     assert old.proc.wait(10) == 0
     assert serving(new)
+

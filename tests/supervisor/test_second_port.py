@@ -68,7 +68,7 @@ def test_a_takeover_waits_until_the_move_back_is_done(node):
     wait_until(lambda: serving(newest), lambda: "the newest agent never ready:\n" + newest.log(),
                timeout=90)
     assert listing(node.port) == (200, ROLE.encode())
-    assert "handed the node over" in mover.log()
+    wait_until(lambda: "handed the node over" in mover.log(), lambda: mover.log())
 
 
 def test_without_a_second_port_the_new_agent_stops_at_bind_as_today(node):
