@@ -143,6 +143,7 @@ class Taking(Protocol):
     """What the new supervisor does at each step (supervisor.py)."""
 
     def arm(self, table_path: str, received: list[tuple[dict, socket.socket]]) -> None: ...
+    def proceed(self) -> None: ...
     def accept_now(self, step: str) -> bool: ...
     def start_accepting(self) -> None: ...
     def await_writer(self) -> None: ...
@@ -191,15 +192,18 @@ def take_over(conn: socket.socket, side: Taking) -> None:
             _try_send(conn, {"op": "abort", "error": str(e)})
             raise HandoverFailed(str(e)) from e
         conn.settimeout(STOP_TIMEOUT)
+        side.proceed()
         fdpass.send(conn, {"op": "stop-accepting"})
         _expect(conn, "stopped-accepting")
         if side.accept_now("stopped-accepting"):
             side.start_accepting()
+        side.proceed()
         fdpass.send(conn, {"op": "release"})
         _expect(conn, "released")
         if side.accept_now("released"):
             side.start_accepting()
         side.await_writer()
+        side.proceed()
         side.listen()      # the handover socket names us before the old agent closes its own
         fdpass.send(conn, {"op": "done"})
     except fdpass.FdPassError as e:

@@ -271,7 +271,7 @@ class Supervisor:
         except handover.HandoverFailed as e:
             log.error("cannot take the node over: %s", e)
             self.close()
-            return 1
+            return 0 if self.stopping else 1
         except (ListenError, OSError, LinkError, ForeignSocket) as e:
             log.error("cannot start: %s", e)   # the port is taken, the key file unwritable,
             self.close()                       # no NET_ADMIN, a foreign socket
@@ -516,6 +516,12 @@ class Supervisor:
         if problem:
             raise handover.HandoverFailed(problem)
         self.deposit()
+
+    def proceed(self) -> None:
+        """Stopped (SIGTERM) while taking over: the old agent keeps the node (it resumes when
+        we hang up), rather than handing it to an agent about to go away."""
+        if self.stopping:
+            raise handover.HandoverFailed("stopped while taking the node over")
 
     def accept_now(self, step: str) -> bool:
         """When our workers start accepting: as soon as the old ones stopped if they answer

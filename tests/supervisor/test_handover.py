@@ -96,6 +96,23 @@ def test_the_old_agent_resumes_when_the_new_one_dies_after_it_let_go(node):
     assert len(lost) <= len(callers), summary(calls)
 
 
+def test_a_new_agent_stopped_while_it_takes_over_leaves_the_node_to_the_old_one(node):
+    """Its pod deleted mid-takeover (SIGTERM): it does not complete a takeover only to go
+    away; the old agent keeps (or resumes) serving."""
+    old = node.agent("old")
+    old.wait_ready()
+    callers = node.callers(timeout=5.0)
+    new = node.agent("new")
+    wait_until(lambda: "standby" in new.log(), "the new control process never in standby")
+    new.proc.send_signal(signal.SIGTERM)
+    assert new.proc.wait(30) == 0, new.log()
+    assert "stopped while taking the node over" in new.log()
+    wait_until(lambda: serving(old) and not idle(old), lambda: old.log())
+    calls = [call for c in callers for call in c.stop()]
+    assert node.wrong(calls) == [], summary(calls)
+    assert "handed the node over" not in old.log()
+
+
 def test_across_many_handovers_under_load_one_writer_at_a_time(node):
     agents = [node.agent("agent-0")]
     agents[0].wait_ready()
