@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,6 +100,15 @@ def kill_tree(agent: Agent) -> None:
     agent.proc.wait()
 
 
+def start_keeper(path: str) -> subprocess.Popen:
+    """A socket keeper (`kiamfast keep-sockets`) at ``path``, listening."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiamfast", "keep-sockets", "--socket", path],
+                            stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: os.path.exists(path) or proc.poll() is not None, "no keeper socket")
+    assert proc.poll() is None, proc.stderr.read()
+    return proc
+
+
 WRITER = re.compile(r"table writer (from|until) (\d+) pid=(\d+)")
 
 
@@ -119,4 +130,4 @@ def overlapping(terms: list[tuple[int, int, int]]) -> list[tuple]:
 
 
 __all__ = ["Node", "POD_IP", "ROLE", "kill_tree", "idle", "overlapping", "serving",
-           "summary", "wait_until", "writer_terms"]
+           "start_keeper", "summary", "wait_until", "writer_terms"]

@@ -17,8 +17,8 @@ import signal
 
 import pytest
 
-from handover_agents import (Node, idle, kill_tree, overlapping, serving, summary,
-                             wait_until, writer_terms)
+from handover_agents import (Node, idle, kill_tree, overlapping, serving, start_keeper,
+                             summary, wait_until, writer_terms)
 
 pytestmark = pytest.mark.slow
 
@@ -111,6 +111,32 @@ def test_a_new_agent_stopped_while_it_takes_over_leaves_the_node_to_the_old_one(
     calls = [call for c in callers for call in c.stop()]
     assert node.wrong(calls) == [], summary(calls)
     assert "handed the node over" not in old.log()
+
+
+def test_a_pod_whose_container_restarts_mid_takeover_takes_the_node_again(node, tmp_path):
+    """The newest agent wins: its container restarts (SIGKILL) while it takes over, the old
+    agent serves on, and the restarted container, with the sockets it had deposited in its
+    keeper, finds the old agent live and takes the node over again."""
+    old = node.agent("old")
+    old.wait_ready()
+    keeper_path = str(tmp_path / "new-pod" / "keeper.sock")
+    os.makedirs(os.path.dirname(keeper_path))
+    keeper = start_keeper(keeper_path)
+    try:
+        callers = node.callers(timeout=5.0)
+        new = node.agent("new", keeper=keeper_path)
+        wait_until(lambda: "deposited" in new.log(), "the new agent never deposited")
+        kill_tree(new)
+        wait_until(lambda: "ended after" in old.log(), lambda: old.log())
+        again = node.agent("new-again", keeper=keeper_path)
+        wait_until(lambda: serving(again), lambda: again.log())
+        wait_until(lambda: idle(old), lambda: old.log())
+        calls = [call for c in callers for call in c.stop()]
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+    assert "taking the node over" in again.log()
+    assert node.wrong(calls) == [], summary(calls)
 
 
 def test_across_many_handovers_under_load_one_writer_at_a_time(node):

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from handover_agents import Node, kill_tree, serving, summary, wait_until
+from handover_agents import Node, kill_tree, serving, start_keeper, summary, wait_until
 from kiamfast import fdpass
 from kiamfast.sockets import listen_socket
 
@@ -46,14 +44,6 @@ def keeper(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def start_keeper(path: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kiamfast", "keep-sockets", "--socket", path],
-                            stderr=subprocess.PIPE, text=True)
-    wait_until(lambda: os.path.exists(path) or proc.poll() is not None, "no keeper socket")
-    assert proc.poll() is None, proc.stderr.read()
-    return proc
 
 
 def test_a_killed_agent_with_a_keeper_loses_no_call(node, keeper):
