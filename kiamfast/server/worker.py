@@ -45,6 +45,10 @@ from kiamfast.server.upstream import Upstream
 log = logging.getLogger("kiamfast.server")
 
 SHUTDOWN_GRACE = 1.0  # seconds outstanding answers get after SIGTERM
+# After it stops accepting, how long a worker waits before it closes connections that look
+# idle: one accepted just before the stop may not have had its request read yet, and a
+# client whose fresh connection is closed after it sent its request does not retry.
+ACCEPTED_GRACE = 0.05
 
 
 class WorkerError(Exception):
@@ -76,6 +80,7 @@ class WorkerServer:
         for server in self.all_servers:
             server.close()
         if grace > 0:
+            await asyncio.sleep(ACCEPTED_GRACE)
             self.core.drain()
             deadline = asyncio.get_running_loop().time() + grace
             while self.core.conns and asyncio.get_running_loop().time() < deadline:

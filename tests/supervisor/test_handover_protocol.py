@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 
@@ -242,3 +243,26 @@ def test_a_new_agent_that_cannot_use_a_live_handover_socket_stops_at_bind(node):
     assert "open to group or others; not taking over through it" in log
     assert "cannot start" in log and "in use" in log
     assert serving(old)
+
+
+def test_a_stopping_worker_answers_a_connection_it_accepted_before_the_request_came(node):
+    """A worker told to stop (the old agent's, at stop-accepting) may hold connections it
+    accepted a moment before whose request it has not read yet: it answers them (a client
+    does not retry a fresh connection closed after it sent its request)."""
+    from agent_process import LISTING, POD_IP, ROLE, connections_per_worker
+    agent = node.agent("agent", handover=False)
+    agent.wait_ready()
+    [worker] = agent.children("kiamfast.server.worker")
+    s = socket.create_connection(("127.0.0.1", agent.port), timeout=5,
+                                 source_address=(POD_IP, 0))
+    wait_until(lambda: connections_per_worker(agent, [worker])[worker] == 1,
+               "the worker never accepted the connection")
+    os.kill(worker, signal.SIGTERM)
+    s.sendall(f"GET {LISTING} HTTP/1.1\r\nHost: 169.254.169.254\r\n\r\n".encode())
+    raw = b""
+    while chunk := s.recv(4096):
+        raw += chunk
+        if raw.endswith(ROLE.encode()):
+            break
+    s.close()
+    assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(ROLE.encode()), raw
