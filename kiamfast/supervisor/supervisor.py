@@ -129,17 +129,12 @@ class Supervisor:
 
     # ---- set-up -----------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Get the sockets (the keeper's, else bound here: a running agent on the port stops
-        us here, unless --handover-port), take the table lock (a previous agent's control
-        process gets LOCK_WAIT to exit), then the table and key, and build the children."""
+    def prepare(self, deposit: keeper_client.Deposit | None = None) -> None:
+        """Get the sockets (``deposit``: the keeper's, else bound here: a running agent on
+        the port stops us here, unless --handover-port), take the table lock (a previous
+        agent's control process gets LOCK_WAIT to exit), then the table and key, and build
+        the children."""
         cfg = self.config
-        deposit = keeper_client.fetch(cfg.socket_keeper) if cfg.socket_keeper else None
-        if deposit is not None and deposit.note.get("handed_over"):
-            deposit.close()
-            log.warning("this pod handed the node over to another agent: idle until stopped")
-            self.idle = True
-            return
         received = deposit.received if deposit is not None else []
         kinds = {d.get("kind") for d, _ in received}
         second = SECOND in kinds and APP not in kinds   # deposited before the move back
@@ -263,11 +258,20 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         cfg = self.config
+        deposit = keeper_client.fetch(cfg.socket_keeper) if cfg.socket_keeper else None
+        if deposit is not None and deposit.note.get("handed_over"):
+            # This pod's agent handed the node to another before its container restarted:
+            # taking it back would leave nobody serving once this pod is deleted.
+            deposit.close()
+            log.warning("this pod handed the node over to another agent: idle until stopped")
+            return self._idle()
         try:
             took_over = bool(cfg.handover_socket) and handover.take_over_with_retries(
                 cfg.handover_socket, self)
-            if not took_over and not self.stopping:
-                self.prepare()
+            if took_over and deposit is not None:
+                deposit.close()          # the same sockets, handed over again
+            elif not took_over and not self.stopping:
+                self.prepare(deposit)
         except handover.HandoverFailed as e:
             log.error("cannot take the node over: %s", e)
             self.close()
@@ -279,8 +283,6 @@ class Supervisor:
         if self.stopping:
             self.stop()
             return 0
-        if self.idle:
-            return self._idle()
         if not took_over:
             if cfg.handover_port and self.second is None:
                 secondport.remove_stale_rules(cfg)

@@ -139,6 +139,29 @@ def test_a_pod_whose_container_restarts_mid_takeover_takes_the_node_again(node, 
     assert node.wrong(calls) == [], summary(calls)
 
 
+def test_a_pod_that_handed_the_node_over_does_not_take_it_back_when_its_container_restarts(
+        node, tmp_path):
+    """Its keeper's note says so: the restarted container stays idle (taking the node back
+    would leave nobody serving once the DaemonSet deletes this old pod)."""
+    keeper_path = str(tmp_path / "old-pod" / "keeper.sock")
+    os.makedirs(os.path.dirname(keeper_path))
+    keeper = start_keeper(keeper_path)
+    try:
+        old = node.agent("old", keeper=keeper_path)
+        old.wait_ready()
+        new = node.agent("new")
+        wait_until(lambda: serving(new) and idle(old), "the handover never finished")
+        wait_until(lambda: "handed the node over" in old.log(), lambda: old.log())
+        kill_tree(old)
+        again = node.agent("old-again", keeper=keeper_path)
+        wait_until(lambda: "handed the node over to another agent: idle" in again.log(),
+                   lambda: again.log())
+        assert idle(again) and serving(new) and not idle(new)
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
 def test_across_many_handovers_under_load_one_writer_at_a_time(node):
     agents = [node.agent("agent-0")]
     agents[0].wait_ready()
