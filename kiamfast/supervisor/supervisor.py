@@ -32,8 +32,9 @@ STS call; who owns which address, and every date of a runtime poll, is forgotten
 (docs/architecture.md, "Node start and stop").
 
 Where the sockets come from, first match wins (docs/architecture.md, "Handing the node
-over"): an agent serving at ``--handover-socket`` (taken over: handover.py); the socket
-keeper (``--socket-keeper``: this container was restarted, keeper_client.py); binding them
+over"): none if the socket keeper (``--socket-keeper``, keeper_client.py) says this pod
+handed the node over (it stays idle); an agent serving at ``--handover-socket`` (taken
+over: handover.py); the keeper's (this container was restarted); binding them
 here; and where another process holds ``--app-port`` and cannot hand over, the second port
 (``--handover-port``, secondport.py).  Sockets that outlived the previous agent prove the
 host did not reboot, so its table is served on as it is when it was written moments ago.
@@ -320,8 +321,9 @@ class Supervisor:
         return 0
 
     def _idle(self) -> int:
-        """Handed over: hold nothing, restart nothing, never exit by ourselves (the kubelet
-        would restart the container, and it would take the node back) until SIGTERM."""
+        """Handed over: hold nothing, restart nothing, never exit by ourselves until SIGTERM
+        (the kubelet would restart the container, which without a keeper's note would take
+        the node back)."""
         self.ready_file.show(False)
         while not self.stopping:
             time.sleep(0.2)
