@@ -21,7 +21,9 @@ hot path on one core, on loopback and through the DNAT, CPU, RSS, workers),
 ``container-credentials`` (bench/container_credentials.py: the token path beside the same
 agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's cost to
 the others), ``webhook`` (bench/webhook_load.py: the injection webhook's RSS and the API
-server's calls under large bodies and slow senders).
+server's calls under large bodies and slow senders), ``handover`` (bench/handover.py: 30 pods asking through the DNAT during a
+surge handover, a rolling restart and a container crash, kube2iam's restart beside; the
+socket keeper's memory; the cost of re-asserting the DNAT rule; root only).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -47,7 +49,7 @@ import numpy as np
 from benchutil import BENCH, ROOT, machine_facts, median, summarize_us
 
 SECTIONS = ("hotpath", "churn", "node-start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
-            "container-credentials", "webhook")
+            "container-credentials", "webhook", "handover")
 
 
 @dataclass
@@ -522,6 +524,16 @@ def section_webhook(quick: bool, out: Path, log) -> Section:
     sec.raw = {o.name: {"peak_rss_mib": o.peak_rss_mib, "idle_rss_mib": o.idle_rss_mib,
                         "api_sent": o.api_sent, "api_answered": o.api_answered,
                         "api_errors": o.api_errors, "attack": o.attack} for o in outcomes}
+
+
+def section_handover(quick: bool, out: Path, log) -> Section:
+    import handover as ho
+    res = ho.run(ho.QUICK if quick else ho.Options(), log=log)
+    sec = Section("Handing the node over: surge, rolling restart, container crash, kube2iam")
+    sec.body = ho.markdown(res)
+    sec.headline = ho.headline(res)
+    sec.raw = {"options": res.options, "scenarios": [s.__dict__ for s in res.scenarios],
+               "keeper": res.keeper, "recheck": res.recheck, "skipped": res.skipped}
     return sec
 
 
@@ -530,7 +542,7 @@ RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": sectio
            "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
            "container-credentials": section_container_credentials,
-           "webhook": section_webhook}
+           "webhook": section_webhook, "handover": section_handover}
 
 
 # ---- the report ------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ The parser is generated from :data:`kiamfast.config.FLAGS`, as are ``--help`` an
 :func:`render_flag_reference` (the README's configuration reference).
 
 ``kiamfast demo ...`` runs the demo (:mod:`kiamfast.demo`), ``kiamfast webhook ...`` the
-injection webhook (:mod:`kiamfast.webhook`); anything else parses the
+injection webhook (:mod:`kiamfast.webhook`), ``kiamfast keep-sockets ...`` the socket
+keeper (:mod:`kiamfast.keeper`); anything else parses the
 flags and hands the :class:`~kiamfast.config.Config` to :func:`kiamfast.supervisor.run`. All are
 imported only when needed, so ``--help`` and ``--version`` work without them.
 """
@@ -238,6 +239,7 @@ def render_help() -> str:
         f"Usage: {PROG} [flags]",
         f"       {PROG} demo [demo flags]",
         f"       {PROG} webhook --tls-cert F --tls-key F [webhook flags]",
+        f"       {PROG} keep-sockets --socket PATH   (the socket keeper: --socket-keeper)",
         "",
         "kube2iam-compatible IAM credential agent for Kubernetes. Flags (pflag syntax: "
         "--flag=value or --flag value; booleans also as bare --flag):",
@@ -293,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] == "webhook":
         from kiamfast.webhook import cli as webhook
         return webhook.main(args[1:])
+    if args and args[0] == "keep-sockets":
+        from kiamfast import keeper
+        return keeper.main(args[1:])
     try:
         values = _scan(args)
         if values.get("version"):

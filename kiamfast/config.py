@@ -424,6 +424,35 @@ FLAGS: tuple[Flag, ...] = (
     _f("container-credentials-audience", "str", "kiamfast.io/container-credentials",
        "Audience a container-credentials token must be issued for (the projected token "
        "volume's audience)."),
+    # ---- handing the node over (docs/architecture.md, "Handing the node over") ------------
+    _f("socket-keeper", "str", "", "Unix socket of the pod's socket keeper (a second "
+       "container running `kiamfast keep-sockets --socket PATH`, PATH in an emptyDir both "
+       "mount): the listening sockets are deposited there and taken back when this "
+       "container restarts, so pods' connections wait in the backlog instead of being "
+       "refused. \"\" = off."),
+    _f("handover-socket", "str", "", "Unix socket (mode 0600, in a directory only root "
+       "reaches, e.g. the stateDir /run/kiamfast) where this agent hands the node over to "
+       "the next one: a new agent that finds --app-port taken and this socket live takes "
+       "the listening sockets and the table over without a refused "
+       "connection (surge upgrades and rollbacks). \"\" = off: a second agent stops at "
+       "bind."),
+    _f("handover-port", "int", 0, "Where --app-port is held by a process that cannot hand "
+       "over (kube2iam, a kiamfast without --handover-socket): serve on this port, insert a "
+       "DNAT rule to it ahead of the old one once ready, and move back to --app-port when "
+       "the old process lets go of it. 0 = off: stop at bind."),
+    _f("ready-file", "str", "", "A file (in the container's own file system, not the "
+       "hostPath) that exists exactly while this agent's own control process is ready, for "
+       "an exec readiness probe (`test -f`): on a port two agents share during a handover, "
+       "an HTTP probe cannot tell which one answered. \"\" = off."),
+    _f("iptables-backstop", "bool", False, "With --iptables: also reject (TCP reset) pods' "
+       "connections to the metadata address that were not redirected, in the filter "
+       "table's INPUT and FORWARD chains, so a pod never reaches the node's metadata "
+       "service while the DNAT rule is missing (e.g. deleted by kube2iam's preStop hook). "
+       "Kept on exit like the DNAT rule."),
+    _f("iptables-check-interval", "duration", 0.0, "With --iptables: check this often that "
+       "the DNAT rule (and the backstop) are still there and put back what is missing; "
+       "with the nft backend a rule change is also noticed at once (netlink). 0 = install "
+       "once at start."),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -529,6 +558,12 @@ class Config:
     container_credentials_addr: str = _default("container-credentials-addr")
     container_credentials_link: str = _default("container-credentials-link")
     container_credentials_audience: str = _default("container-credentials-audience")
+    socket_keeper: str = _default("socket-keeper")
+    handover_socket: str = _default("handover-socket")
+    handover_port: int = _default("handover-port")
+    ready_file: str = _default("ready-file")
+    iptables_backstop: bool = _default("iptables-backstop")
+    iptables_check_interval: float = _default("iptables-check-interval")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
     #: Fields whose value was derived from others (so replace() derives them again).
@@ -652,6 +687,10 @@ def _normalise_and_validate(c: Config) -> None:
         port = getattr(c, name.replace("-", "_"))
         if not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError(name, "must be a port number 1-65535", value=port)
+    if c.handover_port and (not 0 < c.handover_port < 65536
+                            or c.handover_port in (c.app_port, c.metrics_port)):
+        raise ConfigError("handover-port", "must be 0 (off) or a port number 1-65535 other "
+                          "than --app-port and --metrics-port", value=c.handover_port)
     if not 1 <= c.workers <= 64:
         raise ConfigError("workers", "must be between 1 and 64", value=c.workers)
     if not c.passthrough_qps > 0:

@@ -12,7 +12,13 @@ import socket
 
 
 class ListenError(Exception):
-    """A socket could not be bound (the port is taken, the address is not local...)."""
+    """A socket could not be bound (the port is taken, the address is not local...);
+    ``errno`` is the bind's (``errno.EADDRINUSE``: another process holds the port)."""
+
+    def __init__(self, message: str, *, errno: int | None = None, port: int = 0) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.port = port
 
 
 def listen_socket(host: str | None, port: int, *, reuse_port: bool = False,
@@ -41,5 +47,6 @@ def listen_socket(host: str | None, port: int, *, reuse_port: bool = False,
         sock.setblocking(False)
     except OSError as e:
         sock.close()
-        raise ListenError(f"cannot listen on {bind_host} port {port}: {e}") from e
+        raise ListenError(f"cannot listen on {bind_host} port {port}: {e}",
+                          errno=e.errno, port=port) from e
     return sock

@@ -14,6 +14,18 @@ installed with ip6tables for the IPv6 metadata address ``fd00:ec2::254``.
 The rule is left in place on exit unless ``--iptables-remove-on-exit``: without an agent a
 pod must get a refused connection, never the node's own role from the real metadata service.
 
+Installed once, the rule can still be taken away: kube2iam's newest chart runs, in its pod's
+preStop hook, ``eval `iptables-save | grep 169.254.169.254 | sed s/-A/'iptables -t nat -D'/g```,
+which deletes kiamfast's rule as well when it is the only line naming the address.  So
+:class:`RuleKeeper` (``--iptables-check-interval``) puts back what is missing: on every
+change of the ruleset (the kernel announces nftables changes on a netlink group, so with
+the nft backend a deleted rule is back within milliseconds) and at that interval.  And
+``--iptables-backstop`` adds, in the filter table that no nat cleanup touches, a rule that
+resets pods' connections to the metadata address that were *not* redirected (after the
+DNAT their destination is the agent, so the backstop never sees them), in FORWARD (the
+metadata address is routed off the node) and INPUT (a node where it is local).  The agent's
+own requests to the metadata service leave through OUTPUT, which neither rule touches.
+
 This module only runs the iptables binaries (with a timeout, under the xtables lock with
 ``-w``), picking the backend (nft or legacy) the node's kube-proxy uses, because a rule in
 the other backend's tables may be evaluated in an order nobody expects. The argv builders
@@ -23,6 +35,7 @@ chains: the nat table belongs to kube-proxy and the CNI, we only add and delete 
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import shutil
@@ -30,7 +43,7 @@ import socket
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from kiamfast.config import Config
@@ -38,15 +51,19 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "METADATA_IPV4",
     "METADATA_IPV6",
+    "BackstopRule",
     "InterfaceNotFound",
     "IptablesError",
     "IptablesNotFound",
     "IptablesTimeout",
     "Rule",
+    "RuleKeeper",
+    "backstops_for_config",
     "check_interface",
     "command",
     "detect_backend",
     "ensure_rule",
+    "insert_rule",
     "install_rules",
     "remove_rule",
     "remove_rules",
@@ -91,6 +108,8 @@ class Rule:
     app_port: int
     host_interface: str
     family: int = 4
+    table: ClassVar[str] = TABLE
+    chain: ClassVar[str] = CHAIN
 
     def spec(self) -> list[str]:
         return rule_spec(metadata_addr=self.metadata_addr, host_ip=self.host_ip,
@@ -99,6 +118,33 @@ class Rule:
     def __str__(self) -> str:
         return " ".join(["ip6tables" if self.family == 6 else "iptables", "-t", TABLE,
                          "-A", CHAIN, *self.spec()])
+
+
+BACKSTOP_COMMENT = "kiamfast: metadata traffic not redirected to the agent"
+
+
+@dataclass(frozen=True)
+class BackstopRule:
+    """The filter-table backstop in ``chain`` (INPUT or FORWARD): pods' TCP connections to
+    the metadata address on port 80 that no DNAT redirected are reset."""
+
+    metadata_addr: str
+    host_interface: str
+    chain: str
+    family: int = 4
+    table: ClassVar[str] = "filter"
+
+    def spec(self) -> list[str]:
+        return ["-p", "tcp", "-d", self.metadata_addr, "--dport", "80",
+                *_interface_args(self.host_interface), "-m", "comment", "--comment",
+                BACKSTOP_COMMENT, "-j", "REJECT", "--reject-with", "tcp-reset"]
+
+    def __str__(self) -> str:
+        return " ".join(["ip6tables" if self.family == 6 else "iptables", "-t", self.table,
+                         "-I", self.chain, *self.spec()])
+
+
+AnyRule = Union[Rule, BackstopRule]
 
 
 def _destination(host_ip: str, port: int) -> str:
@@ -138,17 +184,19 @@ def _prefix(netns: str | None) -> list[str]:
     return ["ip", "netns", "exec", netns] if netns else []
 
 
-def command(action: str, rule: Rule, *, backend: str | None = None,
-            netns: str | None = None) -> list[str]:
-    """argv of one iptables call: ``action`` is ``-C``, ``-A`` or ``-D``.
+def command(action: str, rule: AnyRule, *, backend: str | None = None,
+            netns: str | None = None, position: int = 1) -> list[str]:
+    """argv of one iptables call: ``action`` is ``-C``, ``-A``, ``-D`` or ``-I`` (at
+    ``position``).
 
     ``backend`` is ``nft``, ``legacy`` or None (the distribution's ``iptables``); ``netns``
     runs the command in that network namespace (``ip netns exec``), for tests.
     """
-    if action not in ("-C", "-A", "-D"):
+    if action not in ("-C", "-A", "-D", "-I"):
         raise ValueError(f"unsupported action {action!r}")
+    where = [rule.chain, str(position)] if action == "-I" else [rule.chain]
     return [*_prefix(netns), _binary(rule.family, backend), "-w", str(LOCK_WAIT_SECONDS),
-            "-t", TABLE, action, CHAIN, *rule.spec()]
+            "-t", rule.table, action, *where, *rule.spec()]
 
 
 def _run(argv: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -172,9 +220,9 @@ def _fail(argv: Sequence[str], proc: subprocess.CompletedProcess[str]) -> Iptabl
     return IptablesError(f"{' '.join(argv)} failed (exit {proc.returncode}): {detail}")
 
 
-def rule_present(rule: Rule, *, backend: str | None = None, netns: str | None = None,
+def rule_present(rule: AnyRule, *, backend: str | None = None, netns: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether the rule is in the nat PREROUTING chain (``iptables -C``)."""
+    """Whether the rule is in its chain (``iptables -C``)."""
     argv = command("-C", rule, backend=backend, netns=netns)
     proc = _run(argv, timeout=timeout)
     if proc.returncode == 0:
@@ -200,7 +248,21 @@ def ensure_rule(rule: Rule, *, backend: str | None = None, netns: str | None = N
     return True
 
 
-def remove_rule(rule: Rule, *, backend: str | None = None, netns: str | None = None,
+def insert_rule(rule: AnyRule, *, backend: str | None = None, netns: str | None = None,
+                timeout: float = DEFAULT_TIMEOUT, position: int = 1) -> bool:
+    """Insert the rule at ``position`` of its chain unless it is there already (anywhere).
+    Returns True if it was inserted."""
+    if rule_present(rule, backend=backend, netns=netns, timeout=timeout):
+        return False
+    argv = command("-I", rule, backend=backend, netns=netns, position=position)
+    proc = _run(argv, timeout=timeout)
+    if proc.returncode != 0:
+        raise _fail(argv, proc)
+    log.info("installed iptables rule: %s", rule)
+    return True
+
+
+def remove_rule(rule: AnyRule, *, backend: str | None = None, netns: str | None = None,
                 timeout: float = DEFAULT_TIMEOUT) -> int:
     """Delete every copy of the rule. Returns how many were deleted (0 if absent)."""
     removed = 0
@@ -310,6 +372,21 @@ def rules_for_config(config: Config) -> list[Rule]:
     return rules
 
 
+def backstops_for_config(config: Config) -> list[BackstopRule]:
+    """The backstop rules of ``config`` (``--iptables-backstop``): FORWARD for every pod
+    interface, INPUT too unless the interface is negated (``! -i eth0`` would match the
+    loopback, where the agent's own requests to a local metadata address arrive)."""
+    if not config.iptables_backstop:
+        return []
+    chains = ["FORWARD"] if config.host_interface.startswith("!") else ["INPUT", "FORWARD"]
+    out = [BackstopRule(config.metadata_host, config.host_interface, chain, 4)
+           for chain in chains]
+    if config.metadata_ipv6:
+        out += [BackstopRule(METADATA_IPV6, config.host_interface, chain, 6)
+                for chain in chains]
+    return out
+
+
 def install_rules(config: Config, *, netns: str | None = None,
                   timeout: float = DEFAULT_TIMEOUT) -> list[Rule]:
     """Check the interface, pick the backend and ensure every rule of ``config``."""
@@ -323,9 +400,137 @@ def install_rules(config: Config, *, netns: str | None = None,
 
 def remove_rules(config: Config, *, netns: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> int:
-    """Remove every rule of ``config`` (``--iptables-remove-on-exit``)."""
+    """Remove every rule of ``config``, the backstop's included
+    (``--iptables-remove-on-exit``)."""
     backend = resolve_backend(config.iptables_backend, netns=netns, timeout=timeout)
     removed = 0
-    for rule in rules_for_config(config):
+    for rule in [*rules_for_config(config), *backstops_for_config(config)]:
         removed += remove_rule(rule, backend=backend, netns=netns, timeout=timeout)
     return removed
+
+
+# ---- keeping the rules in place ---------------------------------------------------------------
+
+NETLINK_NETFILTER = 12
+SOL_NETLINK = 270
+NETLINK_ADD_MEMBERSHIP = 1
+NFNLGRP_NFTABLES = 7
+SETTLE = 0.01          # a ruleset change comes as a burst of messages: check once after it
+MIN_GAP = 0.1          # a storm of changes (kube-proxy syncing) costs at most 10 checks a second
+
+
+class RuleKeeper:
+    """Installs the DNAT rules (and the backstop) and puts back whatever disappears.
+
+    :meth:`run` checks at ``--iptables-check-interval`` and, with the nft backend, at once
+    after every change of the ruleset: the kernel sends each nftables transaction to the
+    ``NFNLGRP_NFTABLES`` netlink group (it needs NET_ADMIN, which the agent has), so a rule
+    deleted by someone else is back within a few milliseconds, and a node whose rules do
+    not change costs one ``iptables -C`` per rule and interval.
+    """
+
+    def __init__(self, config: Config, *, netns: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.config = config
+        self.netns = netns
+        self.timeout = timeout
+        self.rules: list[AnyRule] = [*rules_for_config(config)]
+        self.backstops = backstops_for_config(config)
+        self.backend: str | None = None
+        self.restored = 0           # rules put back since start
+        self.checks = 0
+
+    def install(self) -> None:
+        """Check the interface, pick the backend, ensure every rule (the backstop first, at
+        the top of its chain, so no rule the CNI put before it accepts the traffic)."""
+        check_interface(self.config.host_interface, netns=self.netns, timeout=self.timeout)
+        self.backend = resolve_backend(self.config.iptables_backend, netns=self.netns,
+                                       timeout=self.timeout)
+        for backstop in self.backstops:
+            insert_rule(backstop, backend=self.backend, netns=self.netns, timeout=self.timeout)
+        for rule in self.rules:
+            ensure_rule(rule, backend=self.backend, netns=self.netns, timeout=self.timeout)
+
+    def check(self) -> int:
+        """Put back every rule that is missing; how many were."""
+        self.checks += 1
+        missing = 0
+        for backstop in self.backstops:
+            if insert_rule(backstop, backend=self.backend, netns=self.netns,
+                           timeout=self.timeout):
+                missing += 1
+                log.warning("the backstop rule was removed by another process; put back: %s",
+                            backstop)
+        for rule in self.rules:
+            if ensure_rule(rule, backend=self.backend, netns=self.netns, timeout=self.timeout):
+                missing += 1
+                log.warning("the DNAT rule was removed by another process (kube2iam's "
+                            "preStop hook deletes every rule naming the metadata address); "
+                            "put back: %s", rule)
+        self.restored += missing
+        return missing
+
+    async def run(self) -> None:
+        """Forever: :meth:`check` after each ruleset change (nft) and every interval."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+        events = self._nft_events() if self.netns is None and self._nft() else None
+        if events is not None:
+            loop.add_reader(events.fileno(), self._drain, events, changed)
+        last = 0.0
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(changed.wait(), self.config.iptables_check_interval)
+                    await asyncio.sleep(max(SETTLE, last + MIN_GAP - loop.time()))
+                except asyncio.TimeoutError:
+                    pass
+                changed.clear()
+                last = loop.time()
+                try:
+                    await loop.run_in_executor(None, self.check)
+                except IptablesError as e:   # a stuck xtables lock: next time
+                    log.error("cannot check the iptables rules: %s", e)
+        finally:
+            if events is not None:
+                loop.remove_reader(events.fileno())
+                events.close()
+
+    def _nft(self) -> bool:
+        if self.backend is not None:
+            return self.backend == "nft"
+        try:
+            version = _run(["iptables", "-V"], timeout=self.timeout).stdout
+        except IptablesError:
+            return False
+        return "nf_tables" in version
+
+    def _nft_events(self) -> socket.socket | None:
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        except OSError:
+            return None
+        try:
+            sock.bind((0, 0))
+            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+            sock.setblocking(False)
+        except OSError as e:
+            log.info("no nftables change notifications (%s): checking every %gs only", e,
+                     self.config.iptables_check_interval)
+            sock.close()
+            return None
+        return sock
+
+    @staticmethod
+    def _drain(sock: socket.socket, changed: asyncio.Event) -> None:
+        while True:
+            try:
+                sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError:      # ENOBUFS: messages were lost, so something changed
+                break
+        changed.set()
+
+    def remove(self) -> int:
+        return remove_rules(self.config, netns=self.netns, timeout=self.timeout)

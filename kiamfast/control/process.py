@@ -40,7 +40,7 @@ from typing import Any
 from kiamfast import __version__, channel, logs, metrics_text, milestones
 from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
-from kiamfast.control import imds_client, iptables
+from kiamfast.control import imds_client, iptables, writer_lock
 from kiamfast.control.health import Health
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
@@ -63,8 +63,10 @@ class ControlTaskFailed(Exception):
 
 class ControlProcess:
     def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
-                 container_socks: list[socket.socket] | None = None) -> None:
+                 container_socks: list[socket.socket] | None = None, *,
+                 prepared: "Prepared | None" = None) -> None:
         self.config = config
+        self.prepared = prepared or Prepared.load(config)
         self.table = table
         self.channels = channels
         self.container_socks = container_socks or []   # --container-credentials-addr, bound
@@ -131,8 +133,11 @@ class ControlProcess:
                   asyncio.create_task(self.health.run(self._publish_health), name="health"),
                   asyncio.create_task(self._publish(), name="publish")]
         if self.config.iptables:                                # 4.
-            await loop.run_in_executor(None, iptables.install_rules, self.config)
+            rules = iptables.RuleKeeper(self.config)
+            await loop.run_in_executor(None, rules.install)
             milestones.mark("DNAT rule installed")
+            if self.config.iptables_check_interval > 0:   # put back if something deletes it
+                tasks.append(asyncio.create_task(rules.run(), name="iptables"))
         tasks += self._optional_tasks()
         starting = asyncio.create_task(self._become_ready(), name="ready")   # 5.
         starting.add_done_callback(self._log_failure)
@@ -151,7 +156,7 @@ class ControlProcess:
         """Step 1: the credentials and addresses a previous control process left (a restart
         of this one, or of the whole agent with the same table)."""
         refs: Counter = Counter()     # addresses naming each credential slot (the model counts)
-        self.sts = StsClient.from_config(self.config)      # builds on its own thread
+        self.sts = self.prepared.sts
         self.manager = CredentialManager.from_config(self.config, table=self.table,
                                                      sts=self.sts, notify=self.notify,
                                                      slot_refs=refs)
@@ -181,10 +186,8 @@ class ControlProcess:
         from kiamfast.control.k8s.node import StartupTaint
         from kiamfast.control.k8s.source import ApiSource
         from kiamfast.kube.client import Client
-        from kiamfast.kube.config import load_config
         cfg = self.config
-        self.api = Client(load_config(kubeconfig=cfg.kubeconfig, api_server=cfg.api_server,
-                                      api_token=cfg.api_token, insecure=cfg.insecure))
+        self.api = Client(self.prepared.api_config)
         self.source = ApiSource(client=self.api, model=self.model, node=cfg.node or None,
                                 watch_namespaces=self.model.policy.uses_namespaces)
         self.source.timings.resync = cfg.cache_resync_period
@@ -296,6 +299,7 @@ class ControlProcess:
 
     async def _heartbeat(self) -> None:
         while True:
+            writer_lock.check_sole_writer(self.table)
             self.table.heartbeat()
             self.manager.reclaim()     # slots a restart held, once no address names them
             await asyncio.sleep(HEARTBEAT_INTERVAL)
@@ -363,6 +367,23 @@ class ControlProcess:
         log.info("control process stopped")
 
 
+class Prepared:
+    """What the control process builds before it may write the table: a process taking the
+    node over from another agent does this in standby, while the other still writes (a
+    configuration error ends it here, with one line, before it ever holds the lock)."""
+
+    def __init__(self, *, api_config: Any, sts: StsClient) -> None:
+        self.api_config = api_config
+        self.sts = sts
+
+    @classmethod
+    def load(cls, config: Config) -> "Prepared":
+        from kiamfast.kube.config import load_config   # ConfigError: exit 78 (main)
+        api_config = load_config(kubeconfig=config.kubeconfig, api_server=config.api_server,
+                                 api_token=config.api_token, insecure=config.insecure)
+        return cls(api_config=api_config, sts=StsClient.from_config(config))
+
+
 def discover_roles(config: Config) -> Config:
     """kube2iam's --auto-discover-base-arn / --auto-discover-default-role: read the node's
     own instance role from the metadata service.  Fatal if it cannot be read, as in kube2iam."""
@@ -394,11 +415,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel-fds", default="")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--container-credentials-fds", default="")
+    parser.add_argument("--table-lock-fd", type=int, default=-1,
+                        help="inherited descriptor of the table's lock file: held before "
+                             "the table is written (control/writer_lock.py)")
+    parser.add_argument("--ready-fd", type=int, default=-1,
+                        help="inherited pipe: one byte once in standby for the lock")
     args = parser.parse_args(argv)
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level,
                process="control")
     _raise_fd_limit()
+    from kiamfast.kube.errors import ConfigError
+    try:
+        prepared = Prepared.load(config)      # before the lock: standby does this meanwhile
+    except ConfigError as e:
+        log.error("cannot start: %s", e)
+        return EXIT_CONFIG
+    if args.table_lock_fd >= 0:
+        writer_lock.hold(args.table_lock_fd, ready_fd=args.ready_fd)
+    try:
+        return _serve(config, args, prepared)
+    finally:
+        if args.table_lock_fd >= 0:
+            writer_lock.release(args.table_lock_fd)
+
+
+def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
     table = tbl.Table.attach(args.table, writer=True)
     if table.repaired:
         log.warning("repaired %d slots a previous control process left half-written or "
@@ -408,13 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                        for fd in args.container_credentials_fds.split(",") if fd]
     for sock in [*channels, *container_socks]:
         sock.setblocking(False)
-    from kiamfast.kube.errors import ConfigError
     try:
         import uvloop
-        uvloop.run(ControlProcess(config, table, channels, container_socks).run())
-    except ConfigError as e:
-        log.error("cannot start: %s", e)
-        return EXIT_CONFIG
+        uvloop.run(ControlProcess(config, table, channels, container_socks,
+                                  prepared=prepared).run())
+    except writer_lock.NotSoleWriter as e:
+        log.error("control process exiting: %s", e)
+        return 1
     except iptables.IptablesError as e:
         log.error("cannot install the DNAT rule: %s", e)
         return 1

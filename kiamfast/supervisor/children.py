@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,11 +42,58 @@ class Child:
     backoff: float = RESTART_BACKOFF_MIN
     restart_at: float = 0.0
     restarts: int = 0
+    ready_pipe: int = -1          # read end: one byte once the child says it is ready
+    restart: bool = True          # False: a child being retired (handover, worker swap)
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, pass_fds=self.fds, preexec_fn=_die_with_parent)
+    def start(self, *, extra_argv: tuple[str, ...] = (), tell_ready: bool = False) -> None:
+        """Start it; ``extra_argv`` for this start only (``--paused``); ``tell_ready``: it
+        gets ``--ready-fd`` (a pipe :meth:`wait_ready` reads)."""
+        argv, fds = [*self.argv, *extra_argv], self.fds
+        write_end = -1
+        if tell_ready:
+            self.ready_pipe, write_end = os.pipe()
+            argv += ["--ready-fd", str(write_end)]
+            fds = (*fds, write_end)
+        try:
+            self.proc = subprocess.Popen(argv, pass_fds=fds, preexec_fn=_die_with_parent)
+        finally:
+            if write_end >= 0:
+                os.close(write_end)
         self.started = time.monotonic()
         log.info("started %s", self.name, extra={"pid": self.proc.pid})
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM, SIGKILL after ``grace``; it is not restarted."""
+        self.restart = False
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close_ready_pipe(self) -> None:
+        if self.ready_pipe >= 0:
+            os.close(self.ready_pipe)
+            self.ready_pipe = -1
+
+    def read_ready(self, size: int, timeout: float) -> bytes:
+        """Up to ``size`` more bytes the child says on its ready pipe (b"" if it closed it
+        or said nothing in time)."""
+        if self.ready_pipe < 0:
+            return b""
+        readable, _, _ = select.select([self.ready_pipe], [], [], timeout)
+        return os.read(self.ready_pipe, size) if readable else b""
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def reap(self, now: float) -> None:
         """If it exited: schedule its restart (at once again after a healthy run, else the
@@ -54,7 +103,7 @@ class Child:
                 self.start()
             return
         code = self.proc.poll()
-        if code is None:
+        if code is None or not self.restart:
             return
         ran = now - self.started
         self.backoff = RESTART_BACKOFF_MIN if ran > HEALTHY_AFTER else min(
@@ -64,3 +113,29 @@ class Child:
         self.proc = None
         log.warning("%s exited with %s after %.1fs; restarting in %.1fs", self.name, code,
                     ran, self.backoff)
+
+
+def wait_ready(children: list[Child], timeout: float, *,
+               keep_open: tuple[Child, ...] = ()) -> str:
+    """Wait for the ready byte of every child started with ``tell_ready``; "" when all
+    said it, else what went wrong.  The pipes of ``keep_open`` stay open (more to say)."""
+    waiting = {c.ready_pipe: c for c in children if c.ready_pipe >= 0}
+    deadline = time.monotonic() + timeout
+    try:
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "not ready in time: " + ", ".join(c.name for c in waiting.values())
+            readable, _, _ = select.select(list(waiting), [], [], min(left, 0.2))
+            for fd in readable:
+                child = waiting.pop(fd)
+                if not os.read(fd, 1):
+                    return f"{child.name} exited before it was ready"
+            for fd, child in list(waiting.items()):
+                if not child.alive():
+                    return f"{child.name} exited before it was ready"
+        return ""
+    finally:
+        for child in children:
+            if child.ready_pipe >= 0 and child not in keep_open:
+                child.close_ready_pipe()

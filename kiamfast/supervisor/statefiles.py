@@ -109,21 +109,74 @@ def table_layout(config: Config) -> dict[str, int]:
             "max_workers": max(64, config.workers)}
 
 
-def lock_table(path: str) -> int:
-    """An fd holding the exclusive flock of ``<path>.lock``, taken within LOCK_WAIT.  The
-    file is never replaced or removed: a new inode would be a second, free lock."""
+def open_lock(path: str) -> int:
+    """An fd of the table's lock file ``<path>.lock`` (created 0600 if missing, ours alone),
+    not locked yet.  The file is never replaced or removed: a new inode would be a second,
+    free lock."""
     lock_path = f"{path}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                  | os.O_CLOEXEC, 0o600)
+    problem = _not_ours_alone(os.fstat(fd))
+    if problem:
+        os.close(fd)
+        raise OSError(f"table lock {lock_path} {problem}; remove it")
+    return fd
+
+
+def lock_table(path: str) -> int:
+    """An fd holding the exclusive flock of ``<path>.lock``, taken within LOCK_WAIT."""
+    fd = open_lock(path)
     try:
-        problem = _not_ours_alone(os.fstat(fd))
-        if problem:
-            raise OSError(f"table lock {lock_path} {problem}; remove it")
-        _flock_within(fd, lock_path, LOCK_WAIT)
+        _flock_within(fd, f"{path}.lock", LOCK_WAIT)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def try_lock_table(path: str) -> int | None:
+    """:func:`lock_table` without waiting: None if another process holds the lock."""
+    fd = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def alternate_table_path(path: str) -> str:
+    """Where an agent keeps its table while a process it cannot hand over with (a kiamfast
+    without handover) still holds the lock of ``path``: the second-port path."""
+    return f"{path}-2"
+
+
+def table_to_continue(path: str, layout: dict[str, int], *,
+                      max_age: float) -> tuple[Table | None, str]:
+    """The table at ``path``, attached read-only, if it can be served on as it is: ours
+    alone, of ``layout``, and written by a control process within ``max_age`` seconds on
+    this boot (its heartbeat, CLOCK_MONOTONIC); else (None, why).  Used where the sockets
+    outlived the previous agent (its keeper, or a handover), so the host did not reboot."""
+    fd, problem = _open_own_file(path)
+    if fd is None:
+        return None, problem or "is absent"
+    try:
+        table = Table.attach(f"/proc/self/fd/{fd}", writer=False)
+    except TableLayoutError as e:
+        return None, str(e)
+    finally:
+        os.close(fd)
+    found = {name: table.layout[name] for name in layout}
+    age = table.heartbeat_age
+    why = ""
+    if found != layout:
+        why = f"has the layout {found}, this agent makes {layout}"
+    elif age is None or age > max_age:
+        why = "was never written" if age is None else f"was last written {age:.1f}s ago"
+    if why:
+        table.close()
+        return None, why
+    return table, ""
 
 
 def _flock_within(fd: int, lock_path: str, timeout: float) -> None:

@@ -11,7 +11,7 @@ these lists equal to the CLI's flag table (--version excepted: it stops the agen
 {{- define "kiamfast.boolFlags" -}}
 debug insecure iptables auto-discover-base-arn auto-discover-default-role
 namespace-restrictions resolve-duplicate-cache-ips use-regional-sts-endpoint verbose
-kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6
+kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6 iptables-backstop
 {{- end -}}
 
 {{- define "kiamfast.valueFlags" -}}
@@ -24,7 +24,8 @@ session-duration min-credential-lifetime session-name-policy node-startup-taint
 iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-ipv6
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
 sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
-cluster-name container-credentials-link
+cluster-name container-credentials-link socket-keeper handover-socket handover-port ready-file
+iptables-check-interval
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
