@@ -66,13 +66,14 @@ class Cluster:
     _seq: int = 0
 
     def add_pod(self, ip: str, role: str | None, *, namespace: str = "bench",
-                phase: str = "Running", name: str | None = None) -> str:
+                phase: str = "Running", name: str | None = None,
+                uid: str | None = None) -> str:
         """Create a pod on this node with ``ip`` and the role annotation; its name."""
         self._seq += 1
         name = name or f"pod-{self._seq}"
         self.api.create_pod(namespace, name, node=self.node,
                             annotations={ROLE_KEY: role} if role else None,
-                            ips=[ip] if ip else None, phase=phase)
+                            ips=[ip] if ip else None, phase=phase, uid=uid)
         if ip:
             self.pods[ip] = (name, role or "")
         return name

@@ -82,6 +82,9 @@ class Options:
     imports: int = 5               # bare-interpreter import measurements per process
     kiamfast_flags: tuple[str, ...] = ()
     timeout: float = 60.0          # a run in which some pod is not served by then: NaN
+    # kiamfast's addresses: "fault", a container runtime (the CRI double) holding a READY
+    # sandbox per pod, as on a real node; "none", the API alone (--cri-endpoint=none)
+    runtime: str = "fault"
 
 
 QUICK = Options(scenarios=((12, 4),), runs=1, imports=1, timeout=45.0)
@@ -565,18 +568,39 @@ def one_start(agent, c, pods: dict[str, str], *, roles: int, index: int, opts: O
     return out
 
 
+@contextlib.contextmanager
+def node_runtime(kind: str, c, pods: dict[str, str]):
+    """The node's pods in the API and, for ``kind`` "fault", each with a READY sandbox of
+    the same uid, name and annotations in a container runtime (the CRI double, which the
+    agent asks over real gRPC); yields kiamfast's --cri-endpoint."""
+    import uuid
+
+    import bench_agent as ba
+    sandboxes = []
+    for ip, role in sorted(pods.items()):
+        uid = str(uuid.uuid4())
+        name = c.add_pod(ip, role, uid=uid)
+        sandboxes.append(dict(name=name, ip=ip, namespace="bench", uid=uid,
+                              annotations={ba.ROLE_KEY: role}))
+    if kind == "none":
+        yield "none"
+        return
+    from kiamfast.testing.cri_fault import CriFault, fake_sandbox
+    with CriFault() as runtime:
+        runtime.put(*(fake_sandbox(**s) for s in sandboxes))
+        yield runtime.endpoint
+
+
 def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
     import bench_agent as ba
-    with ba.cluster() as c:
-        pods = {}
-        for i, ip in enumerate(pod_addresses(pods_n)):
-            pods[ip] = ba.role_name(i % roles)
-            c.add_pod(ip, pods[ip])
+    pods = {ip: ba.role_name(i % roles) for i, ip in enumerate(pod_addresses(pods_n))}
+    with ba.cluster() as c, node_runtime(opts.runtime, c, pods) as endpoint:
         for index in range(opts.runs):
             for name in AGENTS if index % 2 == 0 else AGENTS[::-1]:   # neither always first
                 if name == "kiamfast":
                     table = f"/dev/shm/kiamfast-bench-start-{os.getpid()}-{secrets.token_hex(4)}"
-                    agent = Kiamfast(c, table_path=table, flags=opts.kiamfast_flags)
+                    agent = Kiamfast(c, table_path=table, flags=(
+                        f"--cri-endpoint={endpoint}", *opts.kiamfast_flags))
                 else:
                     agent, table = Kube2iam(c), None
                 try:
@@ -715,7 +739,10 @@ def markdown(res: Result) -> str:
     lines = [f"The node holds N pods over R roles, every pod asking (token, listing, document; "
              f"1 s timeout; again 100 ms after each attempt began) before the agent starts; "
              f"{o['runs']} start(s) per agent and scenario, alternating; STS is moto with no "
-             "added latency (a local STS); kiamfast API-only (`--cri-endpoint=none`), " +
+             "added latency (a local STS); kiamfast " + (
+                 "API-only (`--cri-endpoint=none`), " if o.get("runtime") == "none" else
+                 "with a container runtime holding a READY sandbox per pod (the CRI double, "
+                 "over gRPC, as containerd on a node), ") +
              (f"with `{' '.join(o['kiamfast_flags'])}`" if o["kiamfast_flags"]
               else "its default STS limits (`--sts-qps 5 --sts-burst 20`)") + ". Seconds from the "
              "agent's process start; medians (min–max) over the runs.", "",
@@ -873,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-restart", action="store_true")
     ap.add_argument("--kiamfast-flag", action="append", default=[],
                     help="an extra flag for kiamfast (repeatable)")
+    ap.add_argument("--runtime", choices=("fault", "none"), default="fault",
+                    help="kiamfast's addresses from a container runtime (the CRI double, "
+                         "default) or from the API alone")
     ap.add_argument("--json", help="also write the runs here")
     args = ap.parse_args(argv)
     opts = QUICK if args.quick else Options()
@@ -882,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         opts.scenarios = tuple(args.scenario)
     opts.restart = not args.no_restart
     opts.kiamfast_flags = tuple(args.kiamfast_flag)
+    opts.runtime = args.runtime
     res = run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(res))
     if args.json:

@@ -168,6 +168,11 @@ class ControlProcess:
                                      commit=self._commit, on_change=self._publish_health,
                                      table_runtime_mode=self.table.runtime_mode)
         self.health.runtime = self.runtime
+        if self.table.runtime_mode and not self.runtime.expected:
+            # Addresses a runtime decided, kept for its poll to confirm: none will come now
+            # (--cri-endpoint=none), and workers would serve them as they are.
+            for slot in self.table.snapshot():
+                self.table.release_ip(slot["ip"], slot["pod_uid"])
         self.model = NodeModel(
             policy=RolePolicy.from_config(self.config), table=self.table, sink=self.manager,
             notify=self.notify, slot_refs=refs, token_only=self._token_only(),

@@ -8,8 +8,10 @@ a key or a table of its choosing.
 
 The table a previous agent left is adopted only if it is ours alone and of the layout this
 agent makes; its credential slots stay (the new control process serves them again with no
-STS call), and who owns which address, and every date of a runtime poll, is forgotten
-(docs/architecture.md, "A restarted or upgraded agent adopts the table").
+STS call), and every date of a runtime poll is forgotten.  Who owns which address stays only
+where a runtime decided it and this agent asks one too: no worker answers such an address
+before the new control process's first poll confirms its owner (docs/architecture.md, "A
+restarted or upgraded agent adopts the table").
 """
 from __future__ import annotations
 
@@ -202,16 +204,23 @@ def open_table(config: Config) -> Table:
     """The table a previous agent left at --table-path, adopted, or else a fresh one (atomic
     rename over whatever is there).  Call with the table lock held."""
     layout = table_layout(config)
-    table = _adopt_table(config.table_path, layout)
+    table = _adopt_table(config.table_path, layout, keep_addresses=asks_runtime(config))
     if table is None:
         table = Table.create(config.table_path, **layout)
         milestones.mark("table created")
     return table
 
 
-def _adopt_table(path: str, layout: dict[str, int]) -> Table | None:
-    """The table at ``path`` if it is ours alone and of ``layout``, with everything but its
-    credentials forgotten (:func:`_forget_the_node`); else None (log a line)."""
+def asks_runtime(config: Config) -> bool:
+    """Whether this agent's addresses follow a container runtime (``--cri-endpoint`` not
+    turned off; ``auto`` counts even before its socket appears, as the control process
+    counts it when the table says a runtime decided it)."""
+    return config.cri_endpoint.strip() not in ("", "none")
+
+
+def _adopt_table(path: str, layout: dict[str, int], *, keep_addresses: bool) -> Table | None:
+    """The table at ``path`` if it is ours alone and of ``layout``, with what the new control
+    process cannot trust forgotten (:func:`_forget_the_node`); else None (log a line)."""
     fd, problem = _open_own_file(path)
     if fd is None:
         if problem:
@@ -230,27 +239,39 @@ def _adopt_table(path: str, layout: dict[str, int]) -> Table | None:
                     path, found, layout)
         table.close()
         return None
-    _forget_the_node(table)
-    log.info("adopted the table %s: credentials kept, addresses cleared", path)
+    kept = _forget_the_node(table, keep_addresses=keep_addresses)
+    log.info("adopted the table %s: credentials kept, %s", path,
+             f"{kept} addresses kept until the runtime's first poll confirms them" if kept
+             else "addresses cleared")
     milestones.mark("table adopted")
     return table
 
 
-def _forget_the_node(table: Table) -> None:
-    """Keep only the credential slots (the new control process adopts them by key).
+def _forget_the_node(table: Table, *, keep_addresses: bool) -> int:
+    """Keep the credential slots (the new control process adopts them by key), and the
+    addresses only where a runtime's poll will confirm them; returns how many were kept.
 
     The agent was down for an unknown time, perhaps across a reboot, which restarts
     CLOCK_MONOTONIC: a poll date it left could make any new connection look covered, so
-    the dates go; sandboxes or pods may have come and gone, so no address keeps an owner
-    (the new control process decides every address again before a worker answers it:
-    with a runtime after its first poll, without one after its first sync); and what the
-    old control process published (readiness, health, metrics) is not this one's."""
+    the dates go (every connection now waits for a poll of the new control process).
+    Sandboxes or pods may have come and gone: an address a runtime decided keeps its owner
+    for that poll to confirm (a sandbox of the same pod holding it) or take away, which is
+    what lets those pods be answered within a few hundred milliseconds of the start, before
+    the API is even asked; without a runtime nothing would check an address before a worker
+    answered it, so none keeps an owner (the first sync decides).  What the old control
+    process published (readiness, health, metrics) is not this one's."""
     table.reset_freshness()
-    table.set_status(ready=False, synced=False, pending_pods=0)   # before the addresses go
-    for slot in table.snapshot():
-        table.release_ip(slot["ip"], slot["pod_uid"])
+    keep = keep_addresses and table.runtime_mode
+    # Before any address goes: a reader meanwhile waits instead of taking a cleared address
+    # for a definitive miss.
+    table.set_status(ready=False, synced=False, pending_pods=0)
+    slots = table.snapshot()
+    if not keep:
+        for slot in slots:
+            table.release_ip(slot["ip"], slot["pod_uid"])
     for index in range(AUX_COUNT):
         table.write_aux(index, b"")
+    return len(slots) if keep else 0
 
 
 def token_key_fd(key: bytes) -> int:

@@ -290,8 +290,7 @@ class Supervisor:
             # All at once: the sockets are listening already (a pod's connection waits in the
             # backlog for the first worker, never refused), so the control process may
             # install the DNAT rule while the workers start, and its imports overlap theirs.
-            for child in self._all_children():
-                child.start()
+            self._start_children()
             if not self.wait_listening():
                 log.error("workers did not start listening on port %d",
                           (of_kind(self.held, APP) or of_kind(self.held, SECOND))[0].port)
@@ -300,6 +299,26 @@ class Supervisor:
             self.deposit()
         self._open_handover_point()
         return self._serve()
+
+    def _start_children(self) -> None:
+        """Every child at once.  An adopted table whose addresses wait for our control
+        process's first runtime poll (statefiles: kept for it to confirm) has nothing a
+        worker could answer before then: the workers start paused, so connections wait in
+        the backlog for that poll rather than burn their wait budget in a worker (503)."""
+        if not self._runtime_mode():
+            for child in self._all_children():
+                child.start()
+            return
+        for child in self.children:
+            child.start(extra_argv=("--paused",), tell_ready=True)
+        self.control.start(tell_ready=True)
+        problem = wait_ready(self._all_children(), FIRST_POLL_WAIT, keep_open=(self.control,))
+        if problem:
+            log.warning("starting paused: %s; accepting at once", problem)
+            self.control.close_ready_pipe()
+            self._resume_workers()
+        else:
+            self.start_accepting()
 
     def _serve(self) -> int:
         while not self.stopping:
@@ -539,6 +558,9 @@ class Supervisor:
     def start_accepting(self) -> None:
         if self._runtime_mode():
             self._await_first_poll()
+        self._resume_workers()
+
+    def _resume_workers(self) -> None:
         for child in self.children:
             if child.alive():
                 os.kill(child.pid, signal.SIGUSR1)

@@ -154,3 +154,56 @@ def http_status(port: int) -> int:
         return http(port, "GET /readyz")[0]
     except OSError:
         return 0
+
+
+def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_api_answers(
+        fakes, tmp_path):
+    """A node with a container runtime: after a kill -9 the new agent serves the pods whose
+    sandboxes still hold their addresses from the adopted table as soon as its first runtime
+    poll confirms them, with the API server not answering at all; an address another pod's
+    sandbox took meanwhile is never answered with the old pod's role."""
+    from kiamfast.testing.cri_fault import CriFault, fake_sandbox
+
+    app = fakes.api.get_pod("team", "app")
+    leaving = fakes.api.create_pod("team", "leaving", node="n1", annotations={
+        "iam.amazonaws.com/role": "leaving-role"}, ips=[REUSED_IP], phase="Running")
+    with CriFault() as runtime:
+        def sandbox(pod: dict, ip: str):
+            meta = pod["metadata"]
+            return fake_sandbox(name=meta["name"], namespace=meta["namespace"], ip=ip,
+                                uid=meta["uid"], annotations=meta.get("annotations"))
+        old = sandbox(leaving, REUSED_IP)
+        runtime.put(sandbox(app, POD_IP), old)
+        flags = [f"--cri-endpoint={runtime.endpoint}"]
+        agent = Agent(fakes, tmp_path, extra=[f"--sts-endpoint={fakes.proxy.url}", *flags])
+        try:
+            agent.wait_ready()
+            _, before = credentials(agent.port, POD_IP)
+            assert credentials(agent.port, REUSED_IP)[0] == "leaving-role"
+        finally:
+            kill_everything(agent)
+
+        runtime.remove(old.id)                     # the pod goes, another takes its address
+        arriving = fake_sandbox(name="arriving", namespace="team", ip=REUSED_IP,
+                                annotations={"iam.amazonaws.com/role": "arriving-role"})
+        runtime.put(arriving)
+        fakes.api.slow_list(8.0)                   # the API answers no list meanwhile
+
+        earlier = len(agent.log())
+        again = Agent(fakes, tmp_path, port=agent.port,
+                      extra=[f"--sts-endpoint={fakes.proxy.url}", *flags])
+        new_log = lambda: again.log()[earlier:]   # noqa: E731 - one log file for both
+        try:
+            wait_until(lambda: "adopted the table" in new_log(), "no adoption")
+            wait_until(lambda: http_status(again.port) != 0, "never listening")
+            role, after = credentials(again.port, POD_IP)
+            assert (role, after) == (ROLE, before), new_log()
+            assert "start: pods listed" not in new_log()   # served before the API listed
+            status, body = http(again.port, f"GET {LISTING}", source=REUSED_IP)
+            assert status != 200 or body == b"arriving-role", (status, body)
+            fakes.api.slow_list(0)
+            again.wait_ready()
+            assert "start: pods listed" in new_log()
+        finally:
+            fakes.api.slow_list(0)
+            again.stop()

@@ -2,9 +2,10 @@
 
 A restarted container (liveness probe, OOM) or a new pod after an upgrade finds the table at
 --table-path: its credential slots are kept (the new control process serves them again with
-no STS call), but nothing that says *who owns an address* or *how fresh that is* survives:
-the IP slots, the status words, the runtime-poll dates and what the old control process
-published are cleared before any worker starts.  A file that is not our own private table
+no STS call), but nothing that says *how fresh* an owner is survives: the status words, the
+runtime-poll dates and what the old control process published are cleared before any worker
+starts, and the IP slots too unless a runtime decided them and this agent asks one (its
+first poll confirms or takes each).  A file that is not our own private table
 of the layout this agent makes (a symlink, open permissions, another owner, another layout,
 garbage) is never adopted: a fresh table replaces it.  While any process of a previous agent
 that could write the table lives, a new supervisor does not touch it (the table lock).
@@ -87,15 +88,40 @@ def test_a_previous_agents_table_is_adopted_with_only_its_credentials(tmp_path):
         sup.close()
 
 
-def test_a_runtime_mode_table_also_forgets_its_addresses(tmp_path):
-    cfg = config(tmp_path, cri_endpoint="unix:///run/containerd/containerd.sock")
+def runtime_table(cfg: Config) -> None:
     used_table(cfg)
     with table.Table.attach(cfg.table_path, writer=True) as t:
         t.set_status(runtime_mode=True)
+
+
+def test_a_runtime_mode_table_keeps_its_addresses_for_the_first_poll_to_confirm(tmp_path):
+    """Decided by a runtime, asked again by this agent: the addresses stay (so the first
+    poll can confirm them before the API is asked), but with every date gone no worker
+    answers one before that poll."""
+    cfg = config(tmp_path, cri_endpoint="unix:///run/containerd/containerd.sock")
+    runtime_table(cfg)
     sup = prepared(cfg)
     try:
+        t = sup.table
+        assert [(s["ip"], s["pod_uid"], s["cred_slot"]) for s in t.snapshot()] == \
+            [(POD_IP, "pod-uid", 3)]
+        assert t.runtime_mode
+        assert (t.verified_ns, t.failed_ns, t.heartbeat_age) == (0, 0, None)
+        assert (t.synced, t.ready, t.pending_pods) == (False, False, 0)
+        assert cred_of_slot_3(t) == PARTS
+    finally:
+        sup.close()
+
+
+@pytest.mark.parametrize("endpoint", ["none", ""])
+def test_a_runtime_mode_table_forgets_its_addresses_when_no_runtime_is_asked(tmp_path,
+                                                                            endpoint):
+    """Without a runtime nothing would check an address before a worker served it."""
+    cfg = config(tmp_path, cri_endpoint="unix:///run/containerd/containerd.sock")
+    runtime_table(cfg)
+    sup = prepared(cfg.replace(cri_endpoint=endpoint))
+    try:
         assert sup.table.snapshot() == []
-        assert sup.table.verified_ns == 0
         assert cred_of_slot_3(sup.table) == PARTS
     finally:
         sup.close()
