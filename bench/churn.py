@@ -560,8 +560,8 @@ def _agent_under_test(c, agent: str):
     if agent == "kube2iam":
         tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
         sys.path[:0] = [os.path.join(tests, "kube2iam"), tests]
-        from kube2iam_harness import BenchKube2iam
-        return BenchKube2iam(c, host_ip=ba.HOST_IP, base_role_arn=ba.BASE_ARN)
+        from kube2iam_harness import Kube2iam
+        return Kube2iam(c, c.workdir / "kube2iam", [f"--base-role-arn={ba.BASE_ARN}"])
     return ba.agent(c, sts_qps=100, sts_burst=100)
 
 
