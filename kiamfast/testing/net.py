@@ -7,13 +7,15 @@ TCP source address), with no root and no namespaces.
 """
 from __future__ import annotations
 
+import errno
+import random
 import socket
 import subprocess
 import time
 from typing import Callable
 
-__all__ = ["ExitedEarly", "free_port", "http_request", "one_request", "pod_addresses",
-           "split_response", "wait_port"]
+__all__ = ["ExitedEarly", "ephemeral_range", "free_port", "http_request", "one_request",
+           "pod_addresses", "split_response", "wait_port"]
 
 
 class ExitedEarly(RuntimeError):
@@ -25,17 +27,47 @@ class ExitedEarly(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on, on 127.0.0.1 and on every other local address, IPv6
-    included where the machine has it (the agent listens on ``::`` by default): bound and
-    released at once, so nothing else takes it soon."""
+    """A TCP port nothing listens on, on every local address, IPv6 included where the
+    machine has it (the agent listens on ``::`` by default). Chosen below the kernel's
+    ephemeral range (``ip_local_port_range``), where no connection this machine opens
+    meanwhile can take it first: not another process's, and not the harness's own to that
+    very port while nothing listens there yet, which Linux may connect to itself (a TCP
+    self-connect; it held the port when the agent came to bind it)."""
+    low, _ = ephemeral_range()
+    first = 10000 if low > 11000 else 1024
+    for _ in range(200):
+        port = random.randrange(first, low) if low > first else 0
+        if port and _bindable(port):
+            return port
+    with socket.socket() as s:                # no room below the range: the kernel's pick
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for connections and binds to port 0."""
     try:
-        with socket.socket(socket.AF_INET6) as s:     # dual stack: reserves the IPv4 port too
-            s.bind(("::", 0))
-            return s.getsockname()[1]
-    except OSError:                                   # no IPv6 here
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999                   # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    """Whether ``port`` is free on every address: a dual-stack ``::`` bind (or, without
+    IPv6, ``0.0.0.0``) conflicts with any socket bound to it."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((host, port))
+                return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+    return False
 
 
 def wait_port(port: int, proc: subprocess.Popen | None = None, *, host: str = "127.0.0.1",
