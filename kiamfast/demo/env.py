@@ -42,7 +42,7 @@ from typing import Any
 
 from kiamfast.demo import scenario
 from kiamfast.testing.aws_env import offline_env
-from kiamfast.testing.loopback import AgentProcess, package_root
+from kiamfast.testing.loopback import AgentProcess, package_root, run_each
 from kiamfast.testing.net import ExitedEarly, free_port
 
 __all__ = ["AgentDied", "DemoEnvironment", "DemoError", "MissingExtra", "PodProcess",
@@ -411,16 +411,10 @@ class DemoEnvironment:
             self.agent = None
 
     def close(self, *, keep_workdir: bool = False) -> None:
-        errors: list[BaseException] = []
         steps = [self.stop_pods, self.stop_agent]
         if self._table is not None:
             steps.append(self._table.close)
-        steps.append(self.node.stop)
-        for step in steps:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - keep closing the rest
-                errors.append(e)
+        errors = run_each([*steps, self.node.stop])
         self._table = None
         for path in (self.table_path, self.table_path + ".token-key", self.table_path + ".lock"):
             with contextlib.suppress(OSError):

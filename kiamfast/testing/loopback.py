@@ -34,14 +34,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kiamfast.testing import procs
 from kiamfast.testing.aws_env import offline_env
 from kiamfast.testing.net import (ExitedEarly, free_port, http_request, one_request,
                                   split_response, wait_port)
 
-__all__ = ["AgentProcess", "BASE_ARN", "LoopbackNode", "ROLE_KEY", "package_root"]
+__all__ = ["AgentProcess", "BASE_ARN", "LoopbackNode", "ROLE_KEY", "package_root", "run_each"]
 
 BASE_ARN = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"
@@ -51,6 +51,18 @@ def package_root() -> str:
     """The directory holding the ``kiamfast`` package, so child processes run this code."""
     import kiamfast
     return str(Path(kiamfast.__file__).resolve().parent.parent)
+
+
+def run_each(steps: Sequence[Callable[[], object]]) -> list[Exception]:
+    """Call every step, on past one that fails (a stop must leave nothing else running);
+    the errors, in order."""
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - keep stopping the rest
+            errors.append(e)
+    return errors
 
 
 def _tmpfs() -> Path:
@@ -142,16 +154,11 @@ class LoopbackNode:
 
     def stop(self) -> None:
         """Stop the agents, then every service; the first error, once all are stopped."""
-        errors: list[BaseException] = []
-        steps = [a.stop for a in self.agents]
+        steps: list[Callable[[], object]] = [a.stop for a in self.agents]
         steps += [part.stop for part in (self.imds, self._sandbox, self.api) if part is not None]
         if self.runtime is not None:
             steps.append(self.runtime.close)
-        for step in steps:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - keep stopping the rest
-                errors.append(e)
+        errors = run_each(steps)
         self.agents = []
         self.imds = self._sandbox = self.sts = self.api = self.runtime = None
         if self._own_workdir:
