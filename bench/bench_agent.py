@@ -27,7 +27,7 @@ from kiamfast.testing.loopback import BASE_ARN, ROLE_KEY, AgentProcess, Loopback
 
 __all__ = ["Agent", "BASE_ARN", "Cluster", "HOST_IP", "NODE", "ROLE_KEY",
            "UNBOUNDED_PASSTHROUGH_ARGS", "agent", "agent_argv", "agent_flags", "cluster",
-           "full_agent_available", "role_name", "worker_only"]
+           "fill_table", "full_agent_available", "role_name", "worker_only"]
 
 NODE = "node-bench"
 # The node's own address: the agent never gives it pod credentials, so it must be none of the
@@ -118,20 +118,13 @@ def agent(c: LoopbackNode, *, workers: int = 1, sts_qps: float | None = None,
         yield a
 
 
-@contextlib.contextmanager
-def worker_only(ips: list[str], *, roles: int, imds_port: int,
-                cpus: set[int] | None = None):
-    """Fallback while ``python -m kiamfast`` cannot run end to end: one server worker over a
-    table this function fills (the credentials the control process would render), so the
-    hot path can be measured without the control process. Yields an :class:`Agent`-like
-    object whose ``processes()["worker"]`` is the worker; ``access_keys`` maps keys to roles.
-    """
+def fill_table(table_path: str, ips: list[str], *, roles: int) -> dict[str, str]:
+    """A table at ``table_path`` holding what the control process would render: ``roles``
+    roles' credentials, pod ``i`` at ``ips[i]`` with role ``i % roles``, ready. The access
+    key of each role -> its name."""
     from kiamfast import table as tbl
     from kiamfast.control.iam import render
-    from kiamfast.server.settings import WorkerSettings
 
-    port = free_port()
-    table_path = f"/dev/shm/kiamfast-bench-{os.getpid()}-{secrets.token_hex(4)}"
     t = tbl.Table.create(table_path, ip_capacity=4096, cred_capacity=256, value_size=16384,
                          aux_count=4, aux_size=1 << 16, max_workers=8)
     now = time.time()
@@ -147,6 +140,21 @@ def worker_only(ips: list[str], *, roles: int, imds_port: int,
         t.claim_ip(ip, f"pod-{i}", tbl.POD_ROLE, i % roles)
     t.set_status(synced=True, ready=True)
     t.close()
+    return keys
+
+
+@contextlib.contextmanager
+def worker_only(ips: list[str], *, roles: int, imds_port: int,
+                cpus: set[int] | None = None):
+    """One server worker over a table this function fills (:func:`fill_table`), so the hot
+    path can be measured without the supervisor and the control process. Yields an
+    :class:`Agent` whose ``processes()["worker"]`` is the worker; ``keys`` maps access keys
+    to roles."""
+    from kiamfast.server.settings import WorkerSettings
+
+    port = free_port()
+    table_path = f"/dev/shm/kiamfast-bench-{os.getpid()}-{secrets.token_hex(4)}"
+    keys = fill_table(table_path, ips, roles=roles)
     settings = WorkerSettings(app_port=port, listen_host="127.0.0.1",
                               metadata_addr=f"127.0.0.1:{imds_port}",
                               token_key=secrets.token_bytes(32),

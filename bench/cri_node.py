@@ -198,3 +198,11 @@ def populate(c, node, *, role_names: list[bytes], slots: int) -> list[Pod]:
         c.api.set_pod_phase(NAMESPACE, name, "Running")
         pods.append(Pod(name=name, role=role, sandbox=sb))
     return pods
+
+
+def remove_pods(node, pods: list[Pod]) -> None:
+    """Every pod's sandbox gone (what is already gone, or cannot be removed on a runtime
+    being closed anyway, is passed over)."""
+    for pod in pods:
+        with contextlib.suppress(Exception):
+            node.remove_sandbox(pod.sandbox)

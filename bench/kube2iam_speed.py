@@ -52,7 +52,7 @@ for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
         sys.path.insert(0, str(_p))
 
 import bench_agent as ba                    # noqa: E402
-import server_load as sl                    # noqa: E402
+import loadgen                              # noqa: E402
 from kube2iam_harness import NODE, Cluster, Kube2iam, kube2iam_binary  # noqa: E402
 
 from kiamfast.testing.net import http_request, one_request, split_response, wait_port  # noqa: E402
@@ -257,9 +257,9 @@ def put_token(dest: tuple[str, int], *, source: str | None = None) -> str:
 def wrk(url_host: str, port: int, role: str, agent: Running, duration: float,
         cpus: list[int] | None, tmp: str, prefix: list[str] | None = None) -> Load:
     """wrk with the token this agent gave the pod (as botocore sends the GET)."""
-    w = sl.run_wrk(port, sl.WRK_GET.format(path=CREDS + role, token=agent.token),
-                   connections=CONNECTIONS, duration=duration, cpus=cpus,
-                   server_pids=agent.pids(), tmp=tmp, host=url_host, argv_prefix=prefix)
+    w = loadgen.run_wrk(port, loadgen.WRK_GET.format(path=CREDS + role, token=agent.token),
+                        connections=CONNECTIONS, duration=duration, cpus=cpus,
+                        server_pids=agent.pids(), tmp=tmp, host=url_host, argv_prefix=prefix)
     load = Load.from_wrk(w)
     if load.rps:
         load.idle_s_per_1k = agent.idle_rate / load.rps * 1e3

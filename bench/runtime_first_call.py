@@ -14,7 +14,7 @@ removed and the pod's end published. Target: p99 < 10 ms. Baseline, in the same 
 same fresh connection and two requests from an established pod to an API-only agent (no
 poll), so the difference is what the runtime path adds.
 
-Hot path: ``established`` pods whose addresses the API knows; each has bench/churn.py's
+Hot path: ``established`` pods whose addresses the API knows; each has bench/churn_clients.py's
 client (keep-alive, one request at a time, listing and document alternately) from its own
 sandbox, against two agents on the same node, one with ``--cri-endpoint`` and one with
 ``--cri-endpoint=none``, measured in alternating rounds of the same length. Reported as
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import bench_agent as ba
-import churn
+import churn_clients
 import cri_node
 from benchutil import summarize_us
 
@@ -91,7 +91,8 @@ class FirstCalls:
     baseline_document_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-def timed_call(node, sandbox: cri_node.Sandbox, *, port: int) -> tuple[int, bytes, bytes, float, float]:
+def timed_call(node, sandbox: cri_node.Sandbox, *,
+               port: int) -> tuple[int, bytes, bytes, float, float]:
     """A fresh connection from the sandbox, the listing, then the document: (status, listing
     body, document, ms to the listing, ms to the document), timed from before the connect."""
     t0 = time.perf_counter()
@@ -151,19 +152,19 @@ def first_calls(c: ba.Cluster, node, *, port: int, baseline_port: int, slot: int
 class HotRound:
     agent: str
     requests_per_s: float
-    tally: churn.Tally
+    tally: churn_clients.Tally
 
 
 def hot_round(*, agent: str, port: int, node, pods: list[cri_node.Pod], role_names: list[bytes],
               seconds: float) -> tuple[str, list[dict]]:
-    sh = churn.Shared.create(len(pods))
+    sh = churn_clients.Shared.create(len(pods))
     for i, pod in enumerate(pods):
         sh.role[i], sh.prev[i], sh.gen[i], sh.want[i] = pod.role, -1, 1, 1
-    clients = [churn.start_client(port=port, slot=i, sandbox=pod.sandbox,
+    clients = [churn_clients.start_client(port=port, slot=i, sandbox=pod.sandbox,
                                agent_host=node.agent_host, role_names=role_names, sh=sh)
                for i, pod in enumerate(pods)]
     time.sleep(seconds)
-    results, lost = churn.collect(clients)
+    results, lost = churn_clients.collect(clients)
     if lost:
         raise RuntimeError(f"{lost} of {len(clients)} hot-path clients died without a report")
     return agent, results
@@ -217,14 +218,12 @@ def run(*, runtime: str = "auto", pods: int = 200, established: int = 8, roles: 
                                              seconds=round_seconds))
                     keymap = c.access_keys()
             finally:
-                for pod in pods_:
-                    with contextlib.suppress(Exception):
-                        node.remove_sandbox(pod.sandbox)
+                cri_node.remove_pods(node, pods_)
     finally:
         node.close()
     hot = []
     for agent, results in raw:
-        t = churn.tally(results, role_names=role_names, keymap=keymap)
+        t = churn_clients.tally(results, role_names=role_names, keymap=keymap)
         per_client = t.seconds / max(len(results), 1)
         hot.append(HotRound(agent=agent, requests_per_s=t.requests / max(per_client, 1e-9),
                             tally=t))

@@ -21,7 +21,6 @@ bench/cri_node.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
@@ -104,9 +103,7 @@ def run(*, runtime: str = "auto", sandboxes: int = 110, roles: int = 10,
                         time.sleep(seconds)
                         runtime_idle = (cpu_seconds(runtime_pid) - r0) / (time.monotonic() - t1)
             finally:
-                for pod in pods:
-                    with contextlib.suppress(Exception):
-                        node.remove_sandbox(pod.sandbox)
+                cri_node.remove_pods(node, pods)
     finally:
         node.close()
     return PollingResult(
