@@ -2,7 +2,8 @@
 
 What it measures. The agent (``python -m kiamfast``, its pods in the API emulator, its
 credentials from moto's STS, its passthrough upstream a fast nginx) serving 256 pods
-(127.0.x.y source addresses, 40 roles) three kinds of request, the way SDKs send them:
+(127.0.x.y source addresses, 40 roles) three kinds of request, the way SDKs send them
+(bench/loadgen.py builds them and generates the load):
 
 * ``GET .../security-credentials/<role>`` with an IMDSv2 token (cached credentials),
 * ``PUT /latest/api/token``,
@@ -24,6 +25,13 @@ is reported as its throughput against nginx.
 Server cost is also read from /proc as CPU microseconds per request, which stays meaningful
 when the load generator (Python, sharing two cores) and not the server is the bottleneck.
 Targets (issue): >= 0.85x the Python ceiling, p99 < 2 ms.
+
+``--target worker`` measures one server worker alone instead, over a table the benchmark
+fills with what the control process would render (bench_agent.worker_only): the hot path
+without the supervisor and the control process. bench/instructions.py counts the user-space
+instructions of the same requests.
+
+    python bench/agent_load.py [--quick] [--target agent|worker]
 """
 
 from __future__ import annotations
@@ -32,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -40,7 +47,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchutil import cpu_seconds, median, pod_addresses, summarize_us
-from loadgen import LoadResult, Spec, run_load
+from loadgen import (INSTANCE_ID, TOKEN_PUT, WRK_GET, WRK_PUT, LoadResult, Spec,
+                     credentials_path, metadata_get, run_load, run_wrk)
+
+from kiamfast.testing.net import one_request, split_response
 
 KINDS = ("get", "put", "pass")
 KIND_NAMES = {"get": "credential GET (token, cached)", "put": "token PUT",
@@ -49,39 +59,15 @@ SERVERS = ("nginx", "python", "agent")
 SERVER_NAMES = {"nginx": "nginx (C ceiling)", "python": "uvloop+httptools (Python ceiling)",
                 "agent": "kiamfast agent"}
 ROLES = 40
-PUT_REQUEST = (b"PUT /latest/api/token HTTP/1.1\r\nHost: 169.254.169.254\r\n"
-               b"User-Agent: Boto3/1.34 md/Botocore#1.34\r\nAccept-Encoding: identity\r\n"
-               b"X-aws-ec2-metadata-token-ttl-seconds: 21600\r\nContent-Length: 0\r\n\r\n")
-
-
-def get_request(path: bytes, token: bytes) -> bytes:
-    return (b"GET %s HTTP/1.1\r\nHost: 169.254.169.254\r\n"
-            b"User-Agent: Boto3/1.34 md/Botocore#1.34\r\nAccept-Encoding: identity\r\n"
-            b"X-aws-ec2-metadata-token: %s\r\n\r\n" % (path, token))
-
-
-def doc_path(role: str) -> bytes:
-    return b"/latest/meta-data/iam/security-credentials/" + role.encode()
-
-
-PASS_PATH = b"/latest/meta-data/instance-id"
+# What the agent's own answers carry beyond their bodies (the ceilings send other headers).
+AGENT_HEADERS = (b"Server: EC2ws",)
+TTL_HEADER = b"X-Aws-Ec2-Metadata-Token-Ttl-Seconds: 21600"
 
 
 def one_shot(port: int, source: str, request: bytes, *, timeout: float = 5.0) -> bytes:
     """One request from ``source`` on its own connection (Connection: close); the response."""
-    req = request.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
-    with socket.create_connection(("127.0.0.1", port), source_address=(source, 0),
-                                  timeout=timeout) as s:
-        s.sendall(req)
-        parts = []
-        while chunk := s.recv(65536):
-            parts.append(chunk)
-    return b"".join(parts)
-
-
-def split(resp: bytes) -> tuple[int, bytes, bytes]:
-    head, _, body = resp.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), head, body
+    return one_request(port, request.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n",
+                                             1), source=source, timeout=timeout)
 
 
 def keep_alive(resp: bytes) -> bytes:
@@ -103,6 +89,7 @@ class Options:
     per_conn: int = 100
     wrk: bool = True
     pin: bool = True
+    target: str = "agent"            # or "worker": one server worker alone (module docstring)
     load_processes: int = 0          # 0: one per CPU left to the load generator
     kinds: tuple[str, ...] = KINDS
 
@@ -121,7 +108,7 @@ class Run:
 
 @dataclass
 class HotPathResult:
-    mode: str                        # "full agent" or "worker only (fallback)"
+    mode: str                        # "full agent" or "one worker"
     options: dict
     closed: dict = field(default_factory=dict)   # (server, kind, conns) -> [Run per round]
     paced: dict = field(default_factory=dict)    # (server, kind) -> Run
@@ -166,9 +153,9 @@ def run(opts: Options, *, log=print) -> HotPathResult:
     processes = opts.load_processes or max(1, len(load_cpus or cpus))
     ips = pod_addresses(opts.pods)
     wrk_ip = "127.0.0.1"
-    full = ba.full_agent_available()
+    full = opts.target == "agent"
     res = HotPathResult(mode="full agent (python -m kiamfast)" if full
-                        else "worker only (fallback: the pod watcher is not there yet)",
+                        else "one server worker over a table the benchmark filled",
                         options=dict(opts.__dict__, load_processes=processes,
                                      server_cpus=sorted(server_cpus or []),
                                      load_cpus=load_cpus))
@@ -177,10 +164,11 @@ def run(opts: Options, *, log=print) -> HotPathResult:
         tokens, docs, roles = {}, {}, {}
         for i, ip in enumerate(ips + [wrk_ip]):
             role = ba.role_name(i % ROLES)
-            status, _, token = split(one_shot(agent.port, ip, PUT_REQUEST))
+            status, _, token = split_response(one_shot(agent.port, ip, TOKEN_PUT))
             assert status == 200 and len(token) > 20, (ip, status, token)
             tokens[ip] = token
-            status, _, body = split(one_shot(agent.port, ip, get_request(doc_path(role), token)))
+            status, _, body = split_response(one_shot(
+                agent.port, ip, metadata_get(credentials_path(role), token)))
             assert status == 200, (ip, status, body[:200])
             docs[ip] = body
             roles[ip] = role
@@ -189,21 +177,22 @@ def run(opts: Options, *, log=print) -> HotPathResult:
         res.checks["pods"] = len(docs)
         res.checks["documents naming another role"] = len(wrong)
         base_ip = ips[0]
-        full_get = keep_alive(one_shot(agent.port, base_ip,
-                                       get_request(doc_path(roles[base_ip]), tokens[base_ip])))
-        full_put = keep_alive(one_shot(agent.port, base_ip, PUT_REQUEST))
-        full_pass = keep_alive(one_shot(agent.port, base_ip, get_request(PASS_PATH,
+        full_get = keep_alive(one_shot(agent.port, base_ip, metadata_get(
+            credentials_path(roles[base_ip]), tokens[base_ip])))
+        full_put = keep_alive(one_shot(agent.port, base_ip, TOKEN_PUT))
+        full_pass = keep_alive(one_shot(agent.port, base_ip, metadata_get(INSTANCE_ID,
                                                                          tokens[base_ip])))
-        assert split(full_pass)[0] == 200, full_pass[:300]
-        inst = split(full_pass)[2]
+        assert split_response(full_pass)[0] == 200, full_pass[:300]
+        inst = split_response(full_pass)[2]
         res.checks["passthrough body"] = inst.decode(errors="replace")
         agent_specs = {
-            "get": [Spec(ip, get_request(doc_path(roles[ip]), tokens[ip]), 200, docs[ip])
-                    for ip in ips],
-            "put": [Spec(ip, PUT_REQUEST, 200, None) for ip in ips],
-            "pass": [Spec(ip, get_request(PASS_PATH, tokens[ip]), 200, inst) for ip in ips],
+            "get": [Spec(ip, metadata_get(credentials_path(roles[ip]), tokens[ip]), 200,
+                         docs[ip], headers=AGENT_HEADERS) for ip in ips],
+            "put": [Spec(ip, TOKEN_PUT, 200, length=len(tokens[ip]),
+                         headers=(TTL_HEADER, *AGENT_HEADERS)) for ip in ips],
+            "pass": [Spec(ip, metadata_get(INSTANCE_ID, tokens[ip]), 200, inst) for ip in ips],
         }
-        base_body = {"get": docs[base_ip], "put": split(full_put)[2], "pass": inst}
+        base_body = {"get": docs[base_ip], "put": split_response(full_put)[2], "pass": inst}
         with bs.nginx(docs[base_ip]) as ng, \
                 bs.python_baseline(full_get) as py_get, \
                 bs.python_baseline(full_put) as py_put, \
@@ -218,7 +207,7 @@ def run(opts: Options, *, log=print) -> HotPathResult:
             for kind in opts.kinds:
                 same = agent_specs[kind]
                 plan[("agent", kind)] = (agent.port, same, worker_pids)
-                body_py = base_body[kind] if kind != "put" else split(full_put)[2]
+                body_py = base_body[kind] if kind != "put" else split_response(full_put)[2]
                 plan[("python", kind)] = (
                     {"get": py_get, "put": py_put, "pass": py_pass}[kind].port,
                     [Spec(s.source, s.request, 200, body_py) for s in same],
@@ -269,10 +258,8 @@ def run(opts: Options, *, log=print) -> HotPathResult:
 def _wrk_runs(opts: Options, plan, agent, token: bytes, role: str, ng, py_get, py_put,
               load_cpus, worker_pids, ng_pid) -> dict:
     """wrk -t1 from 127.0.0.1 (one pod): GET and PUT, per server, interleaved rounds."""
-    import server_load as sl  # the server developer's wrk runner and scripts
-
-    get = sl.WRK_GET.format(path=doc_path(role).decode(), token=token.decode())
-    put = sl.WRK_PUT
+    get = WRK_GET.format(path=credentials_path(role).decode(), token=token.decode())
+    put = WRK_PUT
     scripts = {("nginx", "get"): (ng.port, get, ng_pid),
                ("python", "get"): (py_get.port, get, py_get.pid),
                ("agent", "get"): (agent.port, get, worker_pids[0]),
@@ -283,14 +270,14 @@ def _wrk_runs(opts: Options, plan, agent, token: bytes, role: str, ng, py_get, p
     with tempfile.TemporaryDirectory(prefix="kiamfast-bench-wrk-") as tmp:
         for _ in range(opts.rounds):
             for key, (port, script, pid) in scripts.items():
-                r = sl.run_wrk(port, script, connections=64, duration=opts.duration,
-                                cpus=load_cpus, server_pid=pid, tmp=tmp)
+                r = run_wrk(port, script, connections=64, duration=opts.duration,
+                            cpus=load_cpus, server_pid=pid, tmp=tmp)
                 out.setdefault(key, []).append(r)
     return out
 
 
 class _target:
-    """The agent with its pods (full) or the worker-only fallback; yields (agent, keys_of)."""
+    """The agent with its pods (full) or one worker alone; yields (agent, keys_of)."""
 
     def __init__(self, full: bool, ips: list[str], cpus: set[int] | None) -> None:
         self.full, self.ips, self.cpus = full, ips, cpus
@@ -452,9 +439,10 @@ def markdown(res: HotPathResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--target", choices=("agent", "worker"), default="agent")
     args = ap.parse_args(argv)
-    opts = Options(rounds=1, duration=1.5, paced_duration=2.0, wrk=False) if args.quick \
-        else Options()
+    opts = Options(rounds=1, duration=1.5, paced_duration=2.0, wrk=False,
+                   target=args.target) if args.quick else Options(target=args.target)
     res = run(opts)
     print(markdown(res))
     return 0

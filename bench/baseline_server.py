@@ -1,10 +1,11 @@
-"""The yardstick for the server load benchmark: uvloop + httptools, one fixed response.
+"""The yardstick for the hot-path benchmarks: uvloop + httptools, one fixed response.
 
 This is the cheapest HTTP/1.1 server one can write on the same stack as the kiamfast worker:
 one ``HttpRequestParser`` per connection, ``on_url`` and ``on_message_complete`` only, no
 routing, no lookup, no token check, the same pre-built bytes for every request, keep-alive
-and pipelining (a batch answered with one write). bench/server_load.py measures the
-worker against it in the same run, so the ratio says what kiamfast's real work (routing,
+and pipelining (a batch answered with one write). bench/agent_load.py measures the agent
+(or one worker) against it in the same run, bench/instructions.py counts its instructions
+beside the worker's, so the ratio says what kiamfast's real work (routing,
 the shared-table lookup, token checks, splicing headers) costs on top of the event loop and
 the parser, independent of how fast or busy the machine is.
 

@@ -1,6 +1,7 @@
-"""A node for the benchmarks: the Kubernetes API emulator, STS (moto behind the fault proxy),
-a fast fake metadata service (nginx), and the full kiamfast agent started as the DaemonSet
-starts it, ``python -m kiamfast <kube2iam flags>``.
+"""A node for the benchmarks: kiamfast.testing.loopback's node (the Kubernetes API emulator,
+STS as moto behind the fault proxy, the full kiamfast agent started as the DaemonSet starts
+it, ``python -m kiamfast <kube2iam flags>``) with a fast metadata service (nginx) and the
+benchmarks' names and flags.
 
 Everything listens on loopback. Pods are objects in the emulator whose IPs are 127.0.x.y
 addresses, so a client socket bound to a pod's IP *is* that pod as far as the agent can
@@ -18,18 +19,16 @@ import contextlib
 import importlib.util
 import os
 import secrets
-import subprocess
-import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 
-from benchutil import (aws_env, child_env, children, cmdline, free_port, python, stop,
-                       wait_port)
+from benchutil import aws_env, child_env, free_port, python
 
-ACCOUNT = "123456789012"
-BASE_ARN = f"arn:aws:iam::{ACCOUNT}:role/"
-ROLE_KEY = "iam.amazonaws.com/role"
+from kiamfast.testing.loopback import BASE_ARN, ROLE_KEY, AgentProcess, LoopbackNode
+
+__all__ = ["Agent", "BASE_ARN", "Cluster", "HOST_IP", "NODE", "ROLE_KEY",
+           "UNBOUNDED_PASSTHROUGH_ARGS", "agent", "agent_argv", "agent_flags", "cluster",
+           "fill_table", "full_agent_available", "role_name", "worker_only"]
+
 NODE = "node-bench"
 # The node's own address: the agent never gives it pod credentials, so it must be none of the
 # pods' (127.0.0.1 is a pod too: wrk's only source address).
@@ -43,6 +42,8 @@ UNBOUNDED_PASSTHROUGH_ARGS = (f"--passthrough-qps={UNBOUNDED}",
                               f"--passthrough-burst={UNBOUNDED}",
                               f"--passthrough-concurrency={UNBOUNDED}")
 
+Agent = AgentProcess
+
 
 def full_agent_available() -> bool:
     """Whether ``python -m kiamfast`` can run end to end (the pod watcher exists)."""
@@ -53,185 +54,79 @@ def role_name(i: int) -> str:
     return f"bench-role-{i}"
 
 
-@dataclass
-class Cluster:
-    """The services around one node (see the module docstring)."""
-    api: object                 # kiamfast.testing.apiserver.ApiServer
-    proxy: object               # kiamfast.testing.sts.FaultProxy
-    imds_port: int
-    kubeconfig: str
-    tmp: str
-    node: str = NODE
-    pods: dict[str, tuple[str, str]] = field(default_factory=dict)  # ip -> (name, role)
-    _seq: int = 0
+class Cluster(LoopbackNode):
+    """The services around one node (see the module docstring): pods in namespace "bench";
+    ``tmp``, ``imds_port`` and ``proxy`` are the node's workdir, its metadata service's port
+    and STS's proxy, by the names the bench scripts use."""
 
-    def add_pod(self, ip: str, role: str | None, *, namespace: str = "bench",
+    def add_pod(self, ip: str | None, role: str | None, *, namespace: str = "bench",
                 phase: str = "Running", name: str | None = None,
                 uid: str | None = None) -> str:
         """Create a pod on this node with ``ip`` and the role annotation; its name."""
-        self._seq += 1
-        name = name or f"pod-{self._seq}"
-        self.api.create_pod(namespace, name, node=self.node,
-                            annotations={ROLE_KEY: role} if role else None,
-                            ips=[ip] if ip else None, phase=phase, uid=uid)
-        if ip:
-            self.pods[ip] = (name, role or "")
-        return name
+        return super().add_pod(ip, role, namespace=namespace, phase=phase, name=name,
+                               uid=uid)
 
-    def access_keys(self) -> dict[str, str]:
-        """AccessKeyId -> role name of every credential STS issued so far."""
-        out = {}
-        for call in self.proxy.assume_role_calls(outcome="ok"):
-            if call.access_key_id:
-                out[call.access_key_id] = call.role_arn.rsplit("/", 1)[-1]
-        return out
+    @property
+    def tmp(self) -> str:
+        return str(self.workdir)
+
+    @property
+    def imds_port(self) -> int:
+        return int(self.imds_addr.rsplit(":", 1)[1])
+
+    @property
+    def proxy(self):
+        return self.sts
 
 
 @contextlib.contextmanager
 def cluster(*, sts_latency: float = 0.0, bookmark_interval: float = 5.0):
     """Emulator + moto STS behind the fault proxy + nginx as the metadata service."""
-    import logging
-
     from bench_servers import nginx
-    from kiamfast.testing.apiserver import ApiServer
-    from kiamfast.testing.sts import FaultProxy, MotoSts
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with aws_env(), tempfile.TemporaryDirectory(prefix="kiamfast-bench-node-") as tmp, \
-            MotoSts() as moto, FaultProxy(moto.url, latency=sts_latency) as proxy, \
+    with aws_env(), \
             nginx(b"not served: the imds upstream only answers token and instance-id\n") \
-            as imds, ApiServer(token="bench-token",
-                               bookmark_interval=bookmark_interval) as api:
-        api.add_node(NODE)
-        kubeconfig = api.write_kubeconfig(os.path.join(tmp, "kubeconfig"))
-        yield Cluster(api=api, proxy=proxy, imds_port=imds.port, kubeconfig=kubeconfig,
-                      tmp=tmp)
+            as imds, Cluster(node=NODE, host_ip=HOST_IP, api_token="bench-token",
+                             bookmark_interval=bookmark_interval, sts_latency=sts_latency,
+                             imds_addr=f"127.0.0.1:{imds.port}") as c:
+        yield c
 
 
-@dataclass
-class Agent:
-    proc: subprocess.Popen
-    port: int
-    table_path: str
-    started: float               # time.monotonic() just before Popen
-    log_path: str
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def processes(self) -> dict[str, list[int]]:
-        """{"supervisor": [pid], "control": [...], "worker": [...]} by command line."""
-        out: dict[str, list[int]] = {"supervisor": [self.pid], "control": [], "worker": []}
-        for pid in children(self.pid):
-            args = cmdline(pid)
-            if "kiamfast.server.worker" in args:
-                out["worker"].append(pid)
-            elif "kiamfast.control" in args:
-                out["control"].append(pid)
-        return out
-
-    def all_pids(self) -> list[int]:
-        return [self.pid, *children(self.pid)]
-
-    def get(self, path: str, *, timeout: float = 1.0) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}",
-                                        timeout=timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def ready(self) -> bool:
-        try:
-            return self.get("/readyz", timeout=0.5)[0] == 200
-        except OSError:
-            return False
-
-    def wait_ready(self, timeout: float = 60.0, *, poll: float = 0.005) -> float:
-        """Seconds from process start until /readyz answered 200."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited with {self.proc.returncode}: "
-                                   f"{self.log_tail()}")
-            if self.ready():
-                return time.monotonic() - self.started
-            time.sleep(poll)
-        raise RuntimeError(f"agent not ready after {timeout} s: {self.log_tail()}")
-
-    def wait_listening(self, timeout: float = 30.0) -> float:
-        wait_port(self.port, self.proc, timeout=timeout)
-        return time.monotonic() - self.started
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
+def agent_flags(*, workers: int = 1, sts_qps: float | None = None,
+                sts_burst: int | None = None) -> list[str]:
+    """What the benchmarks add to a loopback node's flags: loopback only, quiet, unbounded
+    passthrough, the STS rate limit when given."""
+    return ["--sts-region=us-east-1", "--listen-host=127.0.0.1", "--log-level=warn",
+            f"--workers={workers}", *UNBOUNDED_PASSTHROUGH_ARGS,
+            *([f"--sts-qps={sts_qps}"] if sts_qps is not None else []),
+            *([f"--sts-burst={sts_burst}"] if sts_burst is not None else [])]
 
 
-def agent_argv(c: Cluster, *, port: int, table_path: str, workers: int = 1,
+def agent_argv(c: LoopbackNode, *, port: int, table_path: str, workers: int = 1,
                sts_qps: float | None = None, sts_burst: int | None = None,
                extra: list[str] | None = None) -> list[str]:
-    argv = [python(), "-m", "kiamfast",
-            "--kubeconfig", c.kubeconfig, "--node", c.node, "--host-ip", HOST_IP,
-            "--base-role-arn", BASE_ARN, "--sts-endpoint", c.proxy.url,
-            "--sts-region", "us-east-1", "--table-path", table_path,
-            "--token-key-file", table_path + ".key",
-            "--listen-host", "127.0.0.1", f"--app-port={port}", f"--metrics-port={port}",
-            "--metadata-addr", f"127.0.0.1:{c.imds_port}", "--iptables=false",
-            "--node-startup-taint=", "--cri-endpoint=none",
-            "--log-level", "warn", f"--workers={workers}",
-            *UNBOUNDED_PASSTHROUGH_ARGS]
-    if sts_qps is not None:
-        argv.append(f"--sts-qps={sts_qps}")
-    if sts_burst is not None:
-        argv.append(f"--sts-burst={sts_burst}")
-    return argv + list(extra or ())
+    return c.agent_argv(port=port, table_path=table_path, extra=[
+        *agent_flags(workers=workers, sts_qps=sts_qps, sts_burst=sts_burst), *(extra or ())])
 
 
 @contextlib.contextmanager
-def agent(c: Cluster, *, workers: int = 1, sts_qps: float | None = None,
+def agent(c: LoopbackNode, *, workers: int = 1, sts_qps: float | None = None,
           sts_burst: int | None = None, extra: list[str] | None = None,
           cpus: set[int] | None = None):
-    """The agent for ``c``'s node; yields an :class:`Agent` (not yet ready)."""
-    port = free_port()
-    table_path = f"/dev/shm/kiamfast-bench-{os.getpid()}-{secrets.token_hex(4)}"
-    log_path = os.path.join(c.tmp, f"agent-{port}.log")
-    argv = agent_argv(c, port=port, table_path=table_path, workers=workers, sts_qps=sts_qps,
-                      sts_burst=sts_burst, extra=extra)
-    log = open(log_path, "wb")
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    started = time.monotonic()
-    proc = subprocess.Popen(argv, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=preexec)
-    try:
-        yield Agent(proc=proc, port=port, table_path=table_path, started=started,
-                    log_path=log_path)
-    finally:
-        stop(proc, timeout=15)
-        log.close()
-        for path in (table_path, table_path + ".key", table_path + ".lock"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    """The agent for ``c``'s node; yields an :class:`Agent` (not yet ready), stopped and its
+    table removed at the end."""
+    with c.agent(extra=[*agent_flags(workers=workers, sts_qps=sts_qps, sts_burst=sts_burst),
+                        *(extra or ())], env=child_env(), cpus=cpus) as a:
+        yield a
 
 
-@contextlib.contextmanager
-def worker_only(ips: list[str], *, roles: int, imds_port: int,
-                cpus: set[int] | None = None):
-    """Fallback while ``python -m kiamfast`` cannot run end to end: one server worker over a
-    table this function fills (the credentials the control process would render), so the
-    hot path can be measured without the control process. Yields an :class:`Agent`-like
-    object whose ``processes()["worker"]`` is the worker; ``access_keys`` maps keys to roles.
-    """
+def fill_table(table_path: str, ips: list[str], *, roles: int) -> dict[str, str]:
+    """A table at ``table_path`` holding what the control process would render: ``roles``
+    roles' credentials, pod ``i`` at ``ips[i]`` with role ``i % roles``, ready. The access
+    key of each role -> its name."""
     from kiamfast import table as tbl
     from kiamfast.control.iam import render
-    from kiamfast.server.settings import WorkerSettings
 
-    port = free_port()
-    table_path = f"/dev/shm/kiamfast-bench-{os.getpid()}-{secrets.token_hex(4)}"
     t = tbl.Table.create(table_path, ip_capacity=4096, cred_capacity=256, value_size=16384,
                          aux_count=4, aux_size=1 << 16, max_workers=8)
     now = time.time()
@@ -247,31 +142,36 @@ def worker_only(ips: list[str], *, roles: int, imds_port: int,
         t.claim_ip(ip, f"pod-{i}", tbl.POD_ROLE, i % roles)
     t.set_status(synced=True, ready=True)
     t.close()
+    return keys
+
+
+@contextlib.contextmanager
+def worker_only(ips: list[str], *, roles: int, imds_port: int,
+                cpus: set[int] | None = None):
+    """One server worker over a table this function fills (:func:`fill_table`), so the hot
+    path can be measured without the supervisor and the control process. Yields an
+    :class:`Agent` whose ``processes()["worker"]`` is the worker; ``keys`` maps access keys
+    to roles."""
+    from kiamfast.server.settings import WorkerSettings
+
+    port = free_port()
+    table_path = f"/dev/shm/kiamfast-bench-{os.getpid()}-{secrets.token_hex(4)}"
+    keys = fill_table(table_path, ips, roles=roles)
     settings = WorkerSettings(app_port=port, listen_host="127.0.0.1",
                               metadata_addr=f"127.0.0.1:{imds_port}",
                               token_key=secrets.token_bytes(32),
                               passthrough_rate=UNBOUNDED, passthrough_burst=UNBOUNDED,
                               passthrough_concurrency=UNBOUNDED)
-    log_path = table_path + ".log"
-    log = open(log_path, "wb")
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    started = time.monotonic()
-    proc = subprocess.Popen([python(), "-m", "kiamfast.server.worker", "--table", table_path,
-                             "--settings-json", settings.to_json(), "--log-level", "warning"],
-                            env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=preexec)
-    a = _WorkerOnly(proc=proc, port=port, table_path=table_path, started=started,
-                    log_path=log_path)
+    a = _WorkerOnly([python(), "-m", "kiamfast.server.worker", "--table", table_path,
+                     "--settings-json", settings.to_json(), "--log-level", "warning"],
+                    port=port, log_path=table_path + ".log", table_path=table_path,
+                    files=(table_path, table_path + ".log"), env=child_env(), cpus=cpus)
     a.keys = keys
     try:
         a.wait_listening()
         yield a
     finally:
-        stop(proc)
-        log.close()
-        for path in (table_path, log_path):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        a.stop(10)
 
 
 class _WorkerOnly(Agent):

@@ -1,4 +1,5 @@
-"""Small helpers every benchmark in bench/ shares: ports, processes, /proc readings, stats.
+"""Small helpers every benchmark in bench/ shares: processes, /proc readings, stats (ports,
+pod addresses and AWS environments are kiamfast.testing's, re-exported here).
 
 The benchmarks start real processes (the agent, nginx, the Python baseline, load
 generators) and read what they cost from /proc, because a shared two-core machine is too
@@ -15,7 +16,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,68 +30,23 @@ for _p in (str(ROOT), str(BENCH)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# Static credentials for every AWS client the benchmarks start; never the real metadata
-# service (AWS_EC2_METADATA_DISABLED) and never a profile from the machine.
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
-           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_STS")
+# kiamfast.testing's helpers (one definition each), for every bench script: this
+# checkout's kiamfast, from the sys.path above.
+from kiamfast.testing.aws_env import offline as aws_env  # noqa: E402
+from kiamfast.testing.aws_env import offline_env  # noqa: E402
+from kiamfast.testing.net import free_port, pod_addresses, wait_port  # noqa: E402
+from kiamfast.testing.procs import children, cmdline  # noqa: E402
+
+__all__ = ["BENCH", "ROOT", "aws_env", "child_env", "children", "cmdline", "cpu_seconds",
+           "free_port", "machine_facts", "median", "pod_addresses", "python", "rss_bytes",
+           "set_affinity", "stop", "summarize_us", "wait_port"]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment for a child process: static AWS credentials, the repo on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k not in AWS_UNSET}
-    env.update(AWS_ENV)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
-                                     if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
-
-
-@contextlib.contextmanager
-def aws_env():
-    """Static AWS credentials in this process for the duration (moto, botocore clients)."""
-    saved = {k: os.environ.get(k) for k in (*AWS_ENV, *AWS_UNSET)}
-    os.environ.update(AWS_ENV)
-    for k in AWS_UNSET:
-        os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# ---- addresses and ports ---------------------------------------------------------------------
-
-def pod_addresses(n: int, *, start: int = 0) -> list[str]:
-    """``n`` loopback "pod" addresses 127.0.x.y (x >= 1, 1 <= y <= 250): Linux routes all of
-    127/8 to lo, so a client socket can bind any of them as its source without root."""
-    return [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(start, start + n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen | None = None, *, host: str = "127.0.0.1",
-              timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            socket.create_connection((host, port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.02)
-    raise RuntimeError(f"nothing listening on {host}:{port} after {timeout} s")
+    """Environment for a child process: static AWS credentials (never the real metadata
+    service, never a profile from the machine), this checkout on PYTHONPATH."""
+    path = os.environ.get("PYTHONPATH")
+    return offline_env(PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""), **extra)
 
 
 def stop(proc: subprocess.Popen | None, *, timeout: float = 10.0) -> None:
@@ -138,30 +93,6 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (all its threads' children)."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-        except OSError:
-            pass
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
 
 
 def set_affinity(pids: Iterable[int], cpus: set[int] | None) -> None:

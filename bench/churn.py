@@ -1,292 +1,88 @@
-"""Correctness under churn: pods replaced at a high rate with IP reuse while their clients
-hammer the agent. Counts what must never happen: an answer naming a role other than the
-asking pod's. And what must not happen often: no answer within the SDK's budget (1 s).
+"""Correctness under churn: pods replaced at a high rate, their addresses reused, while their
+clients hammer the agent. Counts what must never happen: an answer naming a role other than
+the asking pod's. And what must not happen often: no answer within the SDK's budget (1 s).
 
-The node: ``ips`` addresses (127.0.x.y), each always held by one pod of a random role out
-of ``roles``. Each pod has one client (an SDK stand-in, in load-generator processes) that,
-for as long as its pod lives, fetches a token (``PUT /latest/api/token``), then loops:
-``GET .../security-credentials/`` (the listing: must be the pod's role name) and
-``GET .../security-credentials/<its role>`` (the document: its AccessKeyId must be one STS
-issued for that role, checked against the STS proxy's records afterwards).
+The node holds ``slots`` pods, each of a random role out of ``roles``, each with one client
+(an SDK stand-in) that, for as long as its pod lives, fetches a token (``PUT
+/latest/api/token``), then loops: ``GET .../security-credentials/`` (the listing: must be
+the pod's role name) and ``GET .../security-credentials/<its role>`` (the document: its
+AccessKeyId must be one STS issued for that role, checked against the STS proxy's records
+afterwards). A churner replaces up to ``rate`` pods per second; each replacement of pod A by
+pod B on one address follows the kubelet's order on a real node:
 
-A churner (in this process, driving the API emulator) replaces ``rate`` pods per second,
-each replacement following a kubelet's order of events on a real node:
+1. B is created in the API (Pending, no address: it was scheduled); the agent prefetches
+   B's credentials from the watch;
+2. A starts terminating (``deletionTimestamp``); its client stops once its request in
+   flight is answered (its containers are killed), and acknowledges;
+3. A's address is freed, and ``gap`` seconds later (CNI: teardown of A's sandbox, set-up of
+   B's) B holds it; B's client starts at once.
 
-1. the new pod B is created on the node, Pending, without an IP (it was scheduled);
-2. the old pod A starts terminating (``deletionTimestamp``); its client stops once its
-   request in flight is answered (its containers are killed), and acknowledges;
-3. A's phase turns Failed (the kubelet's final status) and A is deleted;
-4. ``gap`` seconds later (CNI: teardown of A's sandbox, set-up of B's) B's IP is published,
-   the IP A had, and B turns Running; B's client starts at once.
+Who tells the agent of step 3 is the runtime switch (``--runtime``):
 
-So a wrong answer means the agent named A's (or any other) role to B's client after the
-API server had published A's end and B's claim; a request "not served" is any answer but a
-200, or one later than the SDK budget. The agent's only help here is the watch (it runs
-API-only, ``--cri-endpoint=none``; bench/runtime_churn.py is the same churn with the
-container runtime). ``--agent kube2iam`` runs the same churn against kube2iam 0.15 itself
-(tests/tools/build_kube2iam.sh builds it), which is always API-only.
+* ``none`` (bench/run's ``churn`` section): no runtime; the API server publishes A's end
+  (Failed, deleted) and, ``gap`` later, B's address and Running, in order and at once. So a
+  wrong answer means the agent named A's (or any other) role to B's client after the API
+  server had published A's end and B's claim: the agent's only help is the watch
+  (``--cri-endpoint=none``). Addresses are 127.0.x.y; the clients of all pods share a few
+  processes; a bare watch client in a process of its own measures the API server's own
+  delivery lag beside the agent's. ``--agent kube2iam`` runs the same churn against
+  kube2iam 0.15 itself (tests/tools/build_kube2iam.sh builds it), which is always API-only.
+* ``containerd``, ``fault`` or ``auto`` (bench/run's ``runtime`` section): the node's
+  runtime (bench/cri_node.py: a real containerd when root and containerd are there, else
+  the CRI fault double) removes A's sandbox and at once (gap 0) starts B's, which gets A's
+  address; the API server hears of it only seconds later: A's end after 0.5-3 s, B's
+  address after 0.5-3 s, in either order, or never (a quarter of the pods). Between the two
+  the API server still shows A Running with the address B asks from: only the runtime can
+  name the right pod. (A real kubelet on this VM reports B's address 0.7 s median, 1.4 s
+  max after B's app started when idle, 12.7 s and 17.6 s with its API client throttled to
+  2 requests/s: bench/kubelet_timing.py. The 0.5-3 s here lies between the two.) Two modes
+  run the same churn with the same seed, one replacement at a time, one after the other:
+  the agent with ``--cri-endpoint`` and the same agent with ``--cri-endpoint=none``, which
+  can only follow the API and is expected to name A's role. Each pod's client is a
+  process of its own, living exactly as long as its sandbox is READY; with containerd it
+  is forked into the sandbox's network namespace, where a DNAT rule sends its
+  127.0.0.1:<port> to the agent on the bridge, so the source address it binds is the
+  sandbox's own. A wrong role is judged against who really held the address when the
+  request was sent.
 
-    python bench/churn.py [--quick] [--requests N] [--rate R] [--gap S] [--agent kube2iam]
+The pods' clients and the sum of what they saw are bench/churn_clients.py's.
+
+    python bench/churn.py [--quick] [--runtime none|auto|containerd|fault] [--requests N]
+        [--rate R] [--gap S] [--slots N] [--min-replacements N] [--agent kiamfast|kube2iam]
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import heapq
+import itertools
 import multiprocessing as mp
 import os
 import random
-import socket
 import sys
 import time
-from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchutil import pod_addresses, set_affinity, summarize_us
+from benchutil import pod_addresses, summarize_us
 
-SDK_BUDGET = 1.0          # botocore: DEFAULT_METADATA_SERVICE_TIMEOUT, 1 attempt
-HANG_TIMEOUT = 3.0        # a request unanswered this long is abandoned (and counted late)
-LISTING = b"/latest/meta-data/iam/security-credentials/"
-PUT = (b"PUT /latest/api/token HTTP/1.1\r\nHost: 169.254.169.254\r\n"
-       b"User-Agent: churn\r\nX-aws-ec2-metadata-token-ttl-seconds: 21600\r\n"
-       b"Content-Length: 0\r\n\r\n")
+import bench_agent as ba  # noqa: E402  (benchutil put the repo on sys.path)
+import cri_node  # noqa: E402
+from cri_node import NAMESPACE, Pod, Sandbox, new_api_pod, populate, sandbox_for  # noqa: E402
+from churn_clients import SandboxClients, Shared, SharedClients, Tally, tally  # noqa: E402
+from loadgen import CREDENTIALS  # noqa: E402
 
+from kiamfast.testing.net import http_request, one_request, split_response  # noqa: E402
 
-def _get(path: bytes, token: bytes) -> bytes:
-    return (b"GET %s HTTP/1.1\r\nHost: 169.254.169.254\r\nUser-Agent: churn\r\n"
-            b"X-aws-ec2-metadata-token: %s\r\n\r\n" % (path, token))
-
-
-@dataclass
-class Shared:
-    """Per-IP words shared by the churner and the client processes (fork-inherited)."""
-    want: object   # churner -> client: 1 run, 0 stop
-    role: object   # churner -> client: role index of the IP's current pod
-    prev: object   # churner -> client: role index of the previous pod (-1 none)
-    gen: object    # churner -> client: pod generation on this IP
-    ack: object    # client -> churner: the generation whose client has stopped
-    stop_all: object
-    progress: object  # client process j -> churner: credential requests answered so far
-    ended: object     # churner: perf_counter() when the IP's previous pod turned Failed
-    claimed: object   # churner: perf_counter() when the IP's current pod's IP was published
-
-    @classmethod
-    def create(cls, n: int) -> "Shared":
-        return cls(want=mp.RawArray(ctypes.c_int32, n), role=mp.RawArray(ctypes.c_int32, n),
-                   prev=mp.RawArray(ctypes.c_int32, n), gen=mp.RawArray(ctypes.c_int32, n),
-                   ack=mp.RawArray(ctypes.c_int32, n), stop_all=mp.RawValue(ctypes.c_int32, 0),
-                   progress=mp.RawArray(ctypes.c_int64, 64),
-                   ended=mp.RawArray(ctypes.c_double, n), claimed=mp.RawArray(ctypes.c_double, n))
-
-
-# ---- clients ---------------------------------------------------------------------------------
-
-def _client_main(port: int, mine: list[tuple[int, str]], role_names: list[bytes],
-                 sh: Shared, slot: int, cpu: int | None, conn) -> None:
-    import asyncio
-
-    import uvloop
-
-    set_affinity([0], {cpu} if cpu is not None else None)
-    perf_ns = time.perf_counter_ns
-    lat = array("I")
-    st = {"requests": 0, "ok": 0, "wrong_prev": 0, "wrong_other": 0, "late": 0, "hung": 0,
-          "put_fail": 0, "pods": 0, "connect_fail": 0}
-    statuses: dict[int, int] = {}
-    keys: dict[tuple[int, str], int] = {}
-    samples: list[str] = []
-    wrong_lags: list[tuple[float, float]] = []   # (ms since old pod's end, since new IP)
-    first_ok = array("d")   # ms from a new pod's IP publication to its first right listing
-    budget_us = int(SDK_BUDGET * 1e6)
-
-    class PodClient(asyncio.Protocol):
-        """One pod's SDK: token, then listing/document until its pod is stopped."""
-
-        def __init__(self, idx: int, ip: str) -> None:
-            self.idx, self.ip = idx, ip
-            self.transport = None
-            self.gen = -1
-            self.role = -1
-            self.prev = -1
-            self.token = b""
-            self.step = 0          # 0 token, 1 listing, 2 document
-            self.t0 = 0
-            self.buf = b""
-            self.inflight = False
-            self.running = False
-
-        # -- life cycle --------------------------------------------------------------------
-        def start(self, loop) -> None:
-            self.running = True
-            self.gen = sh.gen[self.idx]
-            self.role = sh.role[self.idx]
-            self.prev = sh.prev[self.idx]
-            self.step = 0
-            self.buf = b""
-            self.first = True
-            st["pods"] += 1
-            loop.create_task(self._connect(loop))
-
-        async def _connect(self, loop) -> None:
-            try:
-                await loop.create_connection(lambda: self, "127.0.0.1", port,
-                                             local_addr=(self.ip, 0))
-            except OSError as e:
-                st["connect_fail"] += 1
-                if len(samples) < 5:
-                    samples.append(f"connect {self.ip}: {e}")
-                self.stop()
-
-        def stop(self) -> None:
-            self.running = False
-            self.inflight = False
-            if self.transport is not None:
-                self.transport.close()
-                self.transport = None
-            sh.ack[self.idx] = self.gen
-
-        def connection_made(self, transport) -> None:
-            self.transport = transport
-            self.send(PUT)
-
-        def connection_lost(self, exc) -> None:
-            if self.running:
-                self.transport = None
-                self.stop()
-
-        def send(self, req: bytes) -> None:
-            self.inflight = True
-            self.t0 = perf_ns()
-            self.transport.write(req)
-
-        def next_request(self) -> None:
-            if not self.running or self.transport is None:
-                return
-            if sh.want[self.idx] == 0 or sh.gen[self.idx] != self.gen or sh.stop_all.value:
-                self.stop()
-                return
-            if self.step == 1:
-                self.send(_get(LISTING, self.token))
-            else:
-                self.send(_get(LISTING + role_names[self.role], self.token))
-
-        # -- responses ---------------------------------------------------------------------
-        def data_received(self, data: bytes) -> None:
-            buf = self.buf + data if self.buf else data
-            while True:
-                i = buf.find(b"\r\n\r\n")
-                if i < 0:
-                    break
-                j = buf.find(b"Content-Length:", 0, i)
-                n = i + 4 + (int(buf[j + 15:buf.find(b"\r\n", j)]) if j >= 0 else 0)
-                if len(buf) < n:
-                    break
-                resp, buf = buf[:n], buf[n:]
-                self.inflight = False
-                self.answer(resp, i, (perf_ns() - self.t0) // 1000)
-            self.buf = buf
-
-        def answer(self, resp: bytes, i: int, us: int) -> None:
-            status = int(resp[9:12])
-            body = resp[i + 4:]
-            if self.step == 0:
-                if status != 200:
-                    st["put_fail"] += 1
-                    self.stop()
-                    return
-                self.token = body
-                self.step = 1
-                self.next_request()
-                return
-            st["requests"] += 1
-            lat.append(us)
-            statuses[status] = statuses.get(status, 0) + 1
-            if us > budget_us:
-                st["late"] += 1
-            if status == 200:
-                if self.step == 1:
-                    if body == role_names[self.role]:
-                        st["ok"] += 1
-                        if self.first:
-                            self.first = False
-                            if sh.claimed[self.idx]:
-                                first_ok.append((time.perf_counter() - sh.claimed[self.idx])
-                                                * 1e3)
-                    else:
-                        self.wrong(body, "listing")
-                    self.step = 2
-                else:
-                    k = body.find(b'"AccessKeyId"')
-                    q = body.find(b'"', body.find(b":", k) + 1)
-                    akid = body[q + 1:body.find(b'"', q + 1)].decode()
-                    keys[(self.role, akid)] = keys.get((self.role, akid), 0) + 1
-                    self.step = 1
-            else:
-                if len(samples) < 8:
-                    now = time.perf_counter()
-                    samples.append(
-                        f"{status} to the {'listing' if self.step == 1 else 'document'} from "
-                        f"{self.ip} (role {role_names[self.role].decode()}, previous "
-                        f"{role_names[self.prev].decode() if self.prev >= 0 else '-'}), "
-                        f"{(now - sh.claimed[self.idx]) * 1e3 if sh.claimed[self.idx] else 0:.1f}"
-                        f" ms after its IP was published: {body[:80]!r}")
-                self.step = 1 if self.step == 2 else 2
-            self.next_request()
-
-        def wrong(self, body: bytes, what: str) -> None:
-            now = time.perf_counter()
-            lag = ((now - sh.ended[self.idx]) * 1e3 if sh.ended[self.idx] else float("nan"),
-                   (now - sh.claimed[self.idx]) * 1e3 if sh.claimed[self.idx] else float("nan"))
-            wrong_lags.append(lag)
-            try:
-                named = role_names.index(body)
-            except ValueError:
-                named = -2
-            if named == self.prev and named >= 0:
-                st["wrong_prev"] += 1
-            else:
-                st["wrong_other"] += 1
-            if len(samples) < 8:
-                samples.append(f"{what} from {self.ip} (pod gen {self.gen}, role "
-                               f"{role_names[self.role].decode()}, previous "
-                               f"{role_names[self.prev].decode() if self.prev >= 0 else '-'}):"
-                               f" got {body[:80]!r}, {lag[0]:.1f} ms after the old pod's end "
-                               f"and {lag[1]:.1f} ms after the new pod's IP were published")
-
-    async def main() -> float:
-        loop = asyncio.get_running_loop()
-        clients = [PodClient(idx, ip) for idx, ip in mine]
-        t_start = time.perf_counter()
-        while not sh.stop_all.value:
-            sh.progress[slot] = st["requests"]
-            now = perf_ns()
-            for c in clients:
-                if c.running:
-                    if c.inflight and now - c.t0 > HANG_TIMEOUT * 1e9:
-                        st["hung"] += 1
-                        st["late"] += 1
-                        c.stop()
-                    elif not c.inflight and c.transport is not None and (
-                            sh.want[c.idx] == 0 or sh.gen[c.idx] != c.gen):
-                        c.stop()
-                elif sh.want[c.idx] == 1 and sh.gen[c.idx] != c.gen:
-                    c.start(loop)
-                elif sh.want[c.idx] == 0 and sh.ack[c.idx] != sh.gen[c.idx]:
-                    sh.ack[c.idx] = sh.gen[c.idx]
-            await asyncio.sleep(0.001)
-        for c in clients:
-            if c.running:
-                c.stop()
-        await asyncio.sleep(0.05)
-        return time.perf_counter() - t_start
-
-    elapsed = uvloop.run(main())
-    conn.send({"stats": st, "statuses": statuses, "keys": keys, "samples": samples,
-               "wrong_lags": wrong_lags, "first_ok": first_ok.tobytes(),
-               "lat": lat.tobytes(), "elapsed": elapsed})
-    conn.close()
+API_ONLY = "none"
+# Each switch's scenario: what the module docstring describes.
+SCENARIOS = {
+    API_ONLY: dict(slots=256, roles=40, rate=50.0, gap=0.01, max_seconds=240.0, late=None,
+                   never=0.0, seed=3),
+    "runtime": dict(slots=16, roles=8, rate=20.0, gap=0.0, max_seconds=600.0,
+                    late=(0.5, 3.0), never=0.25, seed=11),
+}
 
 
 # ---- a witness of the watch ------------------------------------------------------------------
@@ -335,257 +131,348 @@ def _witness_main(port: int, token: str, node: str, stop, conn) -> None:
     sock.close()
 
 
-# ---- the run ---------------------------------------------------------------------------------
+def _spread(ms: np.ndarray, *, p99: bool = True) -> dict:
+    if ms.size == 0:
+        return {"n": 0, "p50": float("nan"), "max": float("nan"),
+                **({"p99": float("nan")} if p99 else {})}
+    return {"n": int(ms.size), "p50": float(np.median(ms)), "max": float(ms.max()),
+            **({"p99": float(np.percentile(ms, 99))} if p99 else {})}
+
+
+# ---- the churn -------------------------------------------------------------------------------
+
+@dataclass
+class _Replacement:
+    name: str                  # the new pod
+    uid: str
+    role: int
+    step: str = "stopping"     # the old pod's client is stopping, then "gap"
+    since: float = 0.0         # time.monotonic() the step began
+    due: float = 0.0           # "gap": when the new pod gets the address
+
+
+class Churner:
+    """Replaces pods (see the module docstring), each replacement a few steps that
+    :meth:`pump` advances; with a runtime, one replacement at a time and the API late."""
+
+    def __init__(self, *, c: ba.Cluster, node, clients, sh: Shared, pods: list[Pod],
+                 role_names: list[bytes], rng: random.Random, gap: float,
+                 late: tuple[float, float] | None, never: float) -> None:
+        self.c, self.node, self.clients, self.sh, self.pods = c, node, clients, sh, pods
+        self.role_names, self.rng, self.gap, self.late, self.never = (
+            role_names, rng, gap, late, never)
+        self.at_once = len(pods) if node is None else 1
+        self.stages: dict[int, _Replacement] = {}
+        self.events: list[tuple[float, int, object]] = []   # (due, seq, action): the API, late
+        self._seq = itertools.count()
+        self.ended: set[str] = set()
+        self.pub_end: dict[str, float] = {}    # pod -> perf_counter() the API was told its end
+        self.pub_ip: dict[str, float] = {}     # pod -> ... its address
+        self.replaced = self.reused = self.never_published = 0
+
+    def start(self, *, elapsed: float, rate: float) -> None:
+        """Begin the replacements due by now (``rate`` per second since the start)."""
+        due = min(int(elapsed * rate) - self.replaced - len(self.stages),
+                  self.at_once - len(self.stages))
+        free = [i for i in range(len(self.pods)) if i not in self.stages]
+        for _ in range(max(0, min(due, len(free)))):
+            self.begin(free.pop(self.rng.randrange(len(free))))
+
+    def begin(self, slot: int) -> None:
+        role = self.rng.randrange(len(self.role_names))
+        name, uid = new_api_pod(self.c, self.role_names[role])          # 1. scheduled
+        self.c.api.mark_pod_terminating(NAMESPACE, self.pods[slot].name)  # 2. deleted
+        self.sh.want[slot] = 0
+        self.stages[slot] = _Replacement(name=name, uid=uid, role=role, since=time.monotonic())
+
+    def pump(self) -> None:
+        """Publish what is due at the API, reap stopped clients, advance the steps."""
+        now = time.monotonic()
+        while self.events and self.events[0][0] <= now:
+            heapq.heappop(self.events)[2]()
+        self.clients.pump()
+        for slot, r in list(self.stages.items()):
+            if r.step == "stopping" and self.sh.ack[slot] == self.sh.gen[slot]:
+                self._free(slot, r)
+            elif r.step == "stopping" and self.node is not None and now - r.since > 10:
+                raise RuntimeError(f"the client of slot {slot} did not stop in 10 s")
+            if r.step == "gap" and time.monotonic() >= r.due:    # gap 0: at once
+                self._claim(slot, r)
+
+    def _free(self, slot: int, r: _Replacement) -> None:
+        """3. The old pod's containers are gone: its address is free."""
+        old = self.pods[slot]
+        self.clients.pod_stopped(slot)
+        if self.node is not None:
+            self.node.remove_sandbox(old.sandbox)
+        self._tell_api(lambda: self.publish_end(old.name))
+        self.sh.ended[slot] = time.perf_counter()
+        r.step, r.due = "gap", time.monotonic() + self.gap
+
+    def _claim(self, slot: int, r: _Replacement) -> None:
+        """... and ``gap`` later the new pod holds an address (the same, as a rule)."""
+        old = self.pods[slot]
+        role = self.role_names[r.role]
+        sb = (sandbox_for(self.node, slot, name=r.name, uid=r.uid, role=role)
+              if self.node is not None else old.sandbox)
+        self.reused += sb.ip == old.sandbox.ip
+        if self.late is not None and self.rng.random() < self.never:
+            self.never_published += 1
+        else:
+            self._tell_api(lambda: self.publish_ip(r.name, sb.ip))
+        self.sh.claimed[slot] = time.perf_counter()
+        self.sh.prev[slot], self.sh.role[slot] = self.sh.role[slot], r.role
+        self.sh.gen[slot] += 1
+        self.pods[slot] = Pod(name=r.name, role=r.role, sandbox=sb)
+        self.sh.want[slot] = 1
+        self.clients.pod_started(slot, sb)
+        del self.stages[slot]
+        self.replaced += 1
+
+    def _tell_api(self, action) -> None:
+        """At once without a runtime; with one, 0.5-3 s later (``late``)."""
+        if self.late is None:
+            action()
+        else:
+            heapq.heappush(self.events, (time.monotonic() + self.rng.uniform(*self.late),
+                                         next(self._seq), action))
+
+    def publish_end(self, name: str) -> None:
+        if name not in self.ended:
+            self.ended.add(name)
+            self.c.api.set_pod_phase(NAMESPACE, name, "Failed")
+            self.pub_end[name] = time.perf_counter()
+            self.c.api.delete_pod(NAMESPACE, name)
+
+    def publish_ip(self, name: str, ip: str) -> None:
+        if name not in self.ended:   # a dead pod's address is not reported any more
+            self.c.api.set_pod_ips(NAMESPACE, name, [ip])
+            self.pub_ip[name] = time.perf_counter()
+            self.c.api.set_pod_phase(NAMESPACE, name, "Running")
+
 
 def _listing(port: int, ip: str) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), source_address=(ip, 0),
-                                  timeout=2) as s:
-        s.sendall(b"GET /latest/meta-data/iam/security-credentials/ HTTP/1.1\r\nHost: x\r\n"
-                  b"Connection: close\r\n\r\n")
-        data = b""
-        while chunk := s.recv(4096):
-            data += chunk
-    return data.partition(b"\r\n\r\n")[2]
+    request = http_request("GET", CREDENTIALS.decode())
+    return split_response(one_request(port, request, source=ip, timeout=2))[2]
 
 
-def _idle_lag(c, port: int, addrs: list[str], names: list[str], sh: Shared,
+def _idle_lag(c: ba.Cluster, port: int, pods: list[Pod], sh: Shared,
               role_names: list[bytes], rng: random.Random, *, n: int) -> np.ndarray:
-    """Baseline: with no load, ms from a replacement's IP publication until the agent
-    names the new pod's role (polled every 0.5 ms), the same replacement steps as below."""
+    """Baseline without a runtime: with no load, ms from a replacement's IP publication
+    until the agent names the new pod's role (polled every 0.5 ms), the same replacement
+    steps as the churn's."""
     lags = []
     for _ in range(n):
-        i = rng.randrange(len(addrs))
+        i = rng.randrange(len(pods))
         new_role = (sh.role[i] + 1 + rng.randrange(len(role_names) - 1)) % len(role_names)
-        new = c.add_pod("", role_names[new_role].decode(), namespace="bench", phase="Pending")
-        c.api.mark_pod_terminating("bench", names[i])
-        c.api.set_pod_phase("bench", names[i], "Failed")
-        c.api.delete_pod("bench", names[i])
+        new = c.add_pod("", role_names[new_role].decode(), namespace=NAMESPACE,
+                        phase="Pending")
+        c.api.mark_pod_terminating(NAMESPACE, pods[i].name)
+        c.api.set_pod_phase(NAMESPACE, pods[i].name, "Failed")
+        c.api.delete_pod(NAMESPACE, pods[i].name)
         t0 = time.perf_counter()
-        c.api.set_pod_ips("bench", new, [addrs[i]])
-        c.api.set_pod_phase("bench", new, "Running")
-        names[i] = new
+        c.api.set_pod_ips(NAMESPACE, new, [pods[i].sandbox.ip])
+        c.api.set_pod_phase(NAMESPACE, new, "Running")
+        pods[i] = Pod(name=new, role=new_role, sandbox=pods[i].sandbox)
         sh.prev[i], sh.role[i] = sh.role[i], new_role
         deadline = t0 + 5
-        while _listing(port, addrs[i]) != role_names[new_role] and time.perf_counter() < deadline:
+        while (_listing(port, pods[i].sandbox.ip) != role_names[new_role]
+               and time.perf_counter() < deadline):
             time.sleep(0.0005)
         lags.append((time.perf_counter() - t0) * 1e3)
         time.sleep(0.02)
     return np.array(lags)
 
 
+class _Witness:
+    """A bare watch client in a process of its own (see :func:`_witness_main`)."""
+
+    def __init__(self, c: ba.Cluster, sh: Shared) -> None:
+        ctx = mp.get_context("fork")
+        self.pipe, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_witness_main, args=(
+            c.api.port, c.api.token, c.node, sh.stop_all, child), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def finish(self) -> dict:
+        seen = self.pipe.recv() if self.pipe.poll(10) else {"ended": {}, "claimed": {}}
+        self.proc.join(5)
+        return seen
+
+
 @dataclass
 class ChurnResult:
-    mode: str
-    ips: int
+    mode: str              # the agent and its source of truth
+    runtime: str           # what held the addresses: no runtime, the fault double, containerd
+    slots: int
     roles: int
     rate: float
     gap: float
     seconds: float
     replacements: int
-    requests: int
-    ok: int
-    wrong_prev: int
-    wrong_other: int
-    wrong_document: int
-    late: int
-    hung: int
-    statuses: dict
-    put_fail: int
-    pods: int
-    connect_fail: int
-    latencies_us: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
-    samples: list = field(default_factory=list)
-    wrong_lags: list = field(default_factory=list)
-    delivery: dict = field(default_factory=dict)   # bare watcher's lag behind the API, ms
-    first_ok: dict = field(default_factory=dict)   # new pod: IP published -> first right answer
+    reused: int            # replacements whose new pod got exactly the freed address
+    never_published: int   # new pods whose address the API never heard of
+    lost_clients: int      # client processes that died without a report
+    tally: Tally
+    first_ok: dict = field(default_factory=dict)   # B's address known -> its first right answer
     idle_lag: dict = field(default_factory=dict)   # the same, one replacement at a time, no load
+    delivery: dict = field(default_factory=dict)   # bare watcher's lag behind the API, ms
     agent_restarts: str = ""
 
-    @property
-    def wrong(self) -> int:
-        return self.wrong_prev + self.wrong_other + self.wrong_document
 
-    @property
-    def not_served(self) -> int:
-        return sum(v for k, v in self.statuses.items() if k != 200) + self.hung
-
-
-def run(*, ips: int = 256, roles: int = 40, rate: float = 50.0, gap: float = 0.01,
-        requests: int = 1_000_000, max_seconds: float = 240.0, processes: int | None = None,
-        idle_samples: int = 20, min_replacements: int = 0, agent: str = "kiamfast",
-        log=print) -> ChurnResult:
-    import bench_agent as ba
-
-    if not ba.full_agent_available():
-        raise RuntimeError("needs the full agent (kiamfast.control.process is not there yet)")
-    addrs = pod_addresses(ips)
+def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: int,
+             roles: int, rate: float, gap: float, requests: int, max_seconds: float,
+             min_replacements: int = 0, late: tuple[float, float] | None, never: float,
+             seed: int, processes: int | None = None, idle_samples: int = 0,
+             log=print) -> ChurnResult:
+    """One agent through the churn: without a runtime (``node`` None), or on ``node``'s
+    with the agent using it (``runtime_on``) or not."""
     role_names = [ba.role_name(r).encode() for r in range(roles)]
-    rng = random.Random(3)
-    cpus = sorted(os.sched_getaffinity(0))
-    processes = processes or max(1, len(cpus) - 1)
-    sh = Shared.create(ips)
+    rng = random.Random(seed)
+    sh = Shared.create(slots)
+    if node is None:
+        mode = "full agent" if agent == "kiamfast" else agent
+        extra: list[str] = []
+    else:
+        mode = "runtime (--cri-endpoint)" if runtime_on else "API only (--cri-endpoint=none)"
+        extra = [f"--cri-endpoint={node.endpoint if runtime_on else 'none'}",
+                 *node.agent_flags]
     with ba.cluster() as c:
-        names: list[str] = []
-        for i, ip in enumerate(addrs):
-            r = rng.randrange(roles)
-            names.append(c.add_pod(ip, role_names[r].decode(), namespace="bench"))
-            sh.role[i], sh.prev[i], sh.gen[i], sh.want[i], sh.ack[i] = r, -1, 1, 1, 0
-        # every role in use from the start, so a new pod never waits on STS (and a wait is
-        # the agent's, not the fault proxy's)
-        with _agent_under_test(c, agent) as a:
-            a.wait_ready(120)
-            idle = _idle_lag(c, a.port, addrs, names, sh, role_names, rng, n=idle_samples)
-            ctx = mp.get_context("fork")
-            w_parent, w_child = ctx.Pipe(duplex=False)
-            witness = ctx.Process(target=_witness_main, args=(
-                c.api.port, "bench-token", c.node, sh.stop_all, w_child), daemon=True)
-            witness.start()
-            w_child.close()
-            c.api.wait_watches(2, node=c.node, timeout=10)
-            pub_end: dict[str, float] = {}
-            pub_ip: dict[str, float] = {}
-            pipes, procs = [], []
-            for j in range(processes):
-                mine = [(i, addrs[i]) for i in range(j, ips, processes)]
-                parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_client_main, args=(
-                    a.port, mine, role_names, sh, j, cpus[1 + j % (len(cpus) - 1)]
-                    if len(cpus) > 1 else None, child), daemon=True)
-                p.start()
-                child.close()
-                pipes.append(parent)
-                procs.append(p)
-            t0 = time.monotonic()
-            replaced = 0
-            stage: dict[int, tuple] = {}
-            done_requests = 0
-            last_log = t0
-            try:
-                while True:
-                    now = time.monotonic()
-                    elapsed = now - t0
-                    if elapsed > max_seconds:
-                        break
-                    due = int(elapsed * rate) - replaced - len(stage)
-                    free = [i for i in range(ips) if i not in stage]
-                    for _ in range(max(0, min(due, len(free)))):
-                        i = free.pop(rng.randrange(len(free)))
-                        new_role = rng.randrange(roles)
-                        new = c.add_pod("", role_names[new_role].decode(), namespace="bench",
-                                        phase="Pending")
-                        c.api.mark_pod_terminating("bench", names[i])
-                        sh.want[i] = 0
-                        stage[i] = ("stopping", new, new_role)
-                    for i, st_ in list(stage.items()):
-                        if st_[0] == "stopping" and sh.ack[i] == sh.gen[i]:
-                            c.api.set_pod_phase("bench", names[i], "Failed")
-                            sh.ended[i] = pub_end[names[i]] = time.perf_counter()
-                            c.api.delete_pod("bench", names[i])
-                            stage[i] = ("gap", st_[1], st_[2], time.monotonic() + gap)
-                        elif st_[0] == "gap" and time.monotonic() >= st_[3]:
-                            _, new, new_role, _ = st_
-                            c.api.set_pod_ips("bench", new, [addrs[i]])
-                            sh.claimed[i] = pub_ip[new] = time.perf_counter()
-                            c.api.set_pod_phase("bench", new, "Running")
-                            names[i] = new
-                            sh.prev[i] = sh.role[i]
-                            sh.role[i] = new_role
-                            sh.gen[i] += 1
-                            sh.want[i] = 1
-                            del stage[i]
-                            replaced += 1
-                    if now - last_log > 5:
-                        last_log = now
-                        log(f"  churn: {elapsed:.0f} s, {replaced} replacements, "
-                            f"{done_requests:,} requests")
-                    done_requests = sum(sh.progress[j] for j in range(processes))
-                    if done_requests >= requests and replaced >= min_replacements:
-                        break
-                    time.sleep(0.002)
-            finally:
-                sh.stop_all.value = 1
-                results = [pp.recv() if pp.poll(30) else None for pp in pipes]
-                seen = w_parent.recv() if w_parent.poll(10) else {"ended": {}, "claimed": {}}
-                for p in (*procs, witness):
-                    p.join(5)
-            seconds = time.monotonic() - t0
-            keymap = c.access_keys()
-            sup = a.log_tail(4000)
-    results = [r for r in results if r]
-    tot = {k: sum(r["stats"][k] for r in results) for k in results[0]["stats"]}
-    statuses: dict[int, int] = {}
-    for r in results:
-        for k, v in r["statuses"].items():
-            statuses[k] = statuses.get(k, 0) + v
-    wrong_doc = 0
-    doc_samples = []
-    for r in results:
-        for (role, akid), n in r["keys"].items():
-            if keymap.get(akid) != role_names[role].decode():
-                wrong_doc += n
-                doc_samples.append(f"document for {role_names[role].decode()} carried "
-                                   f"{akid} (issued for {keymap.get(akid)}) x{n}")
-            else:
-                tot["ok"] += n
-    lat = np.concatenate([np.frombuffer(r["lat"], dtype=np.uint32) for r in results])
+        if node is None:       # every address held; every role in use from the start, so
+            pods = []          # a new pod never waits on STS (a wait is the agent's)
+            for ip in pod_addresses(slots):
+                role = rng.randrange(roles)
+                pods.append(Pod(name=c.add_pod(ip, role_names[role].decode(),
+                                               namespace=NAMESPACE),
+                                role=role, sandbox=Sandbox(id="", ip=ip, netns=None)))
+        else:
+            pods = populate(c, node, role_names=role_names, slots=slots)
+        for i, pod in enumerate(pods):
+            sh.role[i], sh.prev[i], sh.gen[i], sh.want[i], sh.ack[i] = pod.role, -1, 1, 1, 0
+        try:
+            with _agent_under_test(c, agent, extra) as a:
+                a.wait_ready(120)
+                if node is None:
+                    idle = _idle_lag(c, a.port, pods, sh, role_names, rng, n=idle_samples)
+                    witness = _Witness(c, sh)
+                    c.api.wait_watches(2, node=c.node, timeout=10)
+                    clients = SharedClients(
+                        port=a.port, addrs=[p.sandbox.ip for p in pods], role_names=role_names,
+                        sh=sh, processes=processes or max(1, len(os.sched_getaffinity(0)) - 1))
+                else:
+                    idle, witness = np.zeros(0), None
+                    clients = SandboxClients(port=a.port, agent_host=node.agent_host,
+                                             role_names=role_names, sh=sh)
+                ch = Churner(c=c, node=node, clients=clients, sh=sh, pods=pods,
+                             role_names=role_names, rng=rng, gap=gap, late=late, never=never)
+                clients.start(pods)
+                t0 = last_log = time.monotonic()
+                try:
+                    while True:
+                        now = time.monotonic()
+                        ch.pump()
+                        done = clients.progress()
+                        if (done >= requests and ch.replaced >= min_replacements) or \
+                                now - t0 > max_seconds:
+                            break
+                        ch.start(elapsed=now - t0, rate=rate)
+                        if now - last_log > 10:
+                            last_log = now
+                            log(f"  churn, {mode}: {now - t0:.0f} s, {ch.replaced} "
+                                f"replacements, {done:,} requests")
+                        time.sleep(0.002)
+                finally:
+                    results, lost = clients.finish()
+                    seen = witness.finish() if witness else {"ended": {}, "claimed": {}}
+                seconds = time.monotonic() - t0
+                keymap = c.access_keys()
+                sup = a.log_tail(4000)
+        finally:
+            if node is not None:
+                cri_node.remove_pods(node, pods)
     delivery = {
-        "old pod's end": np.array([seen["ended"][n] - t for n, t in pub_end.items()
+        "old pod's end": np.array([seen["ended"][n] - t for n, t in ch.pub_end.items()
                                    if n in seen["ended"]]) * 1e3,
-        "new pod's IP": np.array([seen["claimed"][n] - t for n, t in pub_ip.items()
+        "new pod's IP": np.array([seen["claimed"][n] - t for n, t in ch.pub_ip.items()
                                   if n in seen["claimed"]]) * 1e3}
-    fok = np.concatenate([np.frombuffer(r["first_ok"], dtype=np.float64) for r in results])
+    t = tally(results, role_names=role_names, keymap=keymap)
     return ChurnResult(
-        idle_lag={"n": int(idle.size), "p50": float(np.median(idle)) if idle.size else float("nan"),
-                  "max": float(idle.max()) if idle.size else float("nan")},
-        first_ok={"n": int(fok.size), "p50": float(np.median(fok)) if fok.size else float("nan"),
-                  "p99": float(np.percentile(fok, 99)) if fok.size else float("nan"),
-                  "max": float(fok.max()) if fok.size else float("nan")},
-        delivery={k: {"n": int(v.size), "p50": float(np.median(v)) if v.size else float("nan"),
-                      "p99": float(np.percentile(v, 99)) if v.size else float("nan"),
-                      "max": float(v.max()) if v.size else float("nan")}
-                  for k, v in delivery.items()},
-        mode="full agent" if agent == "kiamfast" else agent, ips=ips, roles=roles, rate=rate, gap=gap, seconds=seconds,
-        replacements=replaced, requests=tot["requests"], ok=tot["ok"],
-        wrong_prev=tot["wrong_prev"], wrong_other=tot["wrong_other"],
-        wrong_document=wrong_doc, late=tot["late"], hung=tot["hung"], statuses=statuses,
-        put_fail=tot["put_fail"], pods=tot["pods"], connect_fail=tot["connect_fail"],
-        latencies_us=lat, wrong_lags=[x for r in results for x in r["wrong_lags"]],
-        samples=[s for r in results for s in r["samples"]][:8] +
-        doc_samples[:4], agent_restarts="exited with" in sup and sup[-600:] or "")
+        mode=mode, runtime=node.kind if node is not None else "none (addresses from the API)",
+        slots=slots, roles=roles, rate=rate, gap=gap, seconds=seconds,
+        replacements=ch.replaced, reused=ch.reused, never_published=ch.never_published,
+        lost_clients=lost, tally=t, first_ok=_spread(t.first_ok_ms),
+        idle_lag=_spread(idle, p99=False) if node is None else {},
+        delivery={k: _spread(v) for k, v in delivery.items()} if node is None else {},
+        agent_restarts="exited with" in sup and sup[-600:] or "")
 
 
-def _agent_under_test(c, agent: str):
-    """kiamfast (API-only) or kube2iam for ``c``'s node, as a context manager."""
-    import bench_agent as ba
+def _agent_under_test(c: ba.Cluster, agent: str, extra: list[str]):
+    """kiamfast or kube2iam (API-only) for ``c``'s node, as a context manager."""
     if agent == "kube2iam":
         tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
         sys.path[:0] = [os.path.join(tests, "kube2iam"), tests]
-        from kube2iam_harness import BenchKube2iam
-        return BenchKube2iam(c, host_ip=ba.HOST_IP, base_role_arn=ba.BASE_ARN)
-    return ba.agent(c, sts_qps=100, sts_burst=100)
+        from kube2iam_harness import Kube2iam
+        return Kube2iam(c, c.workdir / "kube2iam", [f"--base-role-arn={ba.BASE_ARN}"])
+    return ba.agent(c, sts_qps=100, sts_burst=100, extra=extra)
 
 
-def markdown(r: ChurnResult) -> str:
-    s = summarize_us(r.latencies_us)
+def run(*, runtime: str = API_ONLY, requests: int = 1_000_000, min_replacements: int = 0,
+        agent: str = "kiamfast", log=print, **scenario) -> list[ChurnResult]:
+    """The churn with the runtime switch at ``runtime`` (see the module docstring): one
+    result without a runtime, two with one (the agent using it, then not); ``scenario``
+    overrides the switch's SCENARIOS entry (slots, roles, rate, gap, max_seconds, late,
+    never, seed) and passes processes and idle_samples (API-only)."""
+    kw = {**SCENARIOS[API_ONLY if runtime == API_ONLY else "runtime"],
+          **({"idle_samples": 20} if runtime == API_ONLY else {}), **scenario}
+    common = dict(requests=requests, min_replacements=min_replacements, log=log, **kw)
+    if runtime == API_ONLY:
+        return [run_mode(None, agent=agent, **common)]
+    if agent != "kiamfast":
+        raise ValueError(f"{agent} has no runtime view: run it with --runtime none")
+    node = cri_node.make_node(runtime, kw["slots"])
+    results = []
+    try:
+        for on in (True, False):
+            r = run_mode(node, runtime_on=on, **common)
+            log(f"  {r.mode}: {r.tally.wrong:,} wrong roles in {r.tally.requests:,} "
+                f"credential requests, {r.replacements} replacements ({r.reused} reused the "
+                f"address), {r.tally.not_200:,} not 200, {r.seconds:.0f} s")
+            results.append(r)
+        return results
+    finally:
+        node.close()
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+def markdown(results: list[ChurnResult]) -> str:
+    return (_markdown_api_only(results[0]) if len(results) == 1
+            else _markdown_runtime(results))
+
+
+def _markdown_api_only(r: ChurnResult) -> str:
+    t = r.tally
+    s = summarize_us(t.latencies_us)
     lines = [
-        f"{r.ips} pod addresses, {r.roles} roles; {r.replacements:,} pods replaced in "
+        f"{r.slots} pod addresses, {r.roles} roles; {r.replacements:,} pods replaced in "
         f"{r.seconds:.0f} s ({r.replacements / r.seconds:.0f}/s, every address reused about "
-        f"every {r.ips / max(r.replacements / r.seconds, 1e-9):.0f} s); gap between the old "
-        f"pod's delete and the new pod's IP: {r.gap * 1e3:g} ms; {r.pods:,} pod clients.", "",
+        f"every {r.slots / max(r.replacements / r.seconds, 1e-9):.0f} s); gap between the old "
+        f"pod's delete and the new pod's IP: {r.gap * 1e3:g} ms; {t.pods:,} pod clients.", "",
         "| credential requests | right role | **wrong role** | of which the previous pod's "
         "| not 200 | later than 1 s (SDK budget) | abandoned (> 3 s) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {r.requests:,} | {r.ok:,} | **{r.wrong}** | {r.wrong_prev} | {r.not_served:,} | "
-        f"{r.late} | {r.hung} |", "",
-        "Answers by status: " + ", ".join(f"{k}: {v:,}" for k, v in sorted(r.statuses.items()))
-        + f". Token PUTs failed: {r.put_fail}. Connections refused: {r.connect_fail}.", "",
+        f"| {t.requests:,} | {t.ok:,} | **{t.wrong}** | {t.wrong_prev} | {t.not_served:,} | "
+        f"{t.late} | {t.hung} |", "",
+        "Answers by status: " + ", ".join(f"{k}: {v:,}" for k, v in sorted(t.statuses.items()))
+        + f". Token PUTs failed: {t.put_fail}. Connections refused: {t.connect_fail}.", "",
         f"Latency of the credential requests: p50 {s['p50']:.3f} ms, p90 {s['p90']:.3f} ms, "
         f"p99 {s['p99']:.3f} ms, p99.9 {s['p999']:.3f} ms, max {s['max']:.1f} ms."]
-    if r.wrong_lags:
-        ends = [a for a, _ in r.wrong_lags if a == a]
-        ips = [b for _, b in r.wrong_lags if b == b]
+    if t.wrong_lags:
+        ends = [a for a, _ in t.wrong_lags if a == a]
+        ips = [b for _, b in t.wrong_lags if b == b]
         lines += ["", ("Every wrong answer named the address's previous pod's role. "
-                       if r.wrong == r.wrong_prev else "") + f"The wrong listings came at most "
+                       if t.wrong == t.wrong_prev else "") + f"The wrong listings came at most "
                   f"{max(ends, default=float('nan')):.1f} ms after the API server published the "
                   f"old pod's end (median {float(np.median(ends)) if ends else float('nan'):.1f}"
                   f" ms) and at most {max(ips, default=float('nan')):.1f} ms after it published "
@@ -606,23 +493,79 @@ def markdown(r: ChurnResult) -> str:
                   + "; ".join(f"{k}: median {v['p50']:.1f} ms, p99 {v['p99']:.1f} ms, max "
                               f"{v['max']:.1f} ms ({v['n']:,} events)"
                               for k, v in r.delivery.items()) + "."]
-    if r.samples:
-        lines += ["", "Examples of wrong or failed answers:", ""] + [f"- `{x}`" for x in r.samples]
+    if t.samples:
+        lines += ["", "Examples of wrong or failed answers:", ""] + [f"- `{x}`" for x in t.samples]
     return "\n".join(lines)
+
+
+def _markdown_runtime(results: list[ChurnResult]) -> str:
+    r0 = results[0]
+    lines = [
+        f"Runtime: **{r0.runtime}**. {r0.slots} sandboxes, {r0.roles} roles; "
+        f"{r0.replacements / max(r0.seconds, 1e-9):.1f} replacements/s; each replacement "
+        "reuses the address at once (gap 0); the API server hears of the old pod's end and of "
+        "the new pod's address 0.5-3 s later, in either order, and of a quarter of the new "
+        "addresses never.", "",
+        "| agent | credential requests | right | **wrong role** | of which the previous pod's "
+        "| not 200 | > 1 s | replacements (address reused) | seconds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        t = r.tally
+        lines.append(f"| {r.mode} | {t.requests:,} | {t.ok:,} | **{t.wrong:,}** | "
+                     f"{t.wrong_prev:,} | {t.not_200:,} | {t.late:,} | {r.replacements:,} "
+                     f"({r.reused:,}) | {r.seconds:.0f} |")
+    for r in results:
+        t = r.tally
+        s = summarize_us(t.latencies_us)
+        lines += ["", f"{r.mode}: answers by status "
+                  + ", ".join(f"{k}: {v:,}" for k, v in sorted(t.statuses.items()))
+                  + f"; token PUTs failed {t.put_fail}, connections failed {t.connect_fail}, "
+                  f"{t.pods:,} pod clients ({r.lost_clients} lost without a report); "
+                  f"latency p50 {s['p50']:.3f} ms, p99 {s['p99']:.3f} ms, max "
+                  f"{s['max']:.1f} ms."]
+        if t.samples:
+            lines += ["", "Examples (\"the old pod's end\" and \"the new pod's IP published\" "
+                      "are, here, the old sandbox's removal and the new sandbox READY; the API "
+                      "heard of them later):", ""]
+            lines += [f"- `{x}`" for x in t.samples[:5]]
+    return "\n".join(lines)
+
+
+def headline(results: list[ChurnResult], *, quick: bool = False
+             ) -> list[tuple[str, str, str, str]]:
+    """(what, value, target, verdict) rows for bench/report.py's summary table of a run
+    with a runtime (``quick``: a short run, judged on its wrong roles only)."""
+    rt, api = results
+    enough = quick or rt.tally.requests >= 1_000_000
+    return [(f"runtime churn ({rt.runtime.split(' (')[0]}, gap 0, API late): wrong roles with "
+             f"--cri-endpoint (of {rt.tally.requests:,}; {rt.replacements} reuses)",
+             str(rt.tally.wrong), "0 in ≥ 1,000,000",
+             "✅" if rt.tally.wrong == 0 and enough else "❌"),
+            (f"the same churn, API only (of {api.tally.requests:,})", f"{api.tally.wrong:,}",
+             "(for comparison)", "")]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runtime", choices=(API_ONLY, "auto", "containerd", "fault"),
+                    default=API_ONLY)
     ap.add_argument("--requests", type=int)
-    ap.add_argument("--rate", type=float, default=50.0)
-    ap.add_argument("--gap", type=float, default=0.01)
+    ap.add_argument("--rate", type=float)
+    ap.add_argument("--gap", type=float)
+    ap.add_argument("--slots", type=int)
+    ap.add_argument("--min-replacements", type=int)
     ap.add_argument("--agent", choices=["kiamfast", "kube2iam"], default="kiamfast")
     args = ap.parse_args(argv)
-    n = args.requests or (50_000 if args.quick else 1_000_000)
-    r = run(requests=n, rate=args.rate, gap=args.gap, agent=args.agent)
-    print(markdown(r))
-    return 1 if r.wrong else 0
+    scenario = {k: v for k, v in (("rate", args.rate), ("gap", args.gap),
+                                  ("slots", args.slots)) if v is not None}
+    with_runtime = args.runtime != API_ONLY
+    min_rep = args.min_replacements if args.min_replacements is not None else (
+        (20 if args.quick else 200) if with_runtime else 0)
+    results = run(runtime=args.runtime, agent=args.agent, min_replacements=min_rep,
+                  requests=args.requests or (50_000 if args.quick else 1_000_000), **scenario)
+    print(markdown(results))
+    return 1 if results[0].tally.wrong else 0
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import importlib.util
 import multiprocessing
-import socket
 import sys
 import tempfile
 import threading
@@ -45,13 +44,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from benchutil import ROOT, child_env, cpu_seconds, set_affinity, summarize_us
+from benchutil import ROOT, cpu_seconds, set_affinity, summarize_us
 
 for _sub in ("tests", "tests/k8s", "tests/podidentity"):
     if str(ROOT / _sub) not in sys.path:
         sys.path.insert(0, str(ROOT / _sub))
 
 import loadgen  # noqa: E402
+
+from kiamfast.testing.loopback import LoopbackNode  # noqa: E402
+from kiamfast.testing.net import free_port, one_request, split_response  # noqa: E402
 
 ROLE = "role-a"
 CREDS = f"/latest/meta-data/iam/security-credentials/{ROLE}"
@@ -149,21 +151,18 @@ class Bench:
 
     def __init__(self, stack: contextlib.ExitStack, work: Path) -> None:
         import kube
-        from agent_process import Agent, free_port
         cc = _podidentity_conftest()
         cluster = stack.enter_context(kube.running_cluster(work / "kube"))
         self.admin = cluster.admin
-        peers = cc.RealCluster(cc.agent_kubeconfig(cluster))
-        stack.callback(peers.stop)
+        node = stack.enter_context(LoopbackNode(node="n1", workdir=work,
+                                                kubeconfig=cc.agent_kubeconfig(cluster)))
         self.admin.create_node("n1")
         self.admin.create_namespace("bench")
         from podid import create_service_account
         create_service_account(self.admin, "bench", "app")
         self.cc_port = free_port()
-        self.agent = Agent(peers, work / "agent", extra=[
-            "--node=n1", f"--container-credentials-addr=127.0.0.1:{self.cc_port}"],
-            env=child_env())     # this checkout's kiamfast in every process of the agent
-        stack.callback(self.agent.stop)
+        self.agent = stack.enter_context(node.agent(extra=[
+            f"--container-credentials-addr=127.0.0.1:{self.cc_port}"]))
         self.agent.wait_ready()
         self.imds_port = self.agent.port
         self._ips = iter(f"127.0.{3 + i // 250}.{1 + i % 250}" for i in range(5000))
@@ -213,14 +212,9 @@ def _request(path: str, host: str, headers: str, keep_alive: bool) -> bytes:
 
 def once(port: int, request: bytes, source: str, timeout: float = 10.0) -> tuple[int, bytes]:
     """One request on a new connection from ``source``: (status, body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(request)
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    status, _, body = split_response(one_request(port, request, source=source,
+                                                 timeout=timeout))
+    return status, body
 
 
 def timed(port: int, request: bytes, source: str) -> tuple[float, int]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -49,8 +48,10 @@ for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
         sys.path.insert(0, str(_p))
 
 import bench_agent as ba                    # noqa: E402
-import server_load as sl                    # noqa: E402
+import loadgen                              # noqa: E402
 from kube2iam_harness import NODE, Cluster, Kube2iam, kube2iam_binary  # noqa: E402
+
+from kiamfast.testing.net import http_request, one_request, split_response, wait_port  # noqa: E402
 
 AGENTS = ("kube2iam", "kiamfast")
 CONNECTIONS = 64
@@ -155,13 +156,6 @@ class Running:
         return sum(rss_bytes(p) for p in self.pids()) / 2**20
 
 
-def bench_cluster(cluster: Cluster, tmp: str) -> ba.Cluster:
-    """The harness' fakes as bench_agent's ``Cluster`` (for ``bench_agent.agent``)."""
-    kubeconfig = cluster.api.write_kubeconfig(os.path.join(tmp, "kubeconfig-kiamfast"))
-    return ba.Cluster(api=cluster.api, proxy=cluster.sts, imds_port=cluster.imds.port,
-                      kubeconfig=kubeconfig, tmp=tmp, node=NODE)
-
-
 def start_kube2iam(cluster: Cluster, workdir: Path, cpus: set[int] | None) -> Running:
     with pinned(cpus):
         k = Kube2iam(cluster, workdir, [f"--base-role-arn={ba.BASE_ARN}"])
@@ -172,7 +166,7 @@ def start_kiamfast(cluster: Cluster, tmp: str, cpus: set[int] | None, *, workers
                    listen_host: str = "127.0.0.1", host_ip: str = ba.HOST_IP) -> Running:
     stack = contextlib.ExitStack()
     a = stack.enter_context(ba.agent(
-        bench_cluster(cluster, tmp), workers=workers, cpus=cpus, sts_qps=100, sts_burst=100,
+        cluster, workers=workers, cpus=cpus, sts_qps=100, sts_burst=100,
         extra=["--log-level=info", f"--listen-host={listen_host}", f"--host-ip={host_ip}",
                "--ready-prefetch-timeout=120s"]))
     return Running("kiamfast", a.port, a.all_pids, stack.close)
@@ -186,22 +180,11 @@ def start(name: str, cluster: Cluster, tmp: str, cpus: set[int] | None, **kw) ->
 
 # ---- requests --------------------------------------------------------------------------------
 
-def exchange(dest: tuple[str, int], request: bytes, *, source: str | None = None,
-             timeout: float = 5.0) -> tuple[int, bytes]:
-    """One request on a fresh connection (from ``source`` if given): (status, body)."""
-    with socket.create_connection(dest, timeout=timeout,
-                                  source_address=(source, 0) if source else None) as s:
-        s.sendall(request)
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
 def fetch(dest: tuple[str, int], path: str, **kw) -> tuple[int, bytes]:
-    return exchange(dest, f"GET {path} HTTP/1.1\r\nHost: 169.254.169.254\r\n"
-                          "Connection: close\r\n\r\n".encode(), **kw)
+    """GET ``path`` on a fresh connection (from ``source`` if given): (status, body)."""
+    status, _, body = split_response(one_request(dest[1], http_request("GET", path),
+                                                 host=dest[0], **kw))
+    return status, body
 
 
 def served_role(cluster: Cluster, dest: tuple[str, int], role: str, *,
@@ -217,16 +200,6 @@ def served_role(cluster: Cluster, dest: tuple[str, int], role: str, *,
         return None
     arn = cluster.role_issued(json.loads(body).get("AccessKeyId", ""))
     return arn.rsplit("/", 1)[-1] if arn else None
-
-
-def wait_listening(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"nothing listened on {port} in {timeout:g} s")
 
 
 def wait_served(cluster: Cluster, port: int, role: str, source: str | None,
@@ -254,10 +227,9 @@ def prepare(cluster: Cluster, agent: Running, source: str | None,
 def put_token(dest: tuple[str, int], *, source: str | None = None) -> str:
     """An IMDSv2 token from the agent at ``dest`` (kube2iam passes the PUT to the metadata
     service; kiamfast signs its own, bound to the pod)."""
-    status, body = exchange(dest, b"PUT /latest/api/token HTTP/1.1\r\n"
-                            b"Host: 169.254.169.254\r\nConnection: close\r\n"
-                            b"X-aws-ec2-metadata-token-ttl-seconds: 21600\r\n\r\n",
-                            source=source)
+    status, _, body = split_response(one_request(dest[1], http_request(
+        "PUT", "/latest/api/token", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"}),
+        host=dest[0], source=source))
     assert status == 200, (status, body)
     return body.decode()
 
@@ -265,9 +237,9 @@ def put_token(dest: tuple[str, int], *, source: str | None = None) -> str:
 def wrk(url_host: str, port: int, role: str, agent: Running, duration: float,
         cpus: list[int] | None, tmp: str, prefix: list[str] | None = None) -> Load:
     """wrk with the token this agent gave the pod (as botocore sends the GET)."""
-    w = sl.run_wrk(port, sl.WRK_GET.format(path=CREDS + role, token=agent.token),
-                   connections=CONNECTIONS, duration=duration, cpus=cpus,
-                   server_pids=agent.pids(), tmp=tmp, host=url_host, argv_prefix=prefix)
+    w = loadgen.run_wrk(port, loadgen.WRK_GET.format(path=CREDS + role, token=agent.token),
+                        connections=CONNECTIONS, duration=duration, cpus=cpus,
+                        server_pids=agent.pids(), tmp=tmp, host=url_host, argv_prefix=prefix)
     load = Load.from_wrk(w)
     if load.rps:
         load.idle_s_per_1k = agent.idle_rate / load.rps * 1e3
@@ -300,7 +272,7 @@ def loopback_hot_path(res: Result, opts: Options, tmp: str, log) -> None:
                                annotations={ba.ROLE_KEY: "bench-role-0"}, phase="Running")
         for name in AGENTS:
             agents[name] = start(name, cluster, tmp, {SERVER_CPU})
-            wait_listening(agents[name].port)
+            wait_port(agents[name].port, timeout=60)
             res.identity.setdefault("host", {})[name] = prepare(
                 cluster, agents[name], "127.0.0.1")
         hot_path_rounds(res, "host", agents, opts, tmp, host="127.0.0.1",
@@ -320,7 +292,7 @@ def scaling(res: Result, cluster: Cluster, opts: Options, tmp: str, log) -> None
     for label, name, kw in runs + [("kube2iam", "kube2iam", {})]:
         agent = start(name, cluster, tmp, None, **kw)
         try:
-            wait_listening(agent.port)
+            wait_port(agent.port, timeout=60)
             prepare(cluster, agent, "127.0.0.1")
             for _ in range(opts.rounds):
                 res.scaling.setdefault(label, []).append(wrk(
@@ -354,7 +326,7 @@ def dnat_hot_path(res: Result, opts: Options, tmp: str, log) -> None:
                 node.ns, start, name, cluster, tmp, {SERVER_CPU},
                 **({"listen_host": "0.0.0.0", "host_ip": NODE_IP}
                    if name == "kiamfast" else {}))
-            netns.call_in_netns(node.ns, wait_listening, agents[name].port)
+            netns.call_in_netns(node.ns, wait_port, agents[name].port, timeout=60)
         for name, agent in agents.items():
             dnat_to(node, agent.port)
             res.identity.setdefault("dnat", {})[name] = netns.call_in_netns(

@@ -1,5 +1,8 @@
-"""A load generator for metadata servers: many source addresses, per-request latency, checked
-answers.
+"""The load driver of the benchmarks: the requests an SDK sends to the metadata service, and
+the two ways load is generated from them, this module's own (many source addresses,
+per-request latency, checked answers: :func:`run_load`) and wrk's (C, one source address,
+saturating: :func:`run_wrk`). bench/agent_load.py, kube2iam_speed.py and
+container_credentials.py measure with it; a change to how load is generated goes here.
 
 Why not wrk: an agent identifies the calling pod by the TCP source address, so a fair load
 comes from hundreds of addresses (each a pod with its own table entry), and wrk binds none.
@@ -18,19 +21,41 @@ in: throughput) and paced (``rate`` requests/s in total, each slot sending every
 
 It must never be the bottleneck unnoticed: callers measure its ceiling against nginx and
 report the server's CPU use; a server below ~90 % of a core while the load generator is
-saturated means the figure is the load generator's, not the server's.
+saturated means the figure is the load generator's, not the server's. wrk is the
+cross-check: it saturates a server from one address.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
 import time
 from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchutil import set_affinity
+from benchutil import cpu_seconds, set_affinity
+
+# ---- the requests, as botocore sends them ----------------------------------------------------
+
+CREDENTIALS = b"/latest/meta-data/iam/security-credentials/"
+INSTANCE_ID = b"/latest/meta-data/instance-id"
+TOKEN_PUT = (b"PUT /latest/api/token HTTP/1.1\r\nHost: 169.254.169.254\r\n"
+             b"User-Agent: Boto3/1.34 md/Botocore#1.34\r\nAccept-Encoding: identity\r\n"
+             b"X-aws-ec2-metadata-token-ttl-seconds: 21600\r\nContent-Length: 0\r\n\r\n")
+
+
+def metadata_get(path: bytes, token: bytes) -> bytes:
+    """A GET of ``path`` with an IMDSv2 token."""
+    return (b"GET %s HTTP/1.1\r\nHost: 169.254.169.254\r\n"
+            b"User-Agent: Boto3/1.34 md/Botocore#1.34\r\nAccept-Encoding: identity\r\n"
+            b"X-aws-ec2-metadata-token: %s\r\n\r\n" % (path, token))
+
+
+def credentials_path(role: str) -> bytes:
+    return CREDENTIALS + role.encode()
 
 
 @dataclass(frozen=True)
@@ -39,7 +64,9 @@ class Spec:
     source: str                 # source address of the connection (the pod's IP)
     request: bytes              # one complete HTTP/1.1 request
     status: int = 200           # expected status code
-    body: bytes | None = None   # expected body; None: any body
+    body: bytes | None = None   # expected body; None: any body ...
+    length: int | None = None   # ... of this many bytes (None: any)
+    headers: tuple[bytes, ...] = ()   # header lines the answer must carry, as sent
 
 
 @dataclass
@@ -61,6 +88,19 @@ class LoadResult:
 _CL = b"content-length:"
 
 
+def frame(buf: bytes) -> tuple[int, int]:
+    """Where the first HTTP response in ``buf`` ends: (the end of its head, its end), or
+    (-1, 0) while it is not all there. Every client here reads answers with it."""
+    i = buf.find(b"\r\n\r\n")
+    if i < 0:
+        return -1, 0
+    j = buf.find(b"Content-Length:", 0, i)
+    if j < 0:
+        j = buf.lower().find(_CL, 0, i)
+    n = i + 4 + (int(buf[j + 15:buf.find(b"\r\n", j)]) if j >= 0 else 0)
+    return (i, n) if len(buf) >= n else (-1, 0)
+
+
 def _client_main(host: str, port: int, slots: list[list[Spec]], warmup: float,
                  duration: float, per_conn: int, interval: float, cpu: int | None,
                  conn) -> None:
@@ -79,13 +119,15 @@ def _client_main(host: str, port: int, slots: list[list[Spec]], warmup: float,
 
     class Client(asyncio.Protocol):
         __slots__ = ("spec", "done", "buf", "left", "t0", "transport", "loop", "timer",
-                     "status_line", "body", "request")
+                     "status_line", "body", "length", "headers", "request")
 
         def __init__(self, spec: Spec, done: asyncio.Future) -> None:
             self.spec = spec
             self.request = spec.request
             self.status_line = b"HTTP/1.1 %d " % spec.status
             self.body = spec.body
+            self.length = spec.length
+            self.headers = tuple(b"\r\n" + h + b"\r\n" for h in spec.headers)
             self.done = done
             self.buf = b""
             self.left = per_conn
@@ -105,22 +147,14 @@ def _client_main(host: str, port: int, slots: list[list[Spec]], warmup: float,
         def data_received(self, data: bytes) -> None:
             buf = self.buf + data if self.buf else data
             while True:
-                i = buf.find(b"\r\n\r\n")
+                i, n = frame(buf)
                 if i < 0:
-                    break
-                j = buf.find(b"Content-Length:", 0, i)
-                if j < 0:
-                    j = buf.lower().find(_CL, 0, i)
-                if j < 0:
-                    n = i + 4
-                else:
-                    k = buf.find(b"\r\n", j)
-                    n = i + 4 + int(buf[j + 15:k])
-                if len(buf) < n:
                     break
                 t = perf_ns()
                 ok = buf.startswith(self.status_line) and (
-                    self.body is None or buf[i + 4:n] == self.body)
+                    self.body is None or buf[i + 4:n] == self.body) and (
+                    self.length is None or n - i - 4 == self.length) and all(
+                    buf.find(h, 0, i + 2) >= 0 for h in self.headers)
                 if recording[0]:
                     rec((t - self.t0) // 1000)
                     st["count"] += 1
@@ -251,3 +285,74 @@ def run_load(port: int, specs: list[Spec], *, connections: int, processes: int =
                       bad=[b for r in results for b in r["bad"]][:5],
                       connects=sum(r["connects"] for r in results),
                       client_cpu=sum(r["cpu"] for r in results))
+
+
+# ---- wrk (C, one source address): the saturation check ---------------------------------------
+
+WRK_GET = """wrk.method = "GET"
+wrk.path = "{path}"
+wrk.headers["X-aws-ec2-metadata-token"] = "{token}"
+wrk.headers["User-Agent"] = "bench"
+"""
+WRK_PUT = """wrk.method = "PUT"
+wrk.path = "/latest/api/token"
+wrk.headers["X-aws-ec2-metadata-token-ttl-seconds"] = "21600"
+wrk.headers["User-Agent"] = "bench"
+"""
+
+
+def _wrk_ms(text: str) -> float:
+    """wrk's latency text ("804.00us", "1.21ms", "2.00s") in milliseconds."""
+    for suffix, scale in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
+        if text.endswith(suffix):
+            return float(text[:-len(suffix)]) * scale
+    return float(text)
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the children this process has waited for (wrk, once it is done)."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_wrk(port: int, script: str, *, connections: int, duration: float, cpus: list[int] | None,
+            tmp: str, server_pid: int | None = None, server_pids: list[int] = (),
+            host: str = "127.0.0.1", argv_prefix: list[str] | None = None) -> dict:
+    """wrk -t1 against host:port (run under ``argv_prefix``: in a pod's network namespace);
+    req/s, p50/p99 and the server's CPU per request (all of ``server_pids``)."""
+    pids = [server_pid] if server_pid is not None else list(server_pids)
+    path = os.path.join(tmp, f"wrk-{abs(hash(script))}.lua")
+    with open(path, "w") as f:
+        f.write(script)
+    cmd = [*(argv_prefix or ()), "wrk", "-t1", f"-c{connections}",
+           f"-d{max(1, round(duration))}s", "--latency", "-s", path, f"http://{host}:{port}/"]
+    cpu0 = sum(cpu_seconds(p) for p in pids)
+    child0 = _children_cpu()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 30,
+                          preexec_fn=(lambda: os.sched_setaffinity(0, set(cpus))) if cpus
+                          else None)
+    cpu1 = sum(cpu_seconds(p) for p in pids)
+    out_client = (_children_cpu() - child0) / max(1, round(duration))
+    out = {"rps": 0.0, "p50_ms": float("nan"), "p99_ms": float("nan"), "non2xx": 0,
+           "errors": 0, "timeouts": 0}
+    total = 0
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if line.startswith("Requests/sec:"):
+            out["rps"] = float(parts[1])
+        elif parts[:1] == ["50%"]:
+            out["p50_ms"] = _wrk_ms(parts[1])
+        elif parts[:1] == ["99%"]:
+            out["p99_ms"] = _wrk_ms(parts[1])
+        elif "requests in" in line:
+            total = int(parts[0])
+        elif line.strip().startswith("Non-2xx"):
+            out["non2xx"] = int(parts[-1])
+        elif line.strip().startswith("Socket errors"):
+            out["errors"] = sum(int(x.strip(",")) for x in parts[3::2])
+            out["timeouts"] = int(parts[-1])   # "... write 0, timeout N"
+    out["cpu_us_per_req"] = (cpu1 - cpu0) / total * 1e6 if total else float("nan")
+    out["requests"] = total
+    out["client_util"] = out_client
+    return out

@@ -11,7 +11,7 @@ Sections (``--only`` picks some): ``hotpath`` (bench/agent_load.py), ``churn``
 (bench/churn.py, API-only), ``node-start`` (bench/node_start.py: kiamfast and the real
 kube2iam started in turns on a node whose pods already ask; ``node_start`` is the same),
 ``scale``
-(bench/scale_sim.py), ``runtime`` (bench/runtime_churn.py, runtime_first_call.py,
+(bench/scale_sim.py), ``runtime`` (bench/churn.py with the runtime, runtime_first_call.py,
 runtime_polling.py: the container runtime's path, on a real containerd when root has one),
 ``kubelet`` (bench/kubelet_timing.py: a real kubelet's podIP delay and new pods' first SDK
 call with the runtime view on and off; needs root and tests/k8s/build.sh's binaries),
@@ -125,7 +125,7 @@ def plot_hotpath(res, out: Path) -> list[str]:
 def plot_churn(r, out: Path) -> list[str]:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    lat = r.latencies_us
+    lat = r.tally.latencies_us
     percentile_curve(ax1, lat, "credential requests under churn")
     ax1.axhline(1000, color="red", linewidth=0.8, label="SDK budget 1 s")
     ax1.set_ylabel("latency ms")
@@ -141,8 +141,8 @@ def plot_churn(r, out: Path) -> list[str]:
     ax2.set_xlabel("latency ms")
     ax2.set_ylabel("requests")
     ax2.set_title("distribution", fontsize=10)
-    fig.suptitle(f"Churn: {r.requests:,} credential requests, {r.replacements:,} pod "
-                 f"replacements, {r.wrong} wrong-role answers", fontsize=10)
+    fig.suptitle(f"Churn: {r.tally.requests:,} credential requests, {r.replacements:,} pod "
+                 f"replacements, {r.tally.wrong} wrong-role answers", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "churn_latency.png", dpi=110)
     plt.close(fig)
@@ -242,29 +242,32 @@ def section_churn(quick: bool, out: Path, log) -> Section:
                   ("worst", dict(requests=300_000, rate=100.0, gap=0.0, max_seconds=120))])
     parts = []
     for name, kw in runs:
-        r = churn.run(log=log, **kw)
+        (r,) = churn.run(log=log, **kw)
+        t = r.tally
         if name == "main":
-            parts += [churn.markdown(r)]
+            parts += [churn.markdown([r])]
             sec.figures = plot_churn(r, out)
             sec.headline.append((f"churn: answers naming another pod's role (of "
-                                 f"{r.requests:,}; gap {r.gap * 1e3:g} ms)", str(r.wrong),
+                                 f"{t.requests:,}; gap {r.gap * 1e3:g} ms)", str(t.wrong),
                                  "0 in ≥ 1,000,000",
-                                 _ok(r.wrong == 0 and (quick or r.requests >= 1_000_000))))
+                                 _ok(t.wrong == 0 and (quick or t.requests >= 1_000_000))))
             sec.headline.append(("churn: requests not answered 200 within 1 s",
-                                 f"{r.late + r.not_served:,} "
-                                 f"({(r.late + r.not_served) / max(r.requests, 1):.4%})",
+                                 f"{t.late + t.not_served:,} "
+                                 f"({(t.late + t.not_served) / max(t.requests, 1):.4%})",
                                  "few", ""))
         else:
             parts += ["", "### Worst case: the new pod asks the instant its IP is published",
                       "", "Same set-up, no gap between the old pod's delete and the new pod's "
                       "IP, twice the replacement rate: the window in which an agent that "
                       "learns pods from a watch can still name the previous pod's role.", "",
-                      churn.markdown(r)]
+                      churn.markdown([r])]
             sec.headline.append((f"churn, worst case (gap 0, {r.rate:g}/s): wrong role "
-                                 f"(of {r.requests:,})", str(r.wrong), "0",
-                                 _ok(r.wrong == 0)))
-        sec.raw[name] = {k: v for k, v in r.__dict__.items() if k != "latencies_us"}
-        sec.raw[name]["latency"] = summarize_us(r.latencies_us)
+                                 f"(of {t.requests:,})", str(t.wrong), "0",
+                                 _ok(t.wrong == 0)))
+        sec.raw[name] = {k: v for k, v in r.__dict__.items() if k != "tally"}
+        sec.raw[name]["tally"] = {k: v for k, v in t.__dict__.items()
+                                  if k not in ("latencies_us", "first_ok_ms")}
+        sec.raw[name]["latency"] = summarize_us(t.latencies_us)
     sec.body = "\n".join(parts)
     return sec
 
@@ -407,23 +410,24 @@ def _latency_ok(p99: float, nginx_p99: float, target: float = 2.0) -> str:
 
 
 def section_runtime(quick: bool, out: Path, log) -> Section:
-    import runtime_churn as rch
+    import churn
     import runtime_first_call as rfc
     import runtime_polling as rpo
     sec = Section("The runtime path (CRI): churn, first call, hot path, polling cost")
-    churn_r = rch.run(slots=8 if quick else 16, requests=30_000 if quick else 1_000_000,
-                      min_replacements=10 if quick else 200, log=log)
+    churn_r = churn.run(runtime="auto", slots=8 if quick else 16,
+                        requests=30_000 if quick else 1_000_000,
+                        min_replacements=10 if quick else 200, log=log)
     first = rfc.run(pods=30 if quick else 200, rounds=1 if quick else 3,
                     round_seconds=3.0 if quick else 8.0, log=log)
     polling = rpo.run(sandboxes=30 if quick else 110, seconds=5.0 if quick else 30.0,
                       log=log)
     sec.body = "\n".join([
         "### Churn: addresses reused at once, the API told late and in the wrong order", "",
-        rch.markdown(churn_r), "",
+        churn.markdown(churn_r), "",
         "### A new pod's first call, and the hot path with and without the runtime", "",
         rfc.markdown(first), "", "### What the runtime polling costs", "",
         rpo.markdown(polling)])
-    sec.headline = (rch.headline(churn_r, quick=quick) + rfc.headline(first)
+    sec.headline = (churn.headline(churn_r, quick=quick) + rfc.headline(first)
                     + rpo.headline(polling))
     sec.raw = {"churn": [{"mode": r.mode, "runtime": r.runtime, "requests": r.tally.requests,
                           "wrong": r.tally.wrong, "replacements": r.replacements,

@@ -28,7 +28,7 @@ import uuid
 
 from benchutil import ROOT
 
-import runtime_churn as rc  # noqa: E402  (benchutil put the repo on sys.path)
+import cri_node  # noqa: E402  (benchutil put the repo on sys.path)
 
 _CHILD = r"""
 import json, os, sys, time
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="NAME=PATH of a checkout whose client is measured (repeatable)")
     args = ap.parse_args(argv)
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(ROOT)}
-    node = rc.make_node(args.runtime, args.sandboxes)
+    node = cri_node.make_node(args.runtime, args.sandboxes)
     sandboxes = []
     try:
         for i in range(args.sandboxes):

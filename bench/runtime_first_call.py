@@ -14,7 +14,7 @@ removed and the pod's end published. Target: p99 < 10 ms. Baseline, in the same 
 same fresh connection and two requests from an established pod to an API-only agent (no
 poll), so the difference is what the runtime path adds.
 
-Hot path: ``established`` pods whose addresses the API knows; each has bench/churn.py's
+Hot path: ``established`` pods whose addresses the API knows; each has bench/churn_clients.py's
 client (keep-alive, one request at a time, listing and document alternately) from its own
 sandbox, against two agents on the same node, one with ``--cri-endpoint`` and one with
 ``--cri-endpoint=none``, measured in alternating rounds of the same length. Reported as
@@ -22,7 +22,7 @@ ratios (with / without) of throughput and of p50 and p99 latency; target ~1.0 (a
 on an established connection is one table lookup either way).
 
 The runtime is a real containerd when root and containerd are there, else the CRI fault
-double (see bench/runtime_churn.py, which provides both).
+double (bench/cri_node.py provides both).
 
     python bench/runtime_first_call.py [--quick] [--pods N] [--runtime auto|containerd|fault]
 """
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import bench_agent as ba
-import churn
-import runtime_churn as rc
+import churn_clients
+import cri_node
 from benchutil import summarize_us
 
 LISTING = b"/latest/meta-data/iam/security-credentials/"
@@ -68,10 +68,10 @@ def _request(sock: socket.socket, path: bytes) -> tuple[int, bytes]:
     return int(head[9:12]), body
 
 
-def connect_from(node, sandbox: rc.Sandbox, *, port: int) -> socket.socket:
+def connect_from(node, sandbox: cri_node.Sandbox, *, port: int) -> socket.socket:
     """A TCP connection to the agent whose source is the sandbox's address: the socket is
     made inside the sandbox's network namespace (a client in the pod)."""
-    with rc.inside_netns(sandbox.netns) if sandbox.netns else contextlib.nullcontext():
+    with cri_node.inside_netns(sandbox.netns) if sandbox.netns else contextlib.nullcontext():
         sock = socket.socket()
     sock.settimeout(5)
     sock.bind((sandbox.ip, 0))
@@ -91,7 +91,8 @@ class FirstCalls:
     baseline_document_ms: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
-def timed_call(node, sandbox: rc.Sandbox, *, port: int) -> tuple[int, bytes, bytes, float, float]:
+def timed_call(node, sandbox: cri_node.Sandbox, *,
+               port: int) -> tuple[int, bytes, bytes, float, float]:
     """A fresh connection from the sandbox, the listing, then the document: (status, listing
     body, document, ms to the listing, ms to the document), timed from before the connect."""
     t0 = time.perf_counter()
@@ -110,20 +111,20 @@ def _access_key(doc: bytes) -> str:
 
 
 def first_calls(c: ba.Cluster, node, *, port: int, baseline_port: int, slot: int, pods: int,
-                established: list[rc.Pod], role_names: list[bytes]) -> FirstCalls:
+                established: list[cri_node.Pod], role_names: list[bytes]) -> FirstCalls:
     listing, document, base_listing, base_document, keys, samples = [], [], [], [], [], []
     wrong = failed = 0
     for k in range(pods):
         role = role_names[k % len(role_names)]
-        name, uid = rc.new_api_pod(c, role)
+        name, uid = cri_node.new_api_pod(c, role)
         time.sleep(0.05)   # the kubelet starts the sandbox after the pod reached it
-        sb = rc.sandbox_for(node, slot, name=name, uid=uid, role=role)
+        sb = cri_node.sandbox_for(node, slot, name=name, uid=uid, role=role)
         try:   # the sandbox is READY: RunPodSandbox has returned
             status, body, doc, t_listing, t_document = timed_call(node, sb, port=port)
         finally:
             node.remove_sandbox(sb)
-            c.api.set_pod_phase(rc.NAMESPACE, name, "Failed")
-            c.api.delete_pod(rc.NAMESPACE, name)
+            c.api.set_pod_phase(cri_node.NAMESPACE, name, "Failed")
+            c.api.delete_pod(cri_node.NAMESPACE, name)
         if status == 200:
             listing.append(t_listing)
             document.append(t_document)
@@ -151,19 +152,19 @@ def first_calls(c: ba.Cluster, node, *, port: int, baseline_port: int, slot: int
 class HotRound:
     agent: str
     requests_per_s: float
-    tally: rc.Tally
+    tally: churn_clients.Tally
 
 
-def hot_round(*, agent: str, port: int, node, pods: list[rc.Pod], role_names: list[bytes],
+def hot_round(*, agent: str, port: int, node, pods: list[cri_node.Pod], role_names: list[bytes],
               seconds: float) -> tuple[str, list[dict]]:
-    sh = churn.Shared.create(len(pods))
+    sh = churn_clients.Shared.create(len(pods))
     for i, pod in enumerate(pods):
         sh.role[i], sh.prev[i], sh.gen[i], sh.want[i] = pod.role, -1, 1, 1
-    clients = [rc.start_client(port=port, slot=i, sandbox=pod.sandbox,
+    clients = [churn_clients.start_client(port=port, slot=i, sandbox=pod.sandbox,
                                agent_host=node.agent_host, role_names=role_names, sh=sh)
                for i, pod in enumerate(pods)]
     time.sleep(seconds)
-    results, lost = rc.collect(clients)
+    results, lost = churn_clients.collect(clients)
     if lost:
         raise RuntimeError(f"{lost} of {len(clients)} hot-path clients died without a report")
     return agent, results
@@ -189,13 +190,12 @@ class FirstCallResult:
 def run(*, runtime: str = "auto", pods: int = 200, established: int = 8, roles: int = 4,
         rounds: int = 3, round_seconds: float = 8.0, log=print) -> FirstCallResult:
     role_names = [ba.role_name(r).encode() for r in range(roles)]
-    node = rc.make_node(runtime, established + 1)
+    node = cri_node.make_node(runtime, established + 1)
     try:
         with ba.cluster() as c:
             pods_ = []
             try:
-                pods_ = rc.populate(c=c, node=node, sh=churn.Shared.create(established),
-                                    role_names=role_names, slots=established)
+                pods_ = cri_node.populate(c, node, role_names=role_names, slots=established)
                 flags = node.agent_flags
                 with ba.agent(c, sts_qps=100, sts_burst=100,
                               extra=[f"--cri-endpoint={node.endpoint}", *flags]) as with_rt, \
@@ -218,14 +218,12 @@ def run(*, runtime: str = "auto", pods: int = 200, established: int = 8, roles: 
                                              seconds=round_seconds))
                     keymap = c.access_keys()
             finally:
-                for pod in pods_:
-                    with contextlib.suppress(Exception):
-                        node.remove_sandbox(pod.sandbox)
+                cri_node.remove_pods(node, pods_)
     finally:
         node.close()
     hot = []
     for agent, results in raw:
-        t = rc.tally(results, role_names=role_names, keymap=keymap)
+        t = churn_clients.tally(results, role_names=role_names, keymap=keymap)
         per_client = t.seconds / max(len(results), 1)
         hot.append(HotRound(agent=agent, requests_per_s=t.requests / max(per_client, 1e-9),
                             tally=t))

@@ -12,7 +12,7 @@ length after that agent stopped: the difference is what the polls cost the runti
 
 The runtime is a real containerd when root and containerd are there, else the CRI fault
 double (served from this process, so its own cost is not measured); see
-bench/runtime_churn.py.
+bench/cri_node.py.
 
     python bench/runtime_polling.py [--quick] [--sandboxes N] [--seconds S]
         [--runtime auto|containerd|fault]
@@ -21,15 +21,13 @@ bench/runtime_churn.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 import time
 from dataclasses import dataclass
 
 import bench_agent as ba
-import churn
-import runtime_churn as rc
+import cri_node
 from benchutil import cpu_seconds, rss_bytes
 
 POLLS = re.compile(rb'^kiamfast_runtime_total\{kind="polls"\} (\d+)', re.M)
@@ -68,15 +66,14 @@ def _worker(agent: ba.Agent) -> int:
 def run(*, runtime: str = "auto", sandboxes: int = 110, roles: int = 10,
         seconds: float = 30.0, settle: float = 5.0, log=print) -> PollingResult:
     role_names = [ba.role_name(r).encode() for r in range(roles)]
-    node = rc.make_node(runtime, sandboxes)
-    runtime_pid = node.ctd.process.pid if isinstance(node, rc.ContainerdNode) else None
-    pods: list[rc.Pod] = []
+    node = cri_node.make_node(runtime, sandboxes)
+    runtime_pid = node.ctd.process.pid if isinstance(node, cri_node.ContainerdNode) else None
+    pods: list[cri_node.Pod] = []
     try:
         with ba.cluster() as c:
             try:
                 log(f"  {sandboxes} sandboxes ({node.kind})")
-                pods = rc.populate(c=c, node=node, sh=churn.Shared.create(sandboxes),
-                                   role_names=role_names, slots=sandboxes)
+                pods = cri_node.populate(c, node, role_names=role_names, slots=sandboxes)
                 flags = node.agent_flags
                 with ba.agent(c, sts_qps=100, sts_burst=100,
                               extra=["--cri-endpoint=none", *flags]) as without:
@@ -106,9 +103,7 @@ def run(*, runtime: str = "auto", sandboxes: int = 110, roles: int = 10,
                         time.sleep(seconds)
                         runtime_idle = (cpu_seconds(runtime_pid) - r0) / (time.monotonic() - t1)
             finally:
-                for pod in pods:
-                    with contextlib.suppress(Exception):
-                        node.remove_sandbox(pod.sandbox)
+                cri_node.remove_pods(node, pods)
     finally:
         node.close()
     return PollingResult(

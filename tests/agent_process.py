@@ -1,49 +1,30 @@
-"""The real agent (`kiamfast`: supervisor, workers, control) on loopback with the fakes.
-
-The cluster is the API server emulator, STS is moto on loopback, the metadata service is the
-fake IMDS; pods are loopback source addresses.  AWS clients run with static credentials and
-AWS_EC2_METADATA_DISABLED, so nothing leaves the machine.  Used wherever a test needs the
-whole agent: tests/agent, tests/supervisor, tests/deploy/test_dashboard.py,
-tests/server/test_token_key_file.py.
+"""The real agent (`kiamfast`: supervisor, workers, control) on a loopback node
+(kiamfast.testing.loopback): the API server emulator with node n1 and one pod with a role,
+moto's STS behind the recording proxy, the fake IMDS; pods are loopback source addresses.
+Used wherever a test needs the whole agent: tests/agent, tests/supervisor,
+tests/deploy/test_dashboard.py, tests/server/test_token_key_file.py, tests/kube2iam,
+tests/podidentity.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from kiamfast.testing.apiserver import ApiServer
-from kiamfast.testing.fake_imds import FakeImds
-from kiamfast.testing.sts import MotoSts
+from kiamfast.testing.aws_env import offline_env
+from kiamfast.testing.loopback import ROLE_KEY, AgentProcess, LoopbackNode
+from kiamfast.testing.net import free_port, http_request, one_request
 
 POD_IP = "127.0.0.5"
 ROLE = "app-role"
 LISTING = "/latest/meta-data/iam/security-credentials/"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET6) as s:
-        s.bind(("::", 0))
-        return s.getsockname()[1]
-
-
 def exchange(port: int, method: str, path: str, *, source: str = "127.0.0.1",
              headers: dict[str, str] | None = None, timeout: float = 5.0) -> bytes:
     """One request on a fresh connection from ``source``; the raw response."""
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout,
-                                  source_address=(source, 0)) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 169.254.169.254\r\n{extra}"
-                  "Connection: close\r\n\r\n".encode())
-        raw = b""
-        while chunk := s.recv(65536):
-            raw += chunk
-    return raw
+    return one_request(port, http_request(method, path, headers=headers), source=source,
+                       timeout=timeout)
 
 
 def http(port: int, request: str, *, source: str = "127.0.0.1",
@@ -55,88 +36,34 @@ def http(port: int, request: str, *, source: str = "127.0.0.1",
     return int(head.split()[1]), body
 
 
-class Fakes:
-    """The emulated cluster (one node, one pod with a role), STS and metadata service."""
+class Fakes(LoopbackNode):
+    """The loopback node, started: node n1 (with ``taints``), pod team/app with ROLE at
+    POD_IP."""
 
     def __init__(self, *, taints: list[dict] | None = None) -> None:
-        self.api = ApiServer().start()
-        self.sts = MotoSts()
-        self.sts.start()
-        self.imds = FakeImds().start()
-        self.api.add_node("n1", taints=taints)
-        self.api.create_pod("team", "app", node="n1", annotations={
-            "iam.amazonaws.com/role": ROLE}, ips=[POD_IP], phase="Running")
-
-    def stop(self) -> None:
-        self.imds.stop()
-        self.sts.stop()
-        self.api.stop()
+        super().__init__(taints=taints)
+        self.start()
+        self.api.create_pod("team", "app", node=self.node, annotations={ROLE_KEY: ROLE},
+                            ips=[POD_IP], phase="Running")
 
 
-class Agent:
-    """One start of the agent; `wait_ready` until /readyz says 200, `stop` with SIGTERM."""
+class Agent(AgentProcess):
+    """One start of the agent for ``node`` with its table, token key and log in ``workdir``
+    (a start in the same workdir adopts them); `wait_ready` until /readyz says 200, `stop`
+    with SIGTERM. ``env``: the base of its environment (default this process's), to which
+    static AWS keys are added."""
 
-    def __init__(self, fakes: Fakes, workdir: Path, *, command: list[str] | None = None,
+    def __init__(self, node: LoopbackNode, workdir: Path, *, command: list[str] | None = None,
                  cwd: str | None = None, extra: list[str] = (), port: int | None = None,
                  metrics_port: int | None = None, env: dict[str, str] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.log_path = workdir / "agent.log"
-        argv = [*(command or [sys.executable, "-m", "kiamfast"]),
-                f"--kubeconfig={fakes.api.write_kubeconfig(str(workdir / 'kubeconfig'))}",
-                "--node=n1", "--host-ip=127.0.0.1",
-                "--base-role-arn=arn:aws:iam::123456789012:role/",
-                f"--sts-endpoint={fakes.sts.url}", f"--metadata-addr={fakes.imds.addr}",
-                f"--app-port={self.port}", f"--metrics-port={metrics_port or self.port}",
-                f"--table-path={workdir / 'table'}", "--cri-endpoint=none", "--iptables=false",
-                f"--token-key-file={workdir / 'token-key'}", "--node-startup-taint=",
-                *extra]   # later flags win: `extra` may override any of these
-        base_env = dict(os.environ if env is None else env, AWS_ACCESS_KEY_ID="testing",
-                        AWS_SECRET_ACCESS_KEY="testing", AWS_EC2_METADATA_DISABLED="true",
-                        AWS_REGION="us-east-1")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=base_env, cwd=cwd, stdout=log, stderr=log,
-                                         start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "agent exited:\n" + self.log()
-            try:
-                if http(self.port, "GET /readyz")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("agent never ready:\n" + self.log())
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:   # kill the whole session: no orphaned workers
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        return self.proc.returncode
-
-    def children(self, module: str) -> list[int]:
-        """PIDs of the supervisor's children running `python -m <module>`."""
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for pid in (task / "children").read_text().split():
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except FileNotFoundError:
-                    continue
-                if module.encode() in cmdline:
-                    pids.append(int(pid))
-        return pids
+        port = port or free_port()
+        table = str(workdir / "table")
+        super().__init__(node.agent_argv(port=port, metrics_port=metrics_port, table_path=table,
+                                         token_key_file=str(workdir / "token-key"),
+                                         command=command, extra=extra),
+                         port=port, log_path=workdir / "agent.log", table_path=table,
+                         cwd=cwd, env=offline_env(base=env))
 
 
 def _socket_inodes(pid: int) -> set[str]:

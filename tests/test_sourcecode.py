@@ -171,3 +171,95 @@ def test_only_the_cli_imports_the_supervisor():
                                                   if n.startswith("kiamfast.supervisor"))
                  for f in files}
     assert {f: n for f, n in offenders.items() if n} == {}
+
+
+# No module of kiamfast imports, however indirectly, a module that imports it back: not at
+# the top, not in a function, not for types only (a cycle is two modules with one job).
+PACKAGE = ROOT / "kiamfast"
+
+
+def _kiamfast_modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _import_edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of kiamfast that ``name`` imports: ``from a import b`` names ``a.b`` when
+    that is a module, else ``a`` (or the nearest package of it that is one)."""
+    def known(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(known(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:     # relative: from the package, one level up per extra dot
+                base = ".".join(package[:len(package) - node.level + 1] + base.split(".")
+                                if base else package[:len(package) - node.level + 1])
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base)
+                         for a in node.names)
+    return {m for m in found if m is not None and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [
+        ["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_kiamfast_imports_in_a_cycle():
+    modules = _kiamfast_modules()
+    assert "kiamfast.testing.apiserver" in modules and "kiamfast.kube.client" in modules
+    graph = {name: _import_edges(name, path, modules) for name, path in modules.items()}
+    assert "kiamfast.testing.apiserver_http" in graph["kiamfast.testing.apiserver"]
+    assert _cycles(graph) == []

@@ -16,6 +16,9 @@ everything a node has is started here, on 127.0.0.1 and ephemeral ports:
 * the pods: one short-lived process each (:mod:`kiamfast.demo.pod`), a real botocore
   client whose connections leave from the pod's 127/8 address.
 
+The services and the agent are a :class:`kiamfast.testing.loopback.LoopbackNode`, the one the
+tests and benchmarks run; the demo adds its scenario's flags, the pods and the checks.
+
 What it must never do: send anything off loopback (every URL handed out is 127.0.0.1, the
 agent gets static fake keys and ``AWS_EC2_METADATA_DISABLED=true``, pods get the agent as
 their metadata endpoint), leave a process or a file behind after :meth:`close`, or end a
@@ -27,12 +30,9 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import logging
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from kiamfast.demo import scenario
+from kiamfast.testing.aws_env import offline_env
+from kiamfast.testing.loopback import AgentProcess, package_root, run_each
+from kiamfast.testing.net import ExitedEarly, free_port
 
 __all__ = ["AgentDied", "DemoEnvironment", "DemoError", "MissingExtra", "PodProcess",
            "check_extra"]
@@ -77,56 +80,12 @@ def check_extra() -> None:
                            f"pip install -e '.[demo]'  (or: pip install 'kiamfast[demo]')")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(_DROP_ENV_PREFIXES) and k not in _PROXY_VARS}
     env["NO_PROXY"] = env["no_proxy"] = "*"
     env.update(extra)
     return env
-
-
-def _package_root() -> str:
-    """The directory holding the ``kiamfast`` package, so child processes run this code."""
-    import kiamfast
-    return str(Path(kiamfast.__file__).resolve().parent.parent)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux /proc), children first-found order."""
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
-
-
-def _start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (with the pid, a process' identity), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Field 22; the command name (field 2) may contain spaces, so split after its ")".
-    return int(stat.rsplit(b")", 1)[1].split()[19])
 
 
 class PodProcess:
@@ -211,40 +170,48 @@ class DemoEnvironment:
     """Starts the demo's components one by one; :meth:`close` stops all of them."""
 
     def __init__(self, *, workers: int = 1) -> None:
+        from kiamfast.testing.loopback import LoopbackNode
+
         self.workers = workers
         self.workdir = Path(tempfile.mkdtemp(prefix="kiamfast-demo-"))
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.workdir
         self.table_path = str(base / f"kiamfast-demo-{os.getpid()}-{secrets.token_hex(4)}")
         self.agent_log = self.workdir / "agent.log"
-        self.api: Any = None
-        self.sts: Any = None
-        self.imds: Any = None
-        self.agent: subprocess.Popen | None = None
+        self.node = LoopbackNode(
+            node=scenario.NODE, workdir=self.workdir, host_ip="127.0.0.1",
+            base_role_arn=scenario.BASE_ROLE_ARN, api_token=secrets.token_hex(16),
+            startup_taint=scenario.STARTUP_TAINT, node_address="127.0.0.1",
+            runtime_name="demo-runtime")
+        self.agent: AgentProcess | None = None
         self.agent_port = 0
-        self.runtime: Any = None
         self._sandboxes: dict[str, str] = {}   # pod ref -> sandbox id
-        self.kubeconfig = ""
-        self._agent_tree: dict[int, int | None] = {}  # pid -> start time
         self._table: Any = None
-        self._log_file: Any = None
         self._pods: list[PodProcess] = []
 
     # ------------------------------------------------------------------ components
 
-    def start_apiserver(self) -> None:
-        from kiamfast.testing.apiserver import ApiServer
+    @property
+    def api(self) -> Any:
+        return self.node.api
 
-        self.api = ApiServer("127.0.0.1", 0, token=secrets.token_hex(16)).start()
-        self.api.add_node(scenario.NODE, address="127.0.0.1", taints=[
-            {"key": scenario.STARTUP_TAINT, "effect": "NoSchedule"}])
-        self.kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
+    @property
+    def imds(self) -> Any:
+        return self.node.imds
+
+    @property
+    def runtime(self) -> Any:
+        return self.node.runtime
+
+    @property
+    def kubeconfig(self) -> str:
+        return str(self.node.kubeconfig)
+
+    def start_apiserver(self) -> None:
+        self.node.start_apiserver()
 
     def start_runtime(self) -> None:
-        from kiamfast.testing.cri_fault import CriFault
-
-        self.runtime = CriFault(os.path.join(self.workdir, "cri.sock"),
-                                runtime_name="demo-runtime").start()
+        self.node.start_runtime()
 
     def run_sandbox(self, pod: Any, uid: str) -> None:
         """The kubelet's RunPodSandbox for ``pod``: CNI gives it its address at once."""
@@ -260,20 +227,14 @@ class DemoEnvironment:
         self.runtime.stop_sandbox(self._sandboxes.pop(pod.ref))
 
     def start_sts(self) -> None:
-        # moto's werkzeug server logs every request on stderr unless told otherwise.
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        from kiamfast.testing.sts import StsSandbox
-
-        self.sts = StsSandbox().start()
+        self.node.start_sts()
 
     def start_imds(self) -> None:
-        from kiamfast.testing.fake_imds import FakeImds
-
-        self.imds = FakeImds("127.0.0.1", 0).start()
+        self.node.start_imds()
 
     @property
     def sts_url(self) -> str:
-        return self.sts.endpoint_url
+        return self.node.sts.url
 
     @property
     def agent_url(self) -> str:
@@ -281,67 +242,38 @@ class DemoEnvironment:
 
     def agent_argv(self) -> list[str]:
         """The agent's command line: kube2iam's flags, plus kiamfast's for the loopback world."""
-        return [
-            sys.executable, "-m", "kiamfast",
-            f"--kubeconfig={self.kubeconfig}",
-            f"--node={scenario.NODE}",
-            "--host-ip=127.0.0.1",
-            f"--base-role-arn={scenario.BASE_ROLE_ARN}",
-            f"--default-role={scenario.DEFAULT_ROLE}",
-            "--namespace-restrictions",
-            f"--app-port={self.agent_port}",
-            f"--metrics-port={self.agent_port}",
-            f"--metadata-addr={self.imds.addr}",
-            "--iptables=false",
-            f"--sts-endpoint={self.sts_url}",
-            f"--sts-region={REGION}",
-            f"--cri-endpoint={self.runtime.endpoint}",
-            f"--table-path={self.table_path}",
-            f"--token-key-file={self.workdir / 'token-key'}",
-            "--listen-host=127.0.0.1",
-            f"--node-startup-taint={scenario.STARTUP_TAINT}",
-            f"--workers={self.workers}",
-        ]
+        return self.node.agent_argv(
+            port=self.agent_port, table_path=self.table_path,
+            token_key_file=str(self.workdir / "token-key"), extra=[
+                f"--default-role={scenario.DEFAULT_ROLE}", "--namespace-restrictions",
+                f"--sts-region={REGION}", "--listen-host=127.0.0.1",
+                f"--workers={self.workers}"])
 
     def start_agent(self, *, timeout: float = 20.0) -> None:
         """Start the agent and return once it accepts connections."""
         self.agent_port = free_port()
-        env = _clean_env({
-            # The agent's own identity for STS, as the node's instance profile would be.
-            "AWS_ACCESS_KEY_ID": "AKIADEMONODEEXAMPLE",
-            "AWS_SECRET_ACCESS_KEY": "demo-node-secret",
-            "AWS_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "PYTHONPATH": _package_root(),
-        })
-        self._log_file = open(self.agent_log, "wb")
-        self.agent = subprocess.Popen(self.agent_argv(), stdin=subprocess.DEVNULL,
-                                      stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      env=env, cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while True:
-            self._note_agent_tree()
-            self.check_agent()
-            try:
-                socket.create_connection(("127.0.0.1", self.agent_port), timeout=0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise DemoError(f"the agent did not listen on port {self.agent_port} "
-                                    f"within {timeout:.0f} s") from None
-                time.sleep(0.02)
+        # The agent's own identity for STS, as the node's instance profile would be.
+        env = offline_env(_clean_env({}), AWS_ACCESS_KEY_ID="AKIADEMONODEEXAMPLE",
+                          AWS_SECRET_ACCESS_KEY="demo-node-secret", AWS_REGION=REGION,
+                          PYTHONPATH=package_root())
+        # In this process's group: a run that hangs is ended with everything it started.
+        self.agent = AgentProcess(self.agent_argv(), port=self.agent_port,
+                                  log_path=self.agent_log, table_path=self.table_path,
+                                  env=env, cwd=self.workdir, own_session=False)
+        try:
+            self.agent.wait_listening(timeout)
+        except ExitedEarly as e:
+            raise AgentDied(f"the agent exited with status {e.returncode}") from None
+        except RuntimeError:
+            raise DemoError(f"the agent did not listen on port {self.agent_port} "
+                            f"within {timeout:.0f} s") from None
 
     def check_agent(self) -> None:
-        if self.agent is not None and self.agent.poll() is not None:
-            raise AgentDied(f"the agent exited with status {self.agent.returncode}")
-
-    def _note_agent_tree(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            for pid in _descendants(self.agent.pid):
-                if pid not in self._agent_tree:
-                    self._agent_tree[pid] = _start_time(pid)
+        if self.agent is not None:
+            try:
+                self.agent.check()
+            except ExitedEarly as e:
+                raise AgentDied(f"the agent exited with status {e.returncode}") from None
 
     def agent_get(self, path: str, *, timeout: float = 2.0) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.agent_port, timeout=timeout)
@@ -361,7 +293,6 @@ class DemoEnvironment:
         started = time.monotonic()
         deadline = started + timeout
         while True:
-            self._note_agent_tree()
             self.check_agent()
             try:
                 ready = self.agent_get("/readyz", timeout=1.0)[0] == 200
@@ -426,7 +357,7 @@ class DemoEnvironment:
         home.mkdir(exist_ok=True)
         env = _clean_env({
             "HOME": str(home),
-            "PYTHONPATH": _package_root(),
+            "PYTHONPATH": package_root(),
             "AWS_EC2_METADATA_SERVICE_ENDPOINT": self.agent_url,
         })
         pod = PodProcess(ip, self.pod_argv(ip) + ["--wait-for-go"], env=env, cwd=home)
@@ -450,7 +381,7 @@ class DemoEnvironment:
     # ------------------------------------------------------------------ what STS and IMDS saw
 
     def assume_role_calls(self) -> list:
-        return self.sts.proxy.assume_role_calls() if self.sts else []
+        return self.node.sts.assume_role_calls() if self.node.sts else []
 
     def node_secret_requests(self) -> list[str]:
         """Paths of requests for the node's secrets that reached its metadata service."""
@@ -475,44 +406,16 @@ class DemoEnvironment:
         self._pods.clear()
 
     def stop_agent(self) -> None:
-        proc = self.agent
-        if proc is None:
-            return
-        self._note_agent_tree()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=12)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        # Children a supervisor could not stop: end them by pid, only if that pid is still
-        # the same process (same start time), never a newcomer that reused the number.
-        for pid, started in self._agent_tree.items():
-            if started is not None and _start_time(pid) == started:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        self.agent = None
+        if self.agent is not None:
+            self.agent.stop(12)
+            self.agent = None
 
     def close(self, *, keep_workdir: bool = False) -> None:
-        errors: list[BaseException] = []
         steps = [self.stop_pods, self.stop_agent]
         if self._table is not None:
             steps.append(self._table.close)
-        for part in (self.imds, self.sts, self.api):
-            if part is not None:
-                steps.append(part.stop)
-        if self.runtime is not None:
-            steps.append(self.runtime.close)
-        for step in steps:
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - keep closing the rest
-                errors.append(e)
-        self.imds = self.sts = self.api = self._table = self.runtime = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        errors = run_each([*steps, self.node.stop])
+        self._table = None
         for path in (self.table_path, self.table_path + ".token-key", self.table_path + ".lock"):
             with contextlib.suppress(OSError):
                 os.unlink(path)

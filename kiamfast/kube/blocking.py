@@ -7,14 +7,25 @@ import http.client
 import socket
 import ssl
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kiamfast.kube import wire
-from kiamfast.kube.errors import ApiTimeout, ApiUnavailable
+from kiamfast.kube.config import ClientConfig
+from kiamfast.kube.errors import ApiError, ApiTimeout, ApiUnavailable
 from kiamfast.kube.wire import Params, Response
 
-if TYPE_CHECKING:
-    from kiamfast.kube.client import Client
+
+class Caller(Protocol):
+    """What these calls use of ``kiamfast.kube.client.Client`` (described here, so that this
+    module, which the client imports, never imports it back)."""
+
+    config: ClientConfig
+    user_agent: str
+
+    def ssl_context_now(self) -> ssl.SSLContext | None: ...
+
+    def _error(self, status: int, reason: str, headers: dict[str, str], body: bytes,
+               authorization: str | None) -> ApiError: ...
 
 # A kept-alive connection the server had closed while idle shows as one of these before
 # any byte of the answer: the request is sent again once on a new connection.
@@ -25,7 +36,7 @@ class _Connection(http.client.HTTPConnection):
     """HTTP/1.1 to the API server, through a CONNECT proxy if configured, then TLS with the
     client's context and the configured server name."""
 
-    def __init__(self, client: "Client", timeout: float) -> None:
+    def __init__(self, client: Caller, timeout: float) -> None:
         cfg = client.config
         host, port = cfg.proxy or (cfg.host, cfg.port)
         super().__init__(host, port, timeout=timeout)
@@ -46,7 +57,7 @@ class _Connection(http.client.HTTPConnection):
 
 
 class Connections:
-    def __init__(self, client: "Client") -> None:
+    def __init__(self, client: Caller) -> None:
         self.client = client
         self._local = threading.local()
         self._all: list[_Connection] = []

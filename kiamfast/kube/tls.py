@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import os
 import ssl
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kiamfast.kube.config import ClientConfig
+from typing import Protocol
 
 
-def ssl_context(config: "ClientConfig", cert: tuple[bytes, bytes] | None = None
+class TlsSettings(Protocol):
+    """What a context is made of: the fields of ``kiamfast.kube.config.ClientConfig`` it reads
+    (described here, so that this module, which the configuration imports, never imports it
+    back)."""
+
+    verify: bool
+    ca_file: str | None
+    ca_data: bytes | None
+    client_cert_files: tuple[str, str] | None
+    client_cert_data: tuple[bytes, bytes] | None
+
+
+def ssl_context(config: TlsSettings, cert: tuple[bytes, bytes] | None = None
                 ) -> ssl.SSLContext:
     """A client context for ``config``; ``cert`` (PEM certificate, PEM key) overrides the
     configured client certificate (an exec plugin's). Raises ssl.SSLError or OSError."""

@@ -26,14 +26,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kiamfast.control import iptables
 from kiamfast.sockets import ListenError, listen_socket
 from kiamfast.supervisor.listeners import APP, SECOND, Listener, of_kind
 
-if TYPE_CHECKING:  # pragma: no cover
-    from kiamfast.supervisor.supervisor import Supervisor
+
+class Owner(Protocol):
+    """The supervisor, as the second port uses it."""
+    config: Any
+    held: list[Listener]
+
+    def own_control_ready(self) -> bool: ...
+    def add_listener(self, listener: Listener) -> None: ...
+    def drop_listeners(self, listeners: list[Listener]) -> None: ...
+    def swap_workers(self) -> None: ...
+    def deposit(self) -> None: ...
+
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -63,7 +73,7 @@ def remove_stale_rules(config) -> None:
 
 
 class SecondPort:
-    def __init__(self, sup: "Supervisor") -> None:
+    def __init__(self, sup: Owner) -> None:
         self.sup = sup
         self.config = sup.config
         self.rules = second_port_rules(self.config)

@@ -17,7 +17,7 @@ import select
 import socket
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -31,9 +31,6 @@ from kiamfast.testing.apiserver_objects import (
 )
 from kiamfast.testing.apiserver_patch import apply_patch
 from kiamfast.testing.apiserver_store import Expired, Watcher, bookmark_line, error_line
-
-if TYPE_CHECKING:
-    from kiamfast.testing.apiserver import ApiServer
 
 __all__ = ["Handler", "HttpFrontend", "Listener"]
 
@@ -86,13 +83,14 @@ def _chunk(data: bytes) -> bytes:
 
 
 class Listener(ThreadingHTTPServer):
-    """The API server's listening socket."""
+    """The API server's listening socket; ``owner`` (the ``ApiServer``, typed by the mixin
+    that handles its requests, so this module never imports the one that imports it)."""
 
     daemon_threads = True
     request_queue_size = 1024
     allow_reuse_address = True
 
-    def __init__(self, addr, handler, owner: "ApiServer") -> None:
+    def __init__(self, addr, handler, owner: HttpFrontend) -> None:
         self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         self.owner = owner
         super().__init__(addr, handler)

@@ -14,11 +14,12 @@ from needs import tool_mark
 
 @tool_mark("nginx")  # the agent's metadata upstream (bench_agent)
 def test_churn_never_names_another_pods_role():
-    r = churn.run(ips=64, roles=8, rate=20.0, gap=0.2, requests=5000, max_seconds=60,
-                  min_replacements=20, idle_samples=3, log=lambda *_: None)
-    assert r.requests >= 5000
+    (r,) = churn.run(slots=64, roles=8, rate=20.0, gap=0.2, requests=5000, max_seconds=60,
+                     min_replacements=20, idle_samples=3, log=lambda *_: None)
+    t = r.tally
+    assert t.requests >= 5000
     assert r.replacements >= 20
-    assert r.wrong == 0, r.samples
-    assert r.wrong_other == 0  # never a role this address did not just have
-    assert r.put_fail == 0 and r.connect_fail == 0
+    assert t.wrong == 0, t.samples
+    assert t.wrong_other == 0  # never a role this address did not just have
+    assert t.put_fail == 0 and t.connect_fail == 0
     assert r.idle_lag["n"] == 3

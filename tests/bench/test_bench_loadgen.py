@@ -95,6 +95,17 @@ def test_a_wrong_body_is_counted(echo):
     assert "127.0.1.1" in r.bad[0]
 
 
+def test_a_missing_header_or_a_wrong_length_is_counted(echo):
+    ip = "127.0.1.1"
+    right = [Spec(ip, REQ, 200, length=len(ip), headers=(b"Content-Length: 9",))]
+    r = run_load(echo.port, right, connections=1, duration=0.3, warmup=0.0)
+    assert r.count > 0 and r.errors == 0, r.bad
+    for spec in (Spec(ip, REQ, 200, length=len(ip) + 1),
+                 Spec(ip, REQ, 200, headers=(b"Server: EC2ws",))):
+        r = run_load(echo.port, [spec], connections=1, duration=0.3, warmup=0.0)
+        assert r.count > 0 and r.errors == r.checked >= r.count, spec
+
+
 def test_paced_run_keeps_to_its_rate(echo):
     specs = [Spec(ip, REQ, 200, ip.encode()) for ip in pod_addresses(50)]
     r = run_load(echo.port, specs, connections=50, duration=1.0, warmup=0.2, rate=500)

@@ -1,13 +1,13 @@
 """The runtime-path benchmarks, small: correctness only, no timing asserted.
 
 Each runs on a real containerd when the machine has root and containerd (as CI does), else
-on the CRI fault double with loopback addresses (bench/runtime_churn.py decides; the
+on the CRI fault double with loopback addresses (bench/cri_node.py decides; the
 assertions are the same). The metadata upstream of the agent is nginx (bench_agent).
 """
 
 from __future__ import annotations
 
-import runtime_churn
+import churn
 import runtime_first_call
 import runtime_polling
 from needs import tool_mark
@@ -16,8 +16,8 @@ pytestmark = tool_mark("nginx")
 
 
 def test_churn_with_the_runtime_never_names_another_pods_role():
-    results = runtime_churn.run(slots=6, roles=4, rate=20.0, requests=20_000,
-                                min_replacements=6, max_seconds=40, log=lambda *_: None)
+    results = churn.run(runtime="auto", slots=6, roles=4, rate=20.0, requests=20_000,
+                        min_replacements=6, max_seconds=40, log=lambda *_: None)
     with_runtime, api_only = results
     t = with_runtime.tally
     assert t.requests >= 20_000

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from kiamfast.control.iam import render
 from kiamfast.control.iam.keys import CredentialRequest
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.sts import StsClient
+from kiamfast.testing.aws_env import offline
 from kiamfast.testing.sts import FaultProxy, MotoSts
 
 ACCOUNT = "123456789012"
@@ -37,31 +37,10 @@ def req(role_name: str, *, pod: str = "p", namespace: str = "ns", sa: str = "def
                              pod_name=pod, service_account=sa, pod_ip=ip)
 
 
-_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-}
-_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL",
-          "AWS_ENDPOINT_URL_STS", "AWS_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-          "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def aws_env():
-    saved = {k: os.environ.get(k) for k in (*_ENV, *_UNSET)}
-    os.environ.update(_ENV)
-    for k in _UNSET:
-        os.environ.pop(k, None)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with offline():
+        yield
 
 
 @pytest.fixture(scope="session")

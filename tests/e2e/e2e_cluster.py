@@ -47,6 +47,8 @@ from netns import (BRIDGE, METADATA_IP, NetnsError, NodeNet, PodNet, call_in_net
                    remove_stale_namespaces)
 
 from kiamfast.testing.apiserver import ApiServer
+from kiamfast.testing import procs
+from kiamfast.testing.aws_env import offline_env
 from kiamfast.testing.fake_imds import FakeImds
 from kiamfast.testing.sts import FaultProxy
 
@@ -119,23 +121,6 @@ class Sts:
 
 # ---- the agent ----------------------------------------------------------------------------------
 
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
-
 class Agent:
     """``python -m kiamfast`` in the node namespace, with the DaemonSet's flags."""
 
@@ -165,22 +150,13 @@ class Agent:
             "--debug",
             *extra_args,
         ]
-        self.env = {
+        self.env = offline_env({
             "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
             "HOME": str(node.workdir),
             "LANG": "C.UTF-8",
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_SESSION_TOKEN": "testing",
-            "AWS_REGION": "us-east-1",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": "/dev/null",
-            "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
-            **(env or {}),
-        }
+        }, AWS_SESSION_TOKEN="testing", **(env or {}))
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._known_children: set[int] = set()
@@ -212,11 +188,8 @@ class Agent:
         if self.proc is None:
             return {}
         out: dict[str, int] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or _ppid(int(entry)) != self.proc.pid:
-                continue
-            pid = int(entry)
-            argv = _cmdline(pid)
+        for pid in procs.children(self.proc.pid):
+            argv = procs.cmdline(pid)
             if "kiamfast.control" in argv:
                 out["control"] = pid
             elif "kiamfast.server.worker" in argv:
@@ -338,7 +311,7 @@ class Agent:
 
     def _kill_known_children(self) -> None:
         for pid in self._known_children:
-            argv = _cmdline(pid)
+            argv = procs.cmdline(pid)
             if "kiamfast.control" in argv or "kiamfast.server.worker" in argv:
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -23,7 +23,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +32,8 @@ from typing import Any
 
 import urllib3
 import yaml
+
+from kiamfast.testing.net import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -68,12 +69,6 @@ def missing_binaries(names: tuple[str, ...] = ("etcd", "kube-apiserver")) -> str
     if missing:
         return f"needs {' and '.join(names)} ({', '.join(missing)}): run {SETUP}"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- key material -----------------------------------------------------------------------------

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from agent_process import Agent, exchange, free_port
-from kiamfast.testing.apiserver import ApiServer
+from agent_process import Agent, exchange
 from kiamfast.testing.background import BackgroundServer
-from kiamfast.testing.fake_imds import FakeImds
-from kiamfast.testing.sts import StsSandbox
+from kiamfast.testing.loopback import AgentProcess, LoopbackNode
+from kiamfast.testing.net import free_port
 
 NODE = "n1"
 ACCOUNT = "123456789012"
@@ -46,34 +43,14 @@ def kube2iam_binary() -> Path | None:
     return path if path.is_file() else None
 
 
-class Cluster:
-    """The shared fakes; ``sts`` is the recording proxy in front of moto."""
+class Cluster(LoopbackNode):
+    """The shared loopback node, started; ``sts`` is the recording proxy in front of moto."""
 
     def __init__(self) -> None:
         # No token: client-go's clientcmd reads a kubeconfig's credentials only for a TLS
         # server, and the emulator speaks plain http.
-        self.api = ApiServer(token=None).start()
-        self.sandbox = StsSandbox().start()
-        self.imds = FakeImds().start()
-        self.ec2 = NoRegionsEc2().start()
-        self.api.add_node(NODE)
-
-    @property
-    def sts(self):
-        return self.sandbox.proxy
-
-    def role_issued(self, access_key_id: str) -> str | None:
-        """The RoleArn of the AssumeRole call whose answer carried this key, if any."""
-        for call in self.sts.assume_role_calls(outcome="ok"):
-            if call.access_key_id == access_key_id:
-                return call.role_arn
-        return None
-
-    def stop(self) -> None:
-        self.ec2.stop()
-        self.imds.stop()
-        self.sandbox.stop()
-        self.api.stop()
+        super().__init__(node=NODE, api_token=None)
+        self.start()
 
 
 class NoRegionsEc2(BackgroundServer):
@@ -107,32 +84,44 @@ class NoRegionsEc2(BackgroundServer):
         return self
 
 
-class Kube2iam(Agent):
-    """One run of the real kube2iam on <port> (all interfaces, as it binds) against
-    ``cluster``.  Started its own way; logs and stops like the agent (SIGTERM, then the
-    process group)."""
+class Kube2iam(AgentProcess):
+    """One run of the real kube2iam on <port> (all interfaces, as it binds) for ``node``'s
+    node, with an EC2 of its own (see the module docstring); logs and stops like the agent
+    (SIGTERM, then the process group)."""
 
     name = "kube2iam"
 
-    def __init__(self, cluster: Cluster, workdir: Path, flags: list[str]) -> None:
+    def __init__(self, node: LoopbackNode, workdir: Path, flags: list[str]) -> None:
         binary = kube2iam_binary()
         assert binary is not None, "kube2iam is not built: run tests/tools/build_kube2iam.sh"
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.log_path = workdir / "kube2iam.log"
-        kubeconfig = cluster.api.write_kubeconfig(workdir / "kubeconfig")
-        argv = [str(binary), f"--kubeconfig={kubeconfig}", f"--node={NODE}",
-                "--iptables=false", "--host-ip=127.0.0.1", f"--app-port={self.port}",
-                f"--metrics-port={self.port}", f"--metadata-addr={cluster.imds.addr}", *flags]
-        env = kube2iam_env(workdir, sts_url=cluster.sts.url, ec2_url=cluster.ec2.url,
-                           imds_url=cluster.imds.url)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
-                                         start_new_session=True)
+        port = free_port()
+        # An emulator with a token is named by flags: client-go's clientcmd reads a
+        # kubeconfig's credentials only for a TLS server.
+        api = ([f"--api-server={node.api.url}", f"--api-token={node.api.token}"]
+               if node.api.token else [f"--kubeconfig={node.kubeconfig}"])
+        argv = [str(binary), *api, f"--node={node.node}", "--iptables=false",
+                f"--host-ip={node.host_ip}", f"--app-port={port}", f"--metrics-port={port}",
+                f"--metadata-addr={node.imds_addr}", *flags]
+        self.ec2 = NoRegionsEc2().start()
+        try:
+            super().__init__(argv, port=port, log_path=workdir / "kube2iam.log", env=kube2iam_env(
+                workdir, sts_url=node.sts.url, ec2_url=self.ec2.url,
+                imds_url=f"http://{node.imds_addr}"))
+        except BaseException:
+            self.ec2.stop()
+            raise
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """kube2iam listens once its informers have synced and its first health check ran."""
-        wait_listening(self.proc, self.port, self.log, timeout)
+    def wait_ready(self, timeout: float = 60.0, *, poll: float = 0.05) -> float:
+        """kube2iam listens once its informers have synced and its first health check ran:
+        seconds from its start until then."""
+        return self.wait_listening(timeout)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        try:
+            return super().stop(timeout)
+        finally:
+            self.ec2.stop()
 
 
 class Kiamfast(Agent):
@@ -143,28 +132,20 @@ class Kiamfast(Agent):
     name = "kiamfast"
 
     def __init__(self, cluster: Cluster, workdir: Path, flags: list[str]) -> None:
-        super().__init__(_AgentFakes(cluster), workdir,
+        super().__init__(cluster, workdir,
                          extra=["--listen-host=127.0.0.1", "--ready-prefetch-timeout=120s",
                                 *flags])
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, *, poll: float = 0.05) -> float:
         """Ready, and the control process has published once since: until then a namespace
         denial has a generic text instead of kube2iam's (the texts come with the metrics)."""
-        super().wait_ready(timeout)
+        super().wait_ready(timeout, poll=poll)
         deadline = time.monotonic() + timeout
         while b"kiamfast_ready 1" not in request(self.port, "GET", "/metrics",
                                                   source="127.0.0.1")[2]:
             assert time.monotonic() < deadline, "kiamfast never published:\n" + self.log()
             time.sleep(0.1)
-
-
-class _AgentFakes:
-    """The attributes tests/agent_process.Agent reads from its fakes."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.api = cluster.api
-        self.sts = cluster.sts
-        self.imds = cluster.imds
+        return time.monotonic() - self.started
 
 
 def kube2iam_env(workdir: Path, *, sts_url: str, ec2_url: str, imds_url: str,
@@ -172,7 +153,7 @@ def kube2iam_env(workdir: Path, *, sts_url: str, ec2_url: str, imds_url: str,
     """kube2iam's environment (see the module docstring): STS, EC2 and the metadata service
     at the given URLs, every other host a dead end; ``direct``: non-loopback hosts it may
     reach without the dead-end proxy (e.g. 169.254.169.254 on a test's node)."""
-    dead_end = f"http://127.0.0.1:{closed_port()}"
+    dead_end = f"http://127.0.0.1:{free_port()}"   # nothing listens there
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(workdir), "TZ": "UTC",
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_REGION": REGION, "AWS_ENDPOINT_URL": sts_url,
@@ -182,27 +163,6 @@ def kube2iam_env(workdir: Path, *, sts_url: str, ec2_url: str, imds_url: str,
     if direct:
         env["NO_PROXY"] = ",".join(direct)
     return env
-
-
-def wait_listening(proc: subprocess.Popen, port: int, log, timeout: float) -> None:
-    """Until kube2iam (``proc``) accepts connections on 127.0.0.1:<port>; ``log()`` for
-    the failure message."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "kube2iam exited:\n" + log()
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError("kube2iam never listened:\n" + log())
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound and released: nothing takes it soon)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(port: int, method: str, path: str, *, source: str,
@@ -231,53 +191,3 @@ def _dechunk(data: bytes) -> bytes:
             break
         out, data = out + data[:size], data[size + 2:]
     return out
-
-
-class BenchKube2iam:
-    """kube2iam against a bench/bench_agent.Cluster (its API server wants a token: given
-    with ``--api-server``/``--api-token``), on loopback, the way bench/churn.py runs
-    kiamfast: the same port for the app and metrics, no iptables, API-only as it always is.
-    Use as a context manager; ``port``, ``wait_ready`` and ``log_tail`` as bench_agent.Agent."""
-
-    def __init__(self, c, *, host_ip: str, base_role_arn: str) -> None:
-        binary = kube2iam_binary()
-        assert binary is not None, "kube2iam is not built: run tests/tools/build_kube2iam.sh"
-        self.ec2 = NoRegionsEc2().start()
-        self.port = free_port()
-        self.log_path = Path(c.tmp) / f"kube2iam-{self.port}.log"
-        argv = [str(binary), f"--api-server={c.api.url}", f"--api-token={c.api.token}",
-                f"--node={c.node}", "--iptables=false", f"--host-ip={host_ip}",
-                f"--app-port={self.port}", f"--metrics-port={self.port}",
-                f"--metadata-addr=127.0.0.1:{c.imds_port}", f"--base-role-arn={base_role_arn}"]
-        env = kube2iam_env(Path(c.tmp), sts_url=c.proxy.url, ec2_url=self.ec2.url,
-                           imds_url=f"http://127.0.0.1:{c.imds_port}")
-        self.started = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log,
-                                         start_new_session=True)
-
-    def __enter__(self) -> "BenchKube2iam":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(self.proc.pid, 9)
-                    self.proc.wait(10)
-        finally:
-            self.ec2.stop()
-
-    def wait_ready(self, timeout: float = 60.0) -> float:
-        """Seconds from start until it listens (after its informers synced)."""
-        wait_listening(self.proc, self.port, self.log_tail, timeout)
-        return time.monotonic() - self.started
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
-        except OSError:
-            return ""

@@ -41,7 +41,7 @@ STALE_FETCHES = 10      # (b), (c): fetches from the new pod while the API shows
 REPLACEMENTS = 6        # (c): pods replaced on one address
 # (b), (c): host-local is made to hand out only this address (each case its own)
 REUSED = {"reuse": "10.88.0.51", "churn": "10.88.0.61"}
-BENCH_CHURN = dict(ips=32, roles=8, rate=20.0, gap=0.01, requests=0, min_replacements=200,
+BENCH_CHURN = dict(slots=32, roles=8, rate=20.0, gap=0.01, requests=0, min_replacements=200,
                    max_seconds=60.0, idle_samples=5)
 
 RECORD, _write_record = module_record()
@@ -190,14 +190,15 @@ def test_c_bench_churn_api_only(agent):
         pytest.skip("needs kube2iam: run tests/tools/build_kube2iam.sh")
     sys.path.insert(0, str(BENCH))
     import churn
-    r = churn.run(agent=agent, log=lambda *_: None, **BENCH_CHURN)
+    (r,) = churn.run(agent=agent, log=lambda *_: None, **BENCH_CHURN)
+    t = r.tally
     RECORD.add(agent, "bench/churn.py (API-only)", {
-        "addresses": r.ips, "replacements": r.replacements, "seconds": round(r.seconds, 1),
-        "credential requests": r.requests, "right role": r.ok,
-        "wrong role listings": r.wrong_prev + r.wrong_other,
-        "of which the previous pod's": r.wrong_prev,
-        "documents with another role's key": r.wrong_document,
-        "not 200": r.not_served, "later than 1 s": r.late,
+        "addresses": r.slots, "replacements": r.replacements, "seconds": round(r.seconds, 1),
+        "credential requests": t.requests, "right role": t.ok,
+        "wrong role listings": t.wrong_prev + t.wrong_other,
+        "of which the previous pod's": t.wrong_prev,
+        "documents with another role's key": t.wrong_document,
+        "not 200": t.not_served, "later than 1 s": t.late,
         "ms from the new IP to the first right listing": {
             k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.first_ok.items()}})
-    assert r.replacements >= BENCH_CHURN["min_replacements"] and r.requests > 0, r
+    assert r.replacements >= BENCH_CHURN["min_replacements"] and t.requests > 0, r

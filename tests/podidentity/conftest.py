@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))     # sdk_c
 import kube  # noqa: E402
 import podid  # noqa: E402
 
-from kiamfast.testing.fake_imds import FakeImds  # noqa: E402
-from kiamfast.testing.sts import MotoSts  # noqa: E402
+from kiamfast.testing.loopback import LoopbackNode  # noqa: E402
 
 AGENT_SA = "kiamfast-podid"
 
@@ -51,30 +50,11 @@ def agent_kubeconfig(cluster) -> Path:
     return cluster.kubeconfig_for(token, name=AGENT_SA)
 
 
-class RealCluster:
-    """What tests/agent_process.Agent reads of its `fakes`, with the real API server."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-        self.sts = MotoSts()
-        self.sts.start()
-        self.imds = FakeImds().start()
-        self.api = self
-
-    def write_kubeconfig(self, path: str) -> str:
-        Path(path).write_text(self.kubeconfig.read_text())
-        return path
-
-    def stop(self) -> None:
-        self.imds.stop()
-        self.sts.stop()
-
-
 @pytest.fixture(scope="session")
 def peers(cluster):
-    p = RealCluster(agent_kubeconfig(cluster))
-    yield p
-    p.stop()
+    """The loopback node around the agent, with the real API server (node n1 there)."""
+    with LoopbackNode(kubeconfig=agent_kubeconfig(cluster)) as node:
+        yield node
 
 
 @pytest.fixture(scope="session")

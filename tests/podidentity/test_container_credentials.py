@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_process import Agent, free_port
+from agent_process import Agent
 from agent_process import http as imds_http
 from needs import JS_DIR, need_js_sdk
 from sdk_clients import go_client, java_client, need_client
@@ -29,6 +29,8 @@ from podid import (
     pod_token,
     resigned,
 )
+
+from kiamfast.testing.net import free_port
 
 pytestmark = pytest.mark.kube_apiserver
 

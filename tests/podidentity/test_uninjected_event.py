@@ -17,10 +17,11 @@ from pathlib import Path
 
 import kube
 import pytest
-from agent_process import Agent, free_port
+from agent_process import Agent
 from agent_process import http as agent_http
 
 from kiamfast.container_credentials import uninjected
+from kiamfast.testing.net import free_port
 
 pytestmark = pytest.mark.kube_apiserver
 

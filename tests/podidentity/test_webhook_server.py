@@ -265,7 +265,7 @@ def test_sigterm_stops_the_process_at_once_and_cleanly(tmp_path):
     grace period. A process stopped by the signal's default action exits -15, not 0."""
     import subprocess
     import sys
-    from agent_process import free_port
+    from kiamfast.testing.net import free_port
     pki = kube.make_pki(tmp_path / "pki")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiamfast", "webhook",

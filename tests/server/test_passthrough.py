@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kiamfast.testing.fake_imds import FakeImds
+from kiamfast.testing.net import free_port
 
 TOKEN = "X-aws-ec2-metadata-token"
 
@@ -110,16 +111,8 @@ def test_non_get_methods_are_not_forwarded(server, imds):
     assert imds.requests == []
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_p2_upstream_down_is_a_fast_503(make_server, pods):
-    server = make_server(metadata_addr=f"127.0.0.1:{_closed_port()}")
+    server = make_server(metadata_addr=f"127.0.0.1:{free_port()}")
     r = server.get("/latest/meta-data/instance-id")
     assert r.status == 503
 

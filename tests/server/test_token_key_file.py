@@ -169,8 +169,8 @@ def test_no_key_file_anywhere_and_tokens_die_with_the_start(fakes, tmp_path):
         assert len(per_worker) == 2 and all(per_worker.values()), per_worker
         assert listing_with(agent.port, "not-a-token") == 401
         # Nothing holds the key on disk: not next to the table, not in /dev/shm.
-        assert sorted(p.name for p in workdir.iterdir()) == ["agent.log", "kubeconfig",
-                                                             "table", "table.lock"]
+        assert sorted(p.name for p in workdir.iterdir()) == ["agent.log", "table",
+                                                             "table.lock"]
         assert {n for n in set(os.listdir("/dev/shm")) - shm_before if "token" in n} == set()
     finally:
         assert agent.stop() == 0, agent.log()

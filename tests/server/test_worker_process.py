@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,29 +17,12 @@ from kiamfast import channel, table
 from kiamfast.server import metrics
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import listen_socket
+from kiamfast.testing.net import free_port, wait_port
 
 from server_support import TOKEN_KEY, Client, build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIST = "/latest/meta-data/iam/security-credentials/"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET6) as s:
-        s.bind(("::", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError("worker never listened")
 
 
 def wait_logged(proc: subprocess.Popen, text: str, timeout: float = 15.0) -> None:
@@ -98,7 +80,7 @@ def test_worker_process_serves_talks_to_control_and_stops_on_sigterm(table_path,
     proc = start(table_path, settings, channel_fd=worker_end.fileno())
     worker_end.close()
     try:
-        wait_listening(settings.app_port, proc)
+        wait_port(settings.app_port, proc, timeout=15)
         with Client(settings.app_port) as c:
             assert c.request(build("GET", LIST)).body == b"app-role"
         # with the runtime's view: a new connection asks the control process (us) for a
@@ -211,7 +193,7 @@ def test_sigterm_lets_an_outstanding_answer_finish(table_path, pods, settings):
     settings = WorkerSettings(**{**settings.__dict__, "wait_budget": 0.8})
     proc = start(table_path, settings)
     try:
-        wait_listening(settings.app_port, proc)
+        wait_port(settings.app_port, proc, timeout=15)
         idle = Client(settings.app_port)
         with Client(settings.app_port) as c:
             c.send(build("GET", LIST))

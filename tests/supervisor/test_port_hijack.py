@@ -14,7 +14,8 @@ import socket
 
 import pytest
 
-from agent_process import LISTING, POD_IP, ROLE, Agent, Fakes, free_port, hold_until_spread
+from agent_process import LISTING, POD_IP, ROLE, Agent, Fakes, hold_until_spread
+from kiamfast.testing.net import free_port
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from agent_process import free_port
+from kiamfast.testing.net import free_port
 from kiamfast import supervisor, table
 from kiamfast.supervisor import statefiles
 from kiamfast.config import Config

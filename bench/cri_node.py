@@ -1,0 +1,208 @@
+"""The node's container runtime for the runtime benchmarks (bench/churn.py with a runtime,
+runtime_first_call.py, runtime_polling.py, runtime_client.py): a real containerd when root
+and containerd are there, else the CRI fault double; and the pods on it, each an API object
+of bench_agent's node and a sandbox of the runtime.
+
+* :class:`FaultNode`: kiamfast/testing/cri_fault.py's CRI server (real gRPC) in this
+  process; a sandbox's address is a loopback address, one per slot, so a client binds it.
+* :class:`ContainerdNode`: tests/cri/containerd.py's containerd in a fresh network namespace
+  standing for the node, which this thread enters (the API emulator, STS, the metadata
+  service and the agent then all live on its loopback); every sandbox has its own network
+  namespace with a real CNI address from a host-local range of exactly one address per
+  slot, so an address just freed is the next one handed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+from benchutil import ROOT, pod_addresses
+
+sys.path.insert(0, str(ROOT / "tests" / "cri"))    # containerd.py
+
+NAMESPACE = "bench"
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+# Client processes are forked while this process has gRPC channels: skip gRPC's fork
+# handlers (the children never use gRPC) and their log line per fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
+# ---- network namespaces ----------------------------------------------------------------------
+
+def enter_netns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path`` (threads it starts
+    and processes it forks afterwards are born there; sockets stay where they were made)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def inside_netns(path: str):
+    """This thread in ``path`` for the duration, then back where it was."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        enter_netns(path)
+        try:
+            yield
+        finally:
+            if _libc.setns(home, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the original namespace")
+    finally:
+        os.close(home)
+
+
+# ---- the node's runtime: a real containerd, or the fault double ------------------------------
+
+@dataclass(frozen=True)
+class Sandbox:
+    id: str
+    ip: str
+    netns: str | None   # the sandbox's network namespace (None: a loopback address)
+
+
+class FaultNode:
+    """The CRI fault double; sandbox addresses are loopback addresses, one per slot."""
+
+    kind = "CRI fault double (real gRPC, loopback addresses)"
+    agent_flags: list[str] = []          # bench_agent's defaults: the agent on 127.0.0.1
+    agent_host = "127.0.0.1"
+
+    def __init__(self, slots: int) -> None:
+        from kiamfast.testing.cri_fault import CriFault
+        self.addrs = pod_addresses(slots)
+        self.cri = CriFault().start()
+        self.endpoint = self.cri.endpoint
+
+    def run_sandbox(self, slot: int, *, name: str, uid: str, annotations: dict) -> Sandbox:
+        from kiamfast.testing.cri_fault import fake_sandbox
+        sb = fake_sandbox(name=name, uid=uid, namespace=NAMESPACE, ip=self.addrs[slot],
+                          annotations=annotations)
+        self.cri.put(sb)
+        return Sandbox(id=sb.id, ip=sb.ip, netns=None)
+
+    def remove_sandbox(self, sandbox: Sandbox) -> None:
+        self.cri.stop_sandbox(sandbox.id)   # NOTREADY first, as a runtime's stop is
+        self.cri.remove(sandbox.id)
+
+    def close(self) -> None:
+        self.cri.close()
+
+
+class ContainerdNode:
+    """A real containerd in a fresh node network namespace, which this thread enters (so
+    create it before any server thread starts, and close it to come back)."""
+
+    kind = "real containerd (CNI bridge + host-local addresses, clients in the sandboxes)"
+
+    def __init__(self, slots: int, *, subnet: str = "10.89.0.0/24") -> None:
+        from containerd import Containerd, NodeNetns
+        self.netns = NodeNetns()
+        self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            enter_netns(self.netns.path)
+            # generous: under a load average of 20-30 here a StopPodSandbox took over 10 s
+            self.ctd = Containerd(netns=self.netns.name, subnet=subnet,
+                                  call_timeout=120.0).start()
+            net = ipaddress.ip_network(subnet)
+            first = net.network_address + 10
+            # exactly one address per slot: a freed address is the next one handed out
+            self.ctd.set_range(str(first), str(first + slots - 1))
+        except BaseException:
+            self.close()
+            raise
+        self.endpoint = self.ctd.endpoint
+        self.agent_host = self.ctd.gateway   # the node's address on the bridge
+        self.agent_flags = ["--listen-host="]  # every address of the node namespace
+
+    def run_sandbox(self, slot: int, *, name: str, uid: str, annotations: dict) -> Sandbox:
+        info = self.ctd.run_sandbox(name, uid=uid, namespace=NAMESPACE,
+                                    annotations=annotations)
+        return Sandbox(id=info.id, ip=info.ip, netns=info.netns_path)
+
+    def remove_sandbox(self, sandbox: Sandbox) -> None:
+        self.ctd.remove_sandbox(sandbox.id)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if getattr(self, "ctd", None) is not None:
+                self.ctd.close()
+        _libc.setns(self._home, CLONE_NEWNET)
+        os.close(self._home)
+        self.netns.delete()
+
+
+def containerd_unavailable() -> str | None:
+    from containerd import unavailable_reason
+    return unavailable_reason() or (None if shutil.which("iptables") else
+                                    "needs iptables (the DNAT in each sandbox): run "
+                                    "`sh tests/cri/setup.sh`")
+
+
+def make_node(kind: str, slots: int):
+    """'containerd', 'fault', or 'auto' (containerd when it can run here)."""
+    if kind == "auto":
+        kind = "fault" if containerd_unavailable() else "containerd"
+    if kind == "containerd":
+        reason = containerd_unavailable()
+        if reason:
+            raise RuntimeError(reason)
+        return ContainerdNode(slots)
+    return FaultNode(slots)
+
+
+# ---- pods: an API object and a sandbox -------------------------------------------------------
+
+@dataclass
+class Pod:
+    name: str
+    role: int
+    sandbox: Sandbox
+
+
+def new_api_pod(c, role: bytes) -> tuple[str, str]:
+    """A pod scheduled on bench_agent's node ``c`` (Pending, no address yet): its name and
+    UID."""
+    name = c.add_pod("", role.decode(), namespace=NAMESPACE, phase="Pending")
+    return name, c.api.get_pod(NAMESPACE, name)["metadata"]["uid"]
+
+
+def sandbox_for(node, slot: int, *, name: str, uid: str, role: bytes) -> Sandbox:
+    """The pod's sandbox, labelled and annotated as the kubelet does."""
+    from kiamfast.testing.loopback import ROLE_KEY
+    return node.run_sandbox(slot, name=name, uid=uid, annotations={ROLE_KEY: role.decode()})
+
+
+def populate(c, node, *, role_names: list[bytes], slots: int) -> list[Pod]:
+    """Every slot's first pod, known to the API (so an agent is ready with them); every
+    role in use from the start, so no later pod waits on STS."""
+    pods = []
+    for i in range(slots):
+        role = i % len(role_names)
+        name, uid = new_api_pod(c, role_names[role])
+        sb = sandbox_for(node, i, name=name, uid=uid, role=role_names[role])
+        c.api.set_pod_ips(NAMESPACE, name, [sb.ip])
+        c.api.set_pod_phase(NAMESPACE, name, "Running")
+        pods.append(Pod(name=name, role=role, sandbox=sb))
+    return pods
+
+
+def remove_pods(node, pods: list[Pod]) -> None:
+    """Every pod's sandbox gone (what is already gone, or cannot be removed on a runtime
+    being closed anyway, is passed over)."""
+    for pod in pods:
+        with contextlib.suppress(Exception):
+            node.remove_sandbox(pod.sandbox)
