@@ -84,7 +84,7 @@ def test_control_process_modules_load_neither_grpc_nor_protobuf():
 # never load it (only the CLI's `webhook` command does), and it never loads the agent's side:
 # of kiamfast it may import itself, the flag table (defaults it shares) and the log setup.
 WEBHOOK = ROOT / "kiamfast" / "webhook"
-WEBHOOK_MAY_IMPORT = ("kiamfast.webhook", "kiamfast.config", "kiamfast.logs")
+WEBHOOK_MAY_IMPORT = ("kiamfast.webhook", "kiamfast.config", "kiamfast.logs", "kiamfast.kube")
 
 
 def _of_kiamfast(name: str) -> bool:
@@ -263,3 +263,15 @@ def test_no_module_of_kiamfast_imports_in_a_cycle():
     graph = {name: _import_edges(name, path, modules) for name, path in modules.items()}
     assert "kiamfast.testing.apiserver_http" in graph["kiamfast.testing.apiserver"]
     assert _cycles(graph) == []
+
+
+def test_the_agent_and_the_webhook_need_no_kubernetes_package():
+    """Both talk to the API server through kiamfast/kube; the official client (and its
+    dependencies) is for the tests only, so the image does not carry it."""
+    import tomllib
+    shipped = [d for d in ["kiamfast"] if (ROOT / d).is_dir()]
+    found = {f: n for f, n in _offenders(shipped, ("kubernetes",)).items()
+             if not f.startswith("kiamfast/testing/")}
+    assert found == {}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in deps if d.split(">")[0].split("=")[0].strip() == "kubernetes"]

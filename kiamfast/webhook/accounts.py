@@ -19,8 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any, Callable
-
-import orjson
+from urllib.parse import quote
 
 log = logging.getLogger("kiamfast.webhook")
 
@@ -33,23 +32,19 @@ Annotations = dict[str, str]
 
 
 def service_account_read(make_client: Callable[[], Any]) -> Callable[[str, str], Annotations]:
-    """A blocking GET of a ServiceAccount through the kubernetes client: its annotations.
-    The client is made at the first read, and again after a read that could not make it (no
-    in-cluster credentials yet): that is a failed read like any other, never a webhook that
-    does not start.  It must not retry (`api_client_without_retries`): urllib3 retries a GET
-    three times by default, which would multiply the timeout by four."""
-    from kubernetes import client as kclient
-    apis: list[Any] = []
+    """A blocking GET of a ServiceAccount through the agent's API client (``kiamfast.kube``,
+    its thread-safe ``request_sync``): its annotations.  The client is made at the first
+    read, and again after a read that could not make it (no in-cluster credentials yet):
+    that is a failed read like any other, never a webhook that does not start.  One attempt,
+    each socket operation bounded by `READ_TIMEOUT` (the client never retries)."""
+    clients: list[Any] = []
 
     def read(namespace: str, name: str) -> Annotations:
-        if not apis:
-            apis.append(kclient.CoreV1Api(make_client()))
-        resp = apis[0].read_namespaced_service_account(
-            name, namespace, _preload_content=False, _request_timeout=READ_TIMEOUT)
-        try:
-            account = orjson.loads(resp.data)
-        finally:
-            resp.release_conn()
+        if not clients:
+            clients.append(make_client())
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/serviceaccounts/" \
+               f"{quote(name, safe='')}"
+        account = clients[0].request_sync("GET", path, timeout=READ_TIMEOUT).json()
         annotations = (account.get("metadata") or {}).get("annotations") or {}
         if not isinstance(annotations, dict):
             raise ValueError("metadata.annotations is not an object")
@@ -57,20 +52,11 @@ def service_account_read(make_client: Callable[[], Any]) -> Callable[[str, str],
     return read
 
 
-def api_client_without_retries(*, kubeconfig: str = "") -> Any:
-    """The webhook's API client: `--kubeconfig`, else in-cluster (as the agent's, which the
-    webhook does not import), with urllib3's retries off so `READ_TIMEOUT` bounds a whole
-    read."""
-    from kubernetes import client as kclient
-    from kubernetes import config as kconfig
-
-    configuration = kclient.Configuration()
-    if kubeconfig:
-        kconfig.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        kconfig.load_incluster_config(client_configuration=configuration)
-    configuration.retries = False
-    return kclient.ApiClient(configuration)
+def api_client(*, kubeconfig: str = "") -> Any:
+    """The webhook's API client: `--kubeconfig`, else in-cluster, as the agent's."""
+    from kiamfast.kube.client import Client
+    from kiamfast.kube.config import load_config
+    return Client(load_config(kubeconfig=kubeconfig))
 
 
 class AccountAnnotations:

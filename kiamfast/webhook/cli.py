@@ -17,7 +17,7 @@ from typing import Any
 from kiamfast.config import FLAGS_BY_NAME
 from kiamfast.webhook.accounts import (
     AccountAnnotations,
-    api_client_without_retries,
+    api_client,
     service_account_read,
 )
 from kiamfast.webhook.patch import FULL_URI, OPT_IN_ANNOTATION
@@ -82,7 +82,7 @@ def main(argv: Sequence[str]) -> int:
     accounts = None
     if args.service_account_opt_in:
         def make_client() -> Any:
-            return api_client_without_retries(kubeconfig=args.kubeconfig)
+            return api_client(kubeconfig=args.kubeconfig)
         if args.kubeconfig:         # the user's file: a bad one is bad input, said at once
             try:
                 make_client()

@@ -103,8 +103,7 @@ def test_the_cache_is_bounded():
 
 def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_path, caplog):
     """A real socket that accepts and never answers (a hung API server): the read through
-    the real kubernetes client gives up after READ_TIMEOUT, not after urllib3's retries
-    (4 × the timeout), so the API server's call to the webhook (5 s in the chart) is
+    the agent's API client gives up after READ_TIMEOUT (one attempt, no retries), so the API server's call to the webhook (5 s in the chart) is
     answered, uninjected, before it gives up itself."""
     import socket
     import time
@@ -113,7 +112,7 @@ def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_
 
     from kiamfast.webhook.accounts import (
         READ_TIMEOUT,
-        api_client_without_retries,
+        api_client,
         service_account_read,
     )
     hung = socket.socket()
@@ -128,7 +127,7 @@ def test_a_read_from_an_api_server_that_never_answers_ends_within_the_bound(tmp_
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
     accounts = AccountAnnotations(service_account_read(
-        lambda: api_client_without_retries(kubeconfig=str(kubeconfig))))
+        lambda: api_client(kubeconfig=str(kubeconfig))))
     try:
         started = time.monotonic()
         assert accounts.get("ns", "app") is None

@@ -276,7 +276,7 @@ def test_without_in_cluster_credentials_a_read_fails_and_the_pod_opt_in_still_wo
     from kiamfast.webhook import accounts
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     cache = accounts.AccountAnnotations(accounts.service_account_read(
-        accounts.api_client_without_retries))
+        accounts.api_client))
     assert admitted_with(pod({}), cache) == pod({})
     assert "cannot read ServiceAccounts" in caplog.text
     assert injected(admitted_with(pod(OPTED_IN), cache))
