@@ -65,7 +65,8 @@ CREDS = "/latest/meta-data/iam/security-credentials/"
 PERIOD = 0.1                 # a pod asks again 100 ms after its previous attempt began
 CLIENT_TIMEOUT = 1.0         # botocore's IMDS timeout (DEFAULT_METADATA_SERVICE_TIMEOUT)
 STARTUP_TAINT = "kiamfast.io/agent-not-ready"
-MILESTONES = ("table created", "table adopted", "worker listening", "pods listed",
+MILESTONES = ("table created", "table adopted", "worker listening", "runtime answered",
+              "pods listed",
               "first STS answer", "all roles fetched", "ready", "taint removed")
 _MARK = re.compile(r'start: ([^"\n]+?) after ([0-9.]+)s')
 

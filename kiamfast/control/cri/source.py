@@ -18,6 +18,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kiamfast import milestones
 from kiamfast.control.cri import link as runtime_link
 from kiamfast.control.cri import client as runtime
 from kiamfast.control.cri.poller import RuntimePoller
@@ -141,6 +142,7 @@ class RuntimeSource:
             self.routes.refresh(prune_before_ns=view.started_ns)
         self.model.apply_runtime(view)
         self.commit()
+        milestones.mark("runtime answered")    # the first view only
         self.settled.set()
 
     def _on_failure(self, started_ns: int) -> None:
