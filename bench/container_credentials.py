@@ -271,7 +271,8 @@ def keepalive(b: Bench, res: Result, opts: Options, pods: list[TokenPod],
             r = loadgen.run_load(port, specs, connections=conns, duration=opts.duration,
                                  warmup=0.3, per_conn=PER_CONN)
             res.keepalive[f"{path}/c{conns}"] = {"rps": r.rps, "errors": r.errors,
-                                                 "n": r.count, **summarize_us(r.latencies_us)}
+                                                 "n": r.count, "bad": r.bad,
+                                                 **summarize_us(r.latencies_us)}
 
 
 def fresh_connections(b: Bench, res: Result, opts: Options, pods: list[TokenPod]) -> None:

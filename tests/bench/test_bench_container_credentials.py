@@ -37,7 +37,8 @@ def test_the_quick_section_measures_both_paths_and_both_floods_and_no_pod_failed
     opts = sec["options"]
     assert sorted(sec["keepalive"]) == sorted(f"{path}/c{n}" for path in ("token", "imds")
                                               for n in {1, opts["connections"]})
-    assert all(v["n"] > 0 and v["errors"] == 0 for v in sec["keepalive"].values())
+    assert all(v["n"] > 0 and v["errors"] == 0 for v in sec["keepalive"].values()), {
+        k: (v["n"], v["errors"], v["bad"]) for k, v in sec["keepalive"].items()}
     assert {k: v["n"] for k, v in sec["fresh"].items()} == {"token": opts["fresh"],
                                                             "imds": opts["fresh"]}
     assert sec["first_call"]["n"] == sec["bare_review"]["n"] == opts["first_calls"]

@@ -54,7 +54,9 @@ def test_a_killed_agent_with_a_keeper_loses_no_call(node, keeper):
     callers = node.callers(timeout=5.0)
     wait_until(lambda: all(c.snapshot() for c in callers), "no call made")
 
+    killing = time.monotonic()
     kill_tree(agent)
+    killed = time.monotonic()
     time.sleep(DOWN)
     restarted = time.monotonic()
     again = node.agent("agent-again", handover=False, keeper=keeper)
@@ -62,7 +64,13 @@ def test_a_killed_agent_with_a_keeper_loses_no_call(node, keeper):
     time.sleep(0.3)
     calls = [call for c in callers for call in c.stop()]
 
-    assert node.wrong(calls) == [], (summary(calls), again.log())
+    # A call the killed worker had already accepted dies with it (SIGKILL mid-answer: a
+    # reset, as from any server); every call made after that waits in the kept socket.
+    in_flight = [c for c in calls if c.outcome in ("reset", "eof")
+                 and c.at <= killed and c.at + c.took >= killing]
+    assert len(in_flight) <= len(callers), summary(in_flight)
+    assert [c for c in node.wrong(calls) if c not in in_flight] == [], (summary(calls),
+                                                                       again.log())
     waited = [c for c in calls if c.at < restarted <= c.at + c.took]
     assert waited, "no call was waiting while the agent was down"
     # answered soon after the restart, from the table the killed agent left
