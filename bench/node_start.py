@@ -745,7 +745,7 @@ def markdown(res: Result) -> str:
                  "with a container runtime holding a READY sandbox per pod (the CRI double, "
                  "over gRPC, as containerd on a node), ") +
              (f"with `{' '.join(o['kiamfast_flags'])}`" if o["kiamfast_flags"]
-              else "its default STS limits (`--sts-qps 5 --sts-burst 20`)") + ". Seconds from the "
+              else "its default STS limits (`--sts-qps 5 --sts-burst 100`)") + ". Seconds from the "
              "agent's process start; medians (min–max) over the runs.", "",
              "| pods / roles | agent | every pod served its own role | median pod | first pod "
              "| first answer of any kind | answers with another role | STS calls |",

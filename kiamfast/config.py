@@ -353,7 +353,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("sts-region", "str", "", "Region of the STS client (\"\" = botocore's default chain: "
        "$AWS_REGION, $AWS_DEFAULT_REGION, config file)."),
     _f("sts-qps", "float", 5.0, "Sustained rate limit of STS calls per second."),
-    _f("sts-burst", "int", 20, "Burst size of the STS rate limit."),
+    _f("sts-burst", "int", 100, "Burst size of the STS rate limit: the calls a node may "
+       "make at once, such as one per role when it starts with its pods already asking."),
     _f("sts-account-qps", "float", 0.0, "The fleet's share of the account's STS budget "
        "(calls/s; AWS allows 600 per account and Region, shared by every STS caller). "
        "Each node may always send --sts-account-qps / --sts-fleet-nodes calls/s; above "

@@ -309,9 +309,9 @@ class Supervisor:
             for child in self._all_children():
                 child.start()
             return
+        self.control.start(tell_ready=True)     # first: its first poll is what we wait for
         for child in self.children:
             child.start(extra_argv=("--paused",), tell_ready=True)
-        self.control.start(tell_ready=True)
         problem = wait_ready(self._all_children(), FIRST_POLL_WAIT, keep_open=(self.control,))
         if problem:
             log.warning("starting paused: %s; accepting at once", problem)
@@ -531,9 +531,9 @@ class Supervisor:
         self.lock_fd = open_lock(table_path)
         self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
         self._build_children()
+        self.control.start(tell_ready=True)     # first: its first poll is what we wait for
         for child in self.children:
             child.start(extra_argv=("--paused",), tell_ready=True)
-        self.control.start(tell_ready=True)
         problem = wait_ready(self._all_children(), handover.ARM_TIMEOUT,
                              keep_open=(self.control,))
         if problem:

@@ -62,7 +62,7 @@ KUBE2IAM_DEFAULTS = {
 OUR_DEFAULTS = {
     "workers": 1, "wait_budget": 0.35, "imdsv2": "optional", "kubelet_url": "",
     "kubelet_insecure": False, "cri_endpoint": "auto", "sts_endpoint": "", "sts_region": "", "sts_qps": 5.0,
-    "sts_burst": 20, "sts_account_qps": 0.0, "sts_fleet_nodes": 0, "session_duration": 3600.0, "min_credential_lifetime": 900.0,
+    "sts_burst": 100, "sts_account_qps": 0.0, "sts_fleet_nodes": 0, "session_duration": 3600.0, "min_credential_lifetime": 900.0,
     "session_name_policy": "node-role", "session_tags": False,
     "node_startup_taint": "kiamfast.io/agent-not-ready", "iptables_remove_on_exit": False,
     "iptables_backend": "auto", "namespace_permitted_key": "",
