@@ -35,7 +35,6 @@ chains: the nat table belongs to kube-proxy and the CNI, we only add and delete 
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import shutil
@@ -46,6 +45,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Union
 
 if TYPE_CHECKING:  # pragma: no cover
+    import asyncio
+
     from kiamfast.config import Config
 
 __all__ = [
@@ -472,6 +473,7 @@ class RuleKeeper:
 
     async def run(self) -> None:
         """Forever: :meth:`check` after each ruleset change (nft) and every interval."""
+        import asyncio      # here: the supervisor imports this module for its rule alone
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
         events = self._nft_events() if self.netns is None and self._nft() else None
