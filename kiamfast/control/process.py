@@ -41,6 +41,7 @@ from kiamfast import __version__, channel, logs, metrics_text, milestones
 from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
 from kiamfast.control import imds_client, iptables, writer_lock
+from kiamfast.control.rule_keeper import RuleKeeper
 from kiamfast.control.health import Health
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
@@ -133,7 +134,7 @@ class ControlProcess:
                   asyncio.create_task(self.health.run(self._publish_health), name="health"),
                   asyncio.create_task(self._publish(), name="publish")]
         if self.config.iptables:                                # 4.
-            rules = iptables.RuleKeeper(self.config)
+            rules = RuleKeeper(self.config)
             await loop.run_in_executor(None, rules.install)
             milestones.mark("DNAT rule installed")
             if self.config.iptables_check_interval > 0:   # put back if something deletes it
