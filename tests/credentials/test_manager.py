@@ -15,7 +15,8 @@ import pytest
 from kiamfast import table as tbl
 from kiamfast.control.iam import render
 from kiamfast.control.iam.keys import fnv32a
-from kiamfast.control.iam.manager import CredentialManager, CredentialSlotsExhausted
+from kiamfast.control.iam.manager import CredentialManager
+from kiamfast.control.iam.slots import CredentialSlotsExhausted
 from kiamfast.testing.sts import ManualClock
 
 from metric_samples import Samples

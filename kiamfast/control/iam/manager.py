@@ -7,7 +7,9 @@ refreshed ahead of time (half-life, jittered), and what workers serve always has
 ``min_lifetime`` left (sdk-imds.md §4: SDKs misbehave below ~15 min). If STS is down, the old
 credentials keep flowing until that point; then the slot turns to ERROR and workers answer
 503.  Keys and session names: :mod:`.keys`; when calls run and the node's STS budget:
-:mod:`.schedule`; the bytes written: :mod:`.render`.
+:mod:`.schedule`; which key holds which slot, and adoption: :mod:`.slots`; what an STS
+answer writes and logs, and when the key is called next: :mod:`.outcomes`; the bytes
+written: :mod:`.render`.
 
 A throttled key retries when the node's pause ends (no backoff of its own); a throttled call
 of a key a pod's request is held for retries once 50-150 ms later, within that wait.  Other
@@ -35,48 +37,32 @@ through hours of rotation without waiting. The table is any object with ``write_
 from __future__ import annotations
 
 import asyncio
-import datetime as _dt
-import heapq
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kiamfast import milestones
-from kiamfast.budget import TokenBucket, backoff
-from kiamfast.control.iam import render
-from kiamfast.control.iam.keys import (TAGSESSION_HINT, CredentialKey, CredentialRequest,
-                                       SessionNaming, tag_problem)
+from kiamfast.budget import TokenBucket
+from kiamfast.control.iam.keys import (CredentialKey, CredentialRequest, SessionNaming,
+                                       tag_problem)
 from kiamfast.control.iam.metrics import StsMetrics
+from kiamfast.control.iam.outcomes import (CallTiming, audit_line, refusal_reason,
+                                           write_credentials, write_denied)
 from kiamfast.control.iam.schedule import (HEADROOM, PRIO_NEW, PRIO_REFRESH, PRIO_WANTED,
                                            PROBE_AFTER, QUICK_RETRY, Schedule, node_share)
+from kiamfast.control.iam.slots import (DENIED, ERROR, READY, STATES, CredentialTable,
+                                        KeyEntry, NoRefs, SlotPool, SlotRefs)
 from kiamfast.control.iam.sts import (Credentials, StsDenied, StsError, StsThrottled,
                                   StsTransient, classify)
-from kiamfast.table import CRED_EMPTY, CRED_ERROR, CRED_PENDING, CRED_READY
+from kiamfast.table import CRED_ERROR, CRED_PENDING
 
 log = logging.getLogger("kiamfast.credentials")
-audit = logging.getLogger("kiamfast.audit")
-
-# Far enough that an error document is never reported EXPIRED by the table; it is replaced
-# by the next attempt anyway.
-_ERROR_DOC_LIFETIME = 365 * 86400.0
-
-
-class CredentialSlotsExhausted(Exception):
-    """Every credential slot of the table is used by a live key."""
 
 
 class ManagerClosed(Exception):
     """The manager was closed; it takes no more work."""
-
-
-class CredentialTable(Protocol):
-    def write_cred(self, slot: int, parts: list[bytes], *, serve_until: float,
-                   state: int) -> None: ...
-    def set_cred_state(self, slot: int, state: int, serve_until: float | None = None) -> None: ...
-    def clear_cred(self, slot: int) -> None: ...
 
 
 class AssumeRole(Protocol):
@@ -84,49 +70,6 @@ class AssumeRole(Protocol):
                           external_id: str | None = None, duration: int = 3600,
                           tags: list[tuple[str, str]] | None = None,
                           transitive: bool = False) -> Credentials: ...
-
-
-class SlotRefs(Protocol):
-    """How many addresses in the table name a credential slot (the table's writer counts)."""
-
-    def __getitem__(self, slot: int) -> int: ...
-
-
-class NoRefs(dict):
-    def __missing__(self, slot: int) -> int:
-        return 0
-
-
-_PENDING, _READY, _ERROR, _DENIED = "pending", "ready", "error", "denied"
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: CredentialKey
-    slot: int
-    users: dict[str, CredentialRequest] = field(default_factory=dict)  # pod UID -> request
-    state: str = _PENDING
-    creds: Credentials | None = None
-    serve_until: float = 0.0
-    fetched_at: float = 0.0
-    refresh_at: float = 0.0
-    failures: int = 0              # consecutive failed attempts
-    denials: int = 0               # consecutive permanent refusals
-    not_before: float = 0.0        # backoff: no attempt before this (except refresh-ahead)
-    last_error: StsError | None = None
-    inflight: bool = False
-    queued: tuple | None = None    # (priority, deadline) it is queued with, None if not queued
-    timer: int = 0                 # version of the one live timer; older timers are ignored
-    timer_prio: int = PRIO_NEW     # queue priority when a "fetch" timer fires
-    idle_since: float | None = None
-    waiting: bool = False          # a pod asked and it was not servable: PRIO_WANTED until it is
-    asked_at: float = 0.0          # when it started waiting
-    due: float = float("inf")      # when its first pod could ask: the earliest acquisition ...
-    addressed: bool = False        # ... of a pod with an address, if any has one
-    freed: bool = False
-    issued: int = 0                # credentials issued for this key so far
-    quick_retry: bool = False      # a pod's request is held: a throttled call retries once soon
-    unsendable: bool = False       # a tag value STS cannot take: denied, never fetched
 
 
 class CredentialManager:
@@ -160,15 +103,15 @@ class CredentialManager:
         self.base_role_arn = base_role_arn or None
         self.duration = int(duration)
         self.min_lifetime = float(min_lifetime)
-        self.refresh_fraction = refresh_fraction
-        self.refresh_jitter = refresh_jitter
-        self.error_ttl = max(float(error_ttl), error_ttl_floor)
-        self.error_ttl_max = max(self.error_ttl, error_ttl_max)
-        self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self.release_grace = release_grace
-        self.slot_refs: SlotRefs = slot_refs if slot_refs is not None else NoRefs()
         self.clock = clock
         self.rng = rng or random.Random()
+        error_ttl = max(float(error_ttl), error_ttl_floor)
+        self.timing = CallTiming(refresh_fraction=refresh_fraction,
+                                 refresh_jitter=refresh_jitter, error_ttl=error_ttl,
+                                 error_ttl_max=max(error_ttl, error_ttl_max),
+                                 backoff_base=backoff_base, backoff_max=backoff_max,
+                                 rng=self.rng)
         # With a fleet budget but no node count yet (it comes from the API), the floor is
         # the one without a budget until set_fleet_nodes: the lower of the two.  A node of
         # a fleet starts at that floor, with one token (schedule.py: a fleet arriving
@@ -188,12 +131,10 @@ class CredentialManager:
                                  headroom=HEADROOM if fleet else 0.0,
                                  throttle_base=throttle_base, throttle_max=throttle_max,
                                  rng=self.rng)
-        self._entries: dict[CredentialKey, _Entry] = {}
-        self._by_slot: dict[int, _Entry] = {}
-        self._pods: dict[str, CredentialKey] = {}
-        self._free = list(range(capacity))          # a heap: lowest slot first
-        self._held: set[int] = set()                # see adopt()
-        self._waiting: set[_Entry] = set()          # entries with waiting=True
+        self.slots = SlotPool(table=table, capacity=capacity,
+                              slot_refs=slot_refs if slot_refs is not None else NoRefs())
+        self._pods: dict[str, CredentialKey] = {}   # pod UID -> the key it uses
+        self._waiting: set[KeyEntry] = set()        # entries with waiting=True
         self._closed = False
         self._stopped = asyncio.Event()
         self._counts = {"sts_success": 0, "sts_throttled": 0, "sts_transient": 0,
@@ -201,6 +142,11 @@ class CredentialManager:
                         "expired": 0, "evicted": 0}
         self.metrics = StsMetrics()
         self.metrics.rate.set(self.bucket.rate)
+
+    @property
+    def error_ttl(self) -> float:
+        """How long a refusal is cached at first (``--iam-role-error-ttl``, floored)."""
+        return self.timing.error_ttl
 
     @classmethod
     def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
@@ -255,12 +201,12 @@ class CredentialManager:
         old = self._pods.get(pod_uid)
         if old is not None:
             if old == key:
-                entry = self._entries[key]
+                entry = self.slots.by_key[key]
                 entry.users[pod_uid] = req
                 self._sooner(entry, req)
                 return entry.slot
             self.release(pod_uid)
-        entry = self._entries.get(key)
+        entry = self.slots.by_key.get(key)
         if entry is not None:
             self._counts["cache_hits"] += 1
             self.metrics.cache_hit(key.role_arn)
@@ -268,16 +214,15 @@ class CredentialManager:
             self._pods[pod_uid] = key
             if entry.idle_since is not None:
                 self._revive(entry)
-            if entry.creds is not None and entry.state == _READY:
-                self._audit("credentials shared", entry, pods=[(pod_uid, req)])
+            if entry.creds is not None and entry.state == READY:
+                audit_line("credentials shared", entry, pods=[(pod_uid, req)],
+                           session_name=self._session_name(entry))
             self._sooner(entry, req)
             return entry.slot
-        slot = self._alloc_slot()
-        entry = _Entry(key=key, slot=slot)
+        entry = self.slots.allocate(key, evict=self._evict)
+        slot = entry.slot
         entry.users[pod_uid] = req
         self._sooner(entry, req, queue=False)
-        self._entries[key] = entry
-        self._by_slot[slot] = entry
         self._pods[pod_uid] = key
         problem = tag_problem(key.tags)
         if problem:
@@ -297,7 +242,7 @@ class CredentialManager:
         """A pod is gone (or no longer uses its key). The last user gone stops refreshing;
         the slot is freed after ``release_grace`` unless a pod takes the key up again."""
         key = self._pods.pop(pod_uid, None)
-        entry = self._entries.get(key) if key is not None else None
+        entry = self.slots.by_key.get(key) if key is not None else None
         if entry is None:
             return
         entry.users.pop(pod_uid, None)
@@ -310,11 +255,11 @@ class CredentialManager:
         """A worker has a request for this slot and could not serve it: the key is waited
         for (first in the queue, through its retries), and tried now unless a call is in
         flight or the key is backing off."""
-        entry = self._by_slot.get(slot)
+        entry = self.slots.by_slot.get(slot)
         if entry is None or entry.freed or entry.idle_since is not None:
             return
         now = self.clock()
-        if entry.state == _DENIED or (entry.state == _READY and now < entry.serve_until):
+        if entry.state == DENIED or (entry.state == READY and now < entry.serve_until):
             return  # servable from our point of view; the worker's read was stale
         if not entry.waiting:
             entry.asked_at = now
@@ -327,7 +272,7 @@ class CredentialManager:
 
     # ---- the order of calls --------------------------------------------------------------------
 
-    def _sooner(self, entry: _Entry, req: CredentialRequest, *, queue: bool = True) -> None:
+    def _sooner(self, entry: KeyEntry, req: CredentialRequest, *, queue: bool = True) -> None:
         """A pod acquired the key (or came back with more to say): its deadline moves up to
         when this pod could ask.  A pod with an address can ask at any moment; one without
         cannot until its sandbox has one, so any addressed pod's key comes first."""
@@ -342,7 +287,7 @@ class CredentialManager:
             self.schedule.enqueue(entry, entry.queued[0])   # re-ranked if it moved up
 
     @staticmethod
-    def _deadline(entry: _Entry, prio: int) -> tuple[float, ...]:
+    def _deadline(entry: KeyEntry, prio: int) -> tuple[float, ...]:
         """The key's place within its priority (earliest deadline first): waited-for keys
         in the order their pods asked; new keys, those of addressed pods first, then by
         when their first pod arrived; refreshes by when their credentials stop being
@@ -353,6 +298,8 @@ class CredentialManager:
             return (0.0 if entry.addressed else 1.0, entry.due)
         return (entry.serve_until,)
 
+    # ---- a restart, and what a slot holds -----------------------------------------------------
+
     def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
         """A restarted control process: take over what a previous one left in the table, as
         ``(slot, state, serve_until, parts)`` for every slot.  Servable credentials and
@@ -361,59 +308,26 @@ class CredentialManager:
         of allocation until no address names it (:meth:`reclaim`).  Returns how many keys
         were adopted."""
         now = self.clock()
-        adopted = 0
-        for slot, state, serve_until, parts in slots:
-            if not 0 <= slot < self.capacity or slot in self._by_slot:
-                continue
-            record = render.parse_key_part(parts)
-            if state == CRED_EMPTY and record is None:
-                continue
-            self._free = [s for s in self._free if s != slot]
-            key = None if record is None else CredentialKey(
-                record["role_arn"], record["external_id"], record["session"],
-                tuple(tuple(t) for t in record["tags"]))
-            if (key is None or key in self._entries or state != CRED_READY
-                    or serve_until <= now):
-                self._held.add(slot)
-                continue
-            entry = _Entry(key=key, slot=slot, serve_until=serve_until,
-                           fetched_at=record["fetched_at"], idle_since=now)
-            if record["denied"]:
-                entry.state = _DENIED
-            else:
-                entry.state = _READY
-                entry.creds = Credentials(
-                    access_key_id=record["access_key_id"], secret_access_key="",
-                    session_token="", expiration=_dt.datetime.fromtimestamp(
-                        record["expiration"], _dt.timezone.utc))
-                entry.refresh_at = self._refresh_time(record["fetched_at"],
-                                                      record["expiration"], serve_until)
-            self._entries[key] = entry
-            self._by_slot[slot] = entry
+        adopted = self.slots.adopt(slots, now=now, refresh_time=self.timing.refresh_at)
+        for entry in adopted:
             self.schedule.set_timer(entry, now + self.release_grace, "free")
-            adopted += 1
-        heapq.heapify(self._free)
-        if adopted or self._held:
+        if adopted or self.slots.held:
             log.info("adopted %d credential keys from the table (%d slots held until free)",
-                     adopted, len(self._held))
-        return adopted
+                     len(adopted), self.slots.held)
+        return len(adopted)
 
     def reclaim(self) -> None:
         """Free the held slots that no address names any more (call after commits)."""
-        for slot in sorted(self._held):
-            if not self.slot_refs[slot]:
-                self._held.discard(slot)
-                self.table.clear_cred(slot)
-                heapq.heappush(self._free, slot)
+        self.slots.reclaim()
 
     def role_of_slot(self, slot: int) -> tuple[str, str | None] | None:
         """(role ARN, external ID) of the key a slot holds (an adopted one included)."""
-        entry = self._by_slot.get(slot)
+        entry = self.slots.by_slot.get(slot)
         return None if entry is None else (entry.key.role_arn, entry.key.external_id)
 
     def slot_of(self, pod_uid: str) -> int | None:
         key = self._pods.get(pod_uid)
-        return None if key is None else self._entries[key].slot
+        return None if key is None else self.slots.by_key[key].slot
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -450,9 +364,9 @@ class CredentialManager:
     # ---- introspection ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        states = {s: 0 for s in (_PENDING, _READY, _ERROR, _DENIED)}
+        states = {s: 0 for s in STATES}
         idle = 0
-        for e in self._entries.values():
+        for e in self.slots.by_key.values():
             states[e.state] += 1
             idle += e.idle_since is not None
         return {
@@ -460,11 +374,11 @@ class CredentialManager:
             "sts_calls": sum(self._counts[k] for k in ("sts_success", "sts_throttled",
                                                        "sts_transient", "sts_denied")),
             "inflight": self.schedule.inflight,
-            "keys": len(self._entries),
+            "keys": len(self.slots.by_key),
             "pods": len(self._pods),
             "idle_keys": idle,
-            "slots_free": len(self._free),
-            "slots_held": len(self._held),
+            "slots_free": self.slots.free,
+            "slots_held": self.slots.held,
             "queued": self.schedule.queued,
             "waiting_keys": len(self._waiting),
             "rate_limit": self.bucket.rate,
@@ -474,33 +388,20 @@ class CredentialManager:
 
     def describe(self, slot: int) -> dict[str, Any] | None:
         """Debug view of one slot (no secrets)."""
-        e = self._by_slot.get(slot)
-        if e is None:
-            return None
-        return {"role_arn": e.key.role_arn, "external_id": bool(e.key.external_id),
-                "session": e.key.session, "tags": dict(e.key.tags), "state": e.state,
-                "access_key_id": e.creds.access_key_id if e.creds else None,
-                "serve_until": e.serve_until, "refresh_at": e.refresh_at,
-                "failures": e.failures, "users": sorted(e.users),
-                "last_error": e.last_error.code if e.last_error else None}
+        entry = self.slots.by_slot.get(slot)
+        return None if entry is None else entry.describe()
 
-    # ---- slots --------------------------------------------------------------------------------
+    # ---- a key's life -------------------------------------------------------------------------
 
-    def _alloc_slot(self) -> int:
-        if not self._free:
-            idle = [e for e in self._entries.values()
-                    if e.idle_since is not None and not self.slot_refs[e.slot]]
-            if not idle:
-                raise CredentialSlotsExhausted(
-                    f"all {self.capacity} credential slots are used by live keys")
-            self._counts["evicted"] += 1
-            self._free_entry(min(idle, key=lambda e: e.idle_since))
-        return heapq.heappop(self._free)
+    def _evict(self, entry: KeyEntry) -> None:
+        """Every slot is taken: the idle key the pool chose gives its slot up."""
+        self._counts["evicted"] += 1
+        self._free_entry(entry)
 
-    def _free_entry(self, entry: _Entry) -> None:
+    def _free_entry(self, entry: KeyEntry) -> None:
         if entry.freed:
             return
-        if self.slot_refs[entry.slot]:
+        if self.slots.named(entry.slot):
             # An address still points here (a restart before the model caught up, or a
             # release not yet committed): freeing now could hand it to another key.
             self.schedule.set_timer(entry, self.clock() + 1.0, "free")
@@ -508,22 +409,19 @@ class CredentialManager:
         entry.freed = True
         self._set_waiting(entry, False)
         self.schedule.dequeue(entry)
-        self._entries.pop(entry.key, None)
-        self._by_slot.pop(entry.slot, None)
-        if not any(k.role_arn == entry.key.role_arn for k in self._entries):
+        self.slots.remove(entry)
+        if not self.slots.has_role(entry.key.role_arn):
             self.metrics.forget_role(entry.key.role_arn)
-        self.table.clear_cred(entry.slot)
-        heapq.heappush(self._free, entry.slot)
         self._notify()
 
-    def _revive(self, entry: _Entry) -> None:
+    def _revive(self, entry: KeyEntry) -> None:
         entry.idle_since = None
         entry.due, entry.addressed = float("inf"), False   # its new pods' (_sooner)
         self.schedule.cancel_timer(entry)     # the "free" timer
         now = self.clock()
         if entry.inflight:
             return
-        if entry.state == _READY and now < entry.serve_until:
+        if entry.state == READY and now < entry.serve_until:
             if entry.refresh_at <= now:
                 self.schedule.enqueue(entry, PRIO_REFRESH)
             else:
@@ -533,13 +431,13 @@ class CredentialManager:
         else:
             self.schedule.set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
 
-    def _set_waiting(self, entry: _Entry, waiting: bool) -> None:
+    def _set_waiting(self, entry: KeyEntry, waiting: bool) -> None:
         entry.waiting = waiting
         entry.quick_retry = entry.quick_retry and waiting
         (self._waiting.add if waiting else self._waiting.discard)(entry)
         self.metrics.waiting.set(len(self._waiting))
 
-    def _on_timer(self, entry: _Entry, kind: str) -> None:
+    def _on_timer(self, entry: KeyEntry, kind: str) -> None:
         if kind == "free":
             if entry.idle_since is not None and not entry.users:
                 self._free_entry(entry)
@@ -548,9 +446,9 @@ class CredentialManager:
 
     # ---- one STS call -------------------------------------------------------------------------
 
-    async def _fetch(self, entry: _Entry, ticket: int) -> None:
+    async def _fetch(self, entry: KeyEntry, ticket: int) -> None:
         key = entry.key
-        name = self.naming.session_name(key, entry.users.items())
+        name = self._session_name(entry)
         started = time.monotonic()
         self.metrics.inflight.set(self.schedule.inflight)
         result: Credentials | StsError
@@ -590,7 +488,7 @@ class CredentialManager:
         if not entry.freed:
             self._on_failure(entry, result)
 
-    def _on_success(self, entry: _Entry, creds: Credentials, session_name: str) -> None:
+    def _on_success(self, entry: KeyEntry, creds: Credentials, session_name: str) -> None:
         now = self.clock()
         expires = creds.expires_at
         serve_until = expires - self.min_lifetime
@@ -601,18 +499,10 @@ class CredentialManager:
                 role_arn=entry.key.role_arn))
             return
         refreshed = entry.creds is not None
-        parts = render.render_credentials(
-            role_arn=entry.key.role_arn, base_role_arn=self.base_role_arn,
-            access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
-            session_token=creds.session_token, expiration=creds.expiration,
-            last_updated=now)
-        parts.append(render.key_part(
-            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
-            session=entry.key.session, tags=entry.key.tags,
-            access_key_id=creds.access_key_id, expiration=expires, fetched_at=now))
-        self.table.write_cred(entry.slot, parts, serve_until=serve_until, state=CRED_READY)
+        write_credentials(self.table, entry, creds, base_role_arn=self.base_role_arn, now=now,
+                          serve_until=serve_until)
         entry.creds = creds
-        entry.state = _READY
+        entry.state = READY
         entry.serve_until = serve_until
         entry.fetched_at = now
         entry.failures = entry.denials = 0
@@ -624,67 +514,37 @@ class CredentialManager:
         if refreshed:
             self._counts["refreshes"] += 1
             self.metrics.refreshes.inc()
-        entry.refresh_at = self._refresh_time(now, expires, serve_until)
+        entry.refresh_at = self.timing.refresh_at(now, expires, serve_until)
         self._notify()
-        self._audit("credentials issued", entry, pods=list(entry.users.items()),
-                    session_name=session_name)
+        audit_line("credentials issued", entry, pods=list(entry.users.items()),
+                   session_name=session_name)
         if entry.idle_since is None:
             self.schedule.set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
         else:
             self.schedule.set_timer(entry, entry.idle_since + self.release_grace, "free")
 
-    def _refresh_time(self, fetched_at: float, expires: float, serve_until: float) -> float:
-        """Refresh at half-life, but leave at least a third of the serving window for retries
-        when the session is short; jitter spreads keys fetched together."""
-        ahead = min((expires - fetched_at) * self.refresh_fraction,
-                    (serve_until - fetched_at) * 2 / 3)
-        ahead -= self.rng.uniform(0.0, self.refresh_jitter * ahead)
-        return fetched_at + ahead
-
-    def _write_denied(self, entry: _Entry, err: StsError, now: float) -> None:
+    def _write_denied(self, entry: KeyEntry, err: StsError, now: float) -> None:
         """The real-IMDS error document for a refused key, served until the next attempt."""
-        parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
-                                    last_updated=now, base_role_arn=self.base_role_arn,
-                                    reason=self._reason(entry, err))
-        parts.append(render.key_part(
-            role_arn=entry.key.role_arn, external_id=entry.key.external_id,
-            session=entry.key.session, tags=entry.key.tags, access_key_id="",
-            expiration=now + _ERROR_DOC_LIFETIME, fetched_at=now, denied=True))
-        self.table.write_cred(entry.slot, parts, serve_until=now + _ERROR_DOC_LIFETIME,
-                              state=CRED_READY)
-        entry.state = _DENIED
-        entry.serve_until = now + _ERROR_DOC_LIFETIME
+        entry.serve_until = write_denied(self.table, entry, err,
+                                         base_role_arn=self.base_role_arn, now=now)
+        entry.state = DENIED
 
-    @staticmethod
-    def _reason(entry: _Entry, err: StsError) -> str:
-        """What the pod and the log are told beyond the code: a refused tagged call most
-        likely lacks sts:TagSession (STS says so in its message, pods never see it)."""
-        if entry.unsendable:
-            return err.message
-        if entry.key.tags and err.code == "AccessDenied":
-            return f"{TAGSESSION_HINT} ({err.message})" if err.message else TAGSESSION_HINT
-        return ""
-
-    def _on_failure(self, entry: _Entry, err: StsError) -> None:
+    def _on_failure(self, entry: KeyEntry, err: StsError) -> None:
         now = self.clock()
         entry.failures += 1
         entry.last_error = err
         denied = isinstance(err, StsDenied)
-        if isinstance(err, StsThrottled):
-            delay = max(0.0, self.bucket.paused_until - now)  # the node's pause, no more
-        elif denied:
+        if denied:
             entry.denials += 1
-            delay = min(self.error_ttl_max, self.error_ttl * 2 ** (entry.denials - 1))
-        else:
-            delay = backoff(entry.failures, base=self.backoff_base, cap=self.backoff_max,
-                            rng=self.rng)
+        delay = self.timing.retry_delay(err, failures=entry.failures, denials=entry.denials,
+                                        paused_for=max(0.0, self.bucket.paused_until - now))
         loud = entry.failures == 1 or entry.failures % 10 == 0
         if not entry.unsendable:
             log.log(logging.WARNING if loud else logging.DEBUG,
                     "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
                     entry.key.role_arn, err.code, entry.failures, delay,
-                    self._reason(entry, err) or err.message)
-        if entry.state == _READY and now < entry.serve_until:
+                    refusal_reason(entry, err) or err.message)
+        if entry.state == READY and now < entry.serve_until:
             # Static stability: keep serving what we have; retry, at the latest at the end.
             retry_at = min(now + delay, entry.serve_until)
             entry.not_before = retry_at
@@ -700,10 +560,10 @@ class CredentialManager:
             self._set_waiting(entry, False)    # the pod gets its answer: the error document
             entry.creds = None
         else:
-            if entry.state == _READY:
+            if entry.state == READY:
                 self._counts["expired"] += 1
             self.table.set_cred_state(entry.slot, CRED_ERROR)
-            entry.state = _ERROR
+            entry.state = ERROR
         self._notify()
         if entry.idle_since is None:
             if isinstance(err, StsThrottled) and entry.quick_retry:
@@ -714,17 +574,17 @@ class CredentialManager:
             else:
                 self.schedule.set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
 
-    def _expire(self, entry: _Entry) -> None:
+    def _expire(self, entry: KeyEntry) -> None:
         """serve_until reached with no fresh credentials: stop serving (ERROR -> 503)."""
         now = self.clock()
-        if entry.state != _READY or now < entry.serve_until:
+        if entry.state != READY or now < entry.serve_until:
             return
         self._counts["expired"] += 1
         if isinstance(entry.last_error, StsDenied):
             self._write_denied(entry, entry.last_error, now)
         else:
             self.table.set_cred_state(entry.slot, CRED_ERROR)
-            entry.state = _ERROR
+            entry.state = ERROR
         entry.creds = None
         self._notify()
         if entry.idle_since is None and not entry.inflight:
@@ -738,24 +598,6 @@ class CredentialManager:
         except Exception:  # a broken notifier must not break the manager
             log.exception("notify callback failed")
 
-    def _audit(self, event: str, entry: _Entry, *,
-               pods: list[tuple[str, CredentialRequest]], session_name: str = "") -> None:
-        creds = entry.creds
-        if creds is None:
-            return
-        fields = {
-            "event": event.replace(" ", "_"),
-            "role_arn": entry.key.role_arn,
-            "access_key_id": creds.access_key_id,
-            "expiration": render.imds_time(creds.expiration),
-            "session_name": session_name or self.naming.session_name(entry.key,
-                                                                     entry.users.items()),
-            "external_id": bool(entry.key.external_id),
-            "slot": entry.slot,
-            "pods": sorted(f"{r.namespace}/{r.pod_name}" for _, r in pods),
-            "pod_uids": sorted(uid for uid, _ in pods),
-            "namespaces": sorted({r.namespace for _, r in pods}),
-        }
-        audit.info("%s role=%s access_key_id=%s expiration=%s pods=%s", event,
-                   fields["role_arn"], fields["access_key_id"], fields["expiration"],
-                   ",".join(fields["pods"]), extra={"audit": fields})
+    def _session_name(self, entry: KeyEntry) -> str:
+        """The key's session name as its pods now make it (kube2iam's policy reads them)."""
+        return self.naming.session_name(entry.key, entry.users.items())

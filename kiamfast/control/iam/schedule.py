@@ -32,7 +32,7 @@ the node's rate holds).
 The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (the
 manager's) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
 re-queue the entry themselves).  An entry is any object with the scheduling fields of the
-manager's ``_Entry``.
+manager's ``KeyEntry`` (:mod:`.slots`).
 """
 from __future__ import annotations
 
