@@ -62,6 +62,7 @@ audit = logging.getLogger("kiamfast.audit")
 # Far enough that an error document is never reported EXPIRED by the table; it is replaced
 # by the next attempt anyway.
 _ERROR_DOC_LIFETIME = 365 * 86400.0
+NO_CREDENTIALS_LOG_EVERY = 30.0
 
 
 class CredentialSlotsExhausted(Exception):
@@ -188,6 +189,7 @@ class CredentialManager:
                                  headroom=HEADROOM if fleet else 0.0,
                                  throttle_base=throttle_base, throttle_max=throttle_max,
                                  rng=self.rng)
+        self._no_credentials_logged = float("-inf")
         self._entries: dict[CredentialKey, _Entry] = {}
         self._by_slot: dict[int, _Entry] = {}
         self._pods: dict[str, CredentialKey] = {}
@@ -665,6 +667,19 @@ class CredentialManager:
             return f"{TAGSESSION_HINT} ({err.message})" if err.message else TAGSESSION_HINT
         return ""
 
+    def _no_credentials(self, now: float) -> None:
+        """botocore found no credentials of the agent's own: one line for every role, at
+        most every NO_CREDENTIALS_LOG_EVERY seconds."""
+        if now - self._no_credentials_logged < NO_CREDENTIALS_LOG_EVERY:
+            return
+        self._no_credentials_logged = now
+        log.warning("STS: the agent has no AWS credentials of its own to call AssumeRole with "
+                    "(botocore: Unable to locate credentials): give the node an instance role "
+                    "(read from the metadata service), or the agent AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY, a web identity (IRSA) or a profile in its "
+                    "environment; retrying, credentials already fetched are served until they "
+                    "expire (logged at most every %.0fs)", NO_CREDENTIALS_LOG_EVERY)
+
     def _on_failure(self, entry: _Entry, err: StsError) -> None:
         now = self.clock()
         entry.failures += 1
@@ -679,7 +694,9 @@ class CredentialManager:
             delay = backoff(entry.failures, base=self.backoff_base, cap=self.backoff_max,
                             rng=self.rng)
         loud = entry.failures == 1 or entry.failures % 10 == 0
-        if not entry.unsendable:
+        if err.code == "NoCredentialsError":
+            self._no_credentials(now)            # the node's problem, not this role's
+        elif not entry.unsendable:
             log.log(logging.WARNING if loud else logging.DEBUG,
                     "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
                     entry.key.role_arn, err.code, entry.failures, delay,
