@@ -235,7 +235,10 @@ class DemoEnvironment:
     def start_apiserver(self) -> None:
         from kiamfast.testing.apiserver import ApiServer
 
-        self.api = ApiServer("127.0.0.1", 0, token=secrets.token_hex(16)).start()
+        # No token: the emulator speaks plain HTTP, and kubectl (client-go) sends a user's
+        # credentials only over TLS, so with one the printed kubectl line would get 401.  It
+        # listens on loopback, for the demo's life, and holds only the demo's pods.
+        self.api = ApiServer("127.0.0.1", 0, token=None).start()
         self.api.add_node(scenario.NODE, address="127.0.0.1", taints=[
             {"key": scenario.STARTUP_TAINT, "effect": "NoSchedule"}])
         self.kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
