@@ -39,6 +39,16 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 AWS_UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_STS")
 
 
+class Unavailable(RuntimeError):
+    """A benchmark cannot run on this machine (a peer not built): bench/run reports the
+    section skipped with this reason, and fails it only in CI (CI=true), as the test
+    suite's skips (tests/conftest.py)."""
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child process: static AWS credentials, the repo on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in AWS_UNSET}
