@@ -524,6 +524,7 @@ def section_webhook(quick: bool, out: Path, log) -> Section:
     sec.raw = {o.name: {"peak_rss_mib": o.peak_rss_mib, "idle_rss_mib": o.idle_rss_mib,
                         "api_sent": o.api_sent, "api_answered": o.api_answered,
                         "api_errors": o.api_errors, "attack": o.attack} for o in outcomes}
+    return sec
 
 
 def section_handover(quick: bool, out: Path, log) -> Section:
