@@ -42,6 +42,16 @@ __all__ = ["BENCH", "ROOT", "aws_env", "child_env", "children", "cmdline", "cpu_
            "set_affinity", "stop", "summarize_us", "wait_port"]
 
 
+class Unavailable(RuntimeError):
+    """A benchmark cannot run on this machine (a peer not built): bench/run reports the
+    section skipped with this reason, and fails it only in CI (CI=true), as the test
+    suite's skips (tests/conftest.py)."""
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child process: static AWS credentials (never the real metadata
     service, never a profile from the machine), this checkout on PYTHONPATH."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchutil import ROOT, cpu_seconds, median, rss_bytes
+from benchutil import ROOT, Unavailable, cpu_seconds, median, rss_bytes
 
 for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
     if str(_p) not in sys.path:
@@ -49,7 +49,7 @@ for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam", ROOT / "tests" / "e2e"):
 
 import bench_agent as ba                    # noqa: E402
 import loadgen                              # noqa: E402
-from kube2iam_harness import NODE, Cluster, Kube2iam, kube2iam_binary  # noqa: E402
+from kube2iam_harness import MISSING, NODE, Cluster, Kube2iam, kube2iam_binary  # noqa: E402
 
 from kiamfast.testing.net import http_request, one_request, split_response, wait_port  # noqa: E402
 
@@ -355,7 +355,7 @@ def dnat_to(node, port: int) -> None:
 
 def run(opts: Options, log=print) -> Result:
     if kube2iam_binary() is None:
-        raise RuntimeError("kube2iam is not built: run tests/tools/build_kube2iam.sh")
+        raise Unavailable(MISSING)
     if len(os.sched_getaffinity(0)) < 2:
         raise RuntimeError("needs 2 CPUs: the agent on one, wrk on the other")
     res = Result(options=dict(opts.__dict__), load=[os.getloadavg()[0]])

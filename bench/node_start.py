@@ -664,9 +664,10 @@ def measure_imports(reps: int) -> dict[str, dict[str, float]]:
 
 def run(opts: Options = Options(), log=print) -> Result:
     import bench_agent as ba
-    from kube2iam_harness import kube2iam_binary
+    from benchutil import Unavailable
+    from kube2iam_harness import MISSING, kube2iam_binary
     if kube2iam_binary() is None:
-        raise RuntimeError("kube2iam is not built: run tests/tools/build_kube2iam.sh")
+        raise Unavailable(MISSING)
     if not ba.full_agent_available():
         raise RuntimeError("needs the full agent")
     res = Result(options=dict(opts.__dict__), load=[os.getloadavg()[0]])

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from kiamfast import __version__
+from kiamfast.buildinfo import build_info
 from kiamfast.config import (
     FLAGS,
     FLAGS_BY_NAME,
@@ -40,6 +41,7 @@ from kiamfast.config import (
 
 __all__ = [
     "UsageError",
+    "build_info",
     "main",
     "parse_args",
     "parse_bool",
@@ -121,6 +123,18 @@ def _convert(flag: Flag, text: str) -> Any:
     raise AssertionError(f"unknown flag kind {flag.kind}")
 
 
+def _did_you_mean(name: str) -> str:
+    """`` (did you mean --x?)`` for the flag closest to ``name``, or "" when none is close
+    (also the usual slips: an underscore for a dash, a capital letter)."""
+    import difflib
+    names = [*FLAGS_BY_NAME, "help"]
+    guess = name.lower().replace("_", "-")
+    if guess in names:
+        return f" (did you mean --{guess}?)"
+    close = difflib.get_close_matches(guess, names, n=1, cutoff=0.75)
+    return f" (did you mean --{close[0]}?)" if close else ""
+
+
 def _scan(argv: Sequence[str]) -> dict[str, Any]:
     """pflag's scan of ``argv`` into {flag name: value}; --help / --version raise _Exit."""
     values: dict[str, Any] = {}
@@ -152,7 +166,7 @@ def _scan(argv: Sequence[str]) -> dict[str, Any]:
             raise _Exit(render_help())
         flag = FLAGS_BY_NAME.get(name)
         if flag is None or not name:
-            raise UsageError(f"unknown flag: --{name}", flag=name)
+            raise UsageError(f"unknown flag: --{name}{_did_you_mean(name)}", flag=name)
         if eq:
             text = inline
         elif flag.kind == "bool":
@@ -211,13 +225,6 @@ def parse_args(argv: Sequence[str], *, environ: Mapping[str, str] | None = None)
                 if e.flag in FLAGS_BY_NAME else None
             where = f" (from ${var})" if var else ""
         raise UsageError(str(e) + where, flag=e.flag) from None
-
-
-def build_info() -> tuple[str, str]:
-    """(commit, build date) from the image build (``KIAMFAST_GIT_COMMIT``,
-    ``KIAMFAST_BUILD_DATE``, set by the Dockerfile), else ``unknown``."""
-    return (os.environ.get("KIAMFAST_GIT_COMMIT") or "unknown",
-            os.environ.get("KIAMFAST_BUILD_DATE") or "unknown")
 
 
 def version_string() -> str:

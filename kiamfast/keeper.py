@@ -1,6 +1,7 @@
 """The socket keeper: holds the agent's listening sockets while its container restarts.
 
-    kiamfast keep-sockets --socket PATH      (or: python -m kiamfast.keeper --socket PATH)
+    kiamfast keep-sockets --socket PATH [--log-format text|json] [--log-level LEVEL]
+    (or: python -m kiamfast.keeper ...)
 
 Run as a second container of the agent's pod, with ``PATH`` in an emptyDir both containers
 mount.  The supervisor (``--socket-keeper PATH``) deposits the listening sockets it serves
@@ -23,9 +24,12 @@ descriptions back as they came: the supervisor checks them against its own confi
 
 Small on purpose: the standard library's socket, json and os and :mod:`kiamfast.fdpass`,
 no logging package, no event loop; it waits in accept() and costs nothing between requests.
+Its few lines come in the agent's formats all the same (``--log-format``: kiamfast/logs.py's
+text, or one JSON object a line with the same keys).
 """
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import sys
@@ -36,9 +40,22 @@ from kiamfast import fdpass
 REQUEST_TIMEOUT = 5.0   # one client cannot keep the keeper from the next for longer
 
 
-def log(message: str) -> None:
+LEVELS = {"trace": 0, "debug": 0, "info": 1, "warn": 2, "warning": 2, "error": 3,
+          "fatal": 4, "panic": 4}
+_output = {"format": "text", "level": 1}
+
+
+def log(message: str, *, level: str = "info") -> None:
+    """One line on stderr, as kiamfast/logs.py writes it (without the logging package)."""
+    if LEVELS[level] < _output["level"]:
+        return
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    sys.stderr.write(f"{stamp} info  kiamfast.keeper: {message}\n")
+    if _output["format"] == "json":
+        line = json.dumps({"level": level, "msg": message, "time": stamp,
+                           "logger": "kiamfast.keeper"})
+    else:
+        line = f"{stamp} {level:5} kiamfast.keeper: {message}"
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
@@ -65,7 +82,7 @@ class Keeper:
                 for sock in received:
                     sock.close()
                 fdpass.send(conn, {"op": "error", "error": problem})
-                log(f"refused a deposit: {problem}")
+                log(f"refused a deposit: {problem}", level="warning")
                 return
             old = self.sockets
             self.note, self.descriptions, self.sockets = (message.get("note") or {},
@@ -111,7 +128,7 @@ def serve(path: str) -> None:
                 fdpass.check_peer(conn)
                 keeper.handle(conn)
             except fdpass.FdPassError as e:
-                log(f"a request failed: {e}")
+                log(f"a request failed: {e}", level="warning")
 
 
 def _stop(signum, frame) -> None:
@@ -123,19 +140,24 @@ def _stop(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    path = ""
+    values = {"socket": "", "log-format": "text", "log-level": "info"}
     while args:
         arg = args.pop(0)
-        if arg == "--socket" and args:
-            path = args.pop(0)
-        elif arg.startswith("--socket="):
-            path = arg.split("=", 1)[1]
-        elif arg in ("-h", "--help"):
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if arg in ("-h", "--help"):
             sys.stdout.write(__doc__ or "")
             return 0
-        else:
-            sys.stderr.write(f"kiamfast keep-sockets: unexpected argument {arg!r}\n")
+        if not arg.startswith("--") or name not in values or not (eq or args):
+            sys.stderr.write(f"kiamfast keep-sockets: unexpected argument {arg!r} (flags: "
+                             "--socket PATH, --log-format text|json, --log-level LEVEL)\n")
             return 2
+        values[name] = value if eq else args.pop(0)
+    if values["log-format"] not in ("text", "json") or values["log-level"] not in LEVELS:
+        sys.stderr.write("kiamfast keep-sockets: --log-format is text or json, --log-level "
+                         f"one of {', '.join(LEVELS)}\n")
+        return 2
+    _output.update(format=values["log-format"], level=LEVELS[values["log-level"]])
+    path = values["socket"]
     if not path:
         sys.stderr.write("kiamfast keep-sockets: --socket PATH is required\n")
         return 2
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(path)
     except OSError as e:
-        sys.stderr.write(f"kiamfast keep-sockets: cannot listen on {path}: {e}\n")
+        log(f"cannot listen on --socket {path}: {e.strerror or e}", level="error")
         return 1
     return 0
 

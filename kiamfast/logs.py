@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
+from typing import Any
 
 import orjson
 
@@ -51,6 +53,9 @@ class TextFormatter(logging.Formatter):
 
 
 def setup(*, log_format: str = "text", level: str = "info", process: str = "") -> None:
+    """Every process of the agent (supervisor, workers, control, the socket keeper's own
+    small writer, the webhook) logs one record per line in ``log_format``; so do a crash (an
+    uncaught exception: its traceback inside the record in json) and a Python warning."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format.lower() == "json" else TextFormatter())
     root = logging.getLogger()
@@ -58,3 +63,23 @@ def setup(*, log_format: str = "text", level: str = "info", process: str = "") -
     root.setLevel(_LEVELS.get(level.lower(), logging.INFO))
     for noisy in ("urllib3", "botocore", "kubernetes", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    logging.captureWarnings(True)         # a library's warning: a record, not a bare line
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, value, tb)
+        return
+    logging.getLogger("kiamfast").critical("uncaught %s: %s", kind.__name__, value,
+                                           exc_info=(kind, value, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit or args.exc_value is None:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("kiamfast").critical(
+        "uncaught %s in thread %s: %s", args.exc_type.__name__, name, args.exc_value,
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback))

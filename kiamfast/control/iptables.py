@@ -54,6 +54,7 @@ __all__ = [
     "InterfaceNotFound",
     "IptablesError",
     "IptablesNotFound",
+    "IptablesNotPermitted",
     "IptablesTimeout",
     "Rule",
     "backstops_for_config",
@@ -88,6 +89,10 @@ class IptablesError(Exception):
 
 class IptablesNotFound(IptablesError):
     """The iptables (or ip6tables / ip) binary is not installed."""
+
+
+class IptablesNotPermitted(IptablesError):
+    """The kernel refused: the process lacks CAP_NET_ADMIN (in the host's namespace)."""
 
 
 class IptablesTimeout(IptablesError):
@@ -203,7 +208,7 @@ def _run(argv: Sequence[str], *, timeout: float) -> subprocess.CompletedProcess[
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
                               check=False)
     except FileNotFoundError:
-        raise IptablesNotFound(f"{argv[0]} not found; install the iptables package") from None
+        raise IptablesNotFound(f"{argv[0]} not found on PATH") from None
     except subprocess.TimeoutExpired:
         raise IptablesTimeout(f"{' '.join(argv)} did not finish within {timeout:g}s") from None
     if list(argv[:3]) == ["ip", "netns", "exec"] and proc.stderr.startswith('exec of "'):
@@ -216,6 +221,9 @@ def _fail(argv: Sequence[str], proc: subprocess.CompletedProcess[str]) -> Iptabl
     detail = (proc.stderr or proc.stdout).strip().replace("\n", "; ")
     if proc.returncode == 127:
         return IptablesNotFound(f"{' '.join(argv)}: {detail}")
+    if "Permission denied" in detail or "Operation not permitted" in detail:
+        return IptablesNotPermitted(f"{' '.join(argv)} failed (exit {proc.returncode}): "
+                                    f"{detail}")
     return IptablesError(f"{' '.join(argv)} failed (exit {proc.returncode}): {detail}")
 
 

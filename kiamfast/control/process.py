@@ -463,11 +463,23 @@ def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
     except writer_lock.NotSoleWriter as e:
         log.error("control process exiting: %s", e)
         return 1
+    except iptables.IptablesNotFound as e:
+        log.error("cannot start: --iptables: %s: install iptables (kiamfast's image has it), or "
+                  "run with --iptables=false", e)
+        return EXIT_CONFIG
+    except iptables.IptablesNotPermitted as e:
+        log.error("cannot start: --iptables: the kernel refused the DNAT rule (%s): the agent "
+                  "needs the NET_ADMIN capability in the host's network namespace "
+                  "(hostNetwork: true), or run with --iptables=false", e)
+        return EXIT_CONFIG
     except iptables.IptablesError as e:
-        log.error("cannot install the DNAT rule: %s", e)
+        log.error("--iptables: cannot install the DNAT rule: %s", e)
         return 1
     except imds_client.ImdsError as e:
-        log.error("cannot discover the instance role: %s", e)
+        which = "--auto-discover-default-role" if config.auto_discover_default_role else \
+            "--auto-discover-base-arn"
+        log.error("%s: cannot read the node's instance role from the metadata service at "
+                  "--metadata-addr=%s: %s", which, config.metadata_addr, e)
         return 1
     except ControlTaskFailed as e:
         log.error("control process exiting: %s", e)

@@ -180,7 +180,10 @@ class DemoEnvironment:
         self.agent_log = self.workdir / "agent.log"
         self.node = LoopbackNode(
             node=scenario.NODE, workdir=self.workdir, host_ip="127.0.0.1",
-            base_role_arn=scenario.BASE_ROLE_ARN, api_token=secrets.token_hex(16),
+            # No token: the emulator speaks plain HTTP, and kubectl (client-go) sends a
+            # user's credentials only over TLS, so with one the printed kubectl line would
+            # get 401.  It listens on loopback, for the demo's life, with the demo's pods.
+            base_role_arn=scenario.BASE_ROLE_ARN, api_token=None,
             startup_taint=scenario.STARTUP_TAINT, node_address="127.0.0.1",
             runtime_name="demo-runtime")
         self.agent: AgentProcess | None = None

@@ -283,6 +283,10 @@ def _keep_running(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]) ->
     ui.write(f"  # {pod.ref} as botocore, checked with STS GetCallerIdentity", "dim")
     ui.write(f"  python -m kiamfast.demo.pod --ip {pod.ip} --imds {env.agent_url} "
              f"--sts-endpoint {env.sts_url}")
+    ui.write("  # the cluster as kubectl sees it (the API server emulator)", "dim")
+    ui.write(f"  kubectl --kubeconfig {env.kubeconfig} get pods -A -o 'custom-columns="
+             "NAMESPACE:.metadata.namespace,POD:.metadata.name,IP:.status.podIP,"
+             "ROLE:.metadata.annotations.iam\\.amazonaws\\.com/role'")
     ui.write()
     ui.para("Pods: " + ", ".join(f"{p.ref} {p.ip}" for p in pods))
     ui.para(f"kubeconfig: {env.kubeconfig}   agent log: {env.agent_log}")

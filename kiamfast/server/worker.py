@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                                           if fd),
                    paused=args.paused, ready_fd=args.ready_fd)
     except (SettingsError, WorkerError, ListenError) as e:
-        print(f"kiamfast worker: {e}", file=sys.stderr)
+        log.error("worker %d cannot start: %s", args.worker_index, e)
         return 1
     return 0
 

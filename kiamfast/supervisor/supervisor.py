@@ -55,7 +55,7 @@ from kiamfast.config import EXIT_CONFIG, Config, config_to_json
 from kiamfast.container_credentials.link import LinkError
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.sockets import ListenError
-from kiamfast.supervisor import handover, keeper_client, secondport
+from kiamfast.supervisor import handover, keeper_client, secondport, start_errors
 from kiamfast.supervisor.children import CHILD_PYTHON, RESTART_BACKOFF_MAX, Child, wait_ready
 from kiamfast.supervisor.listeners import (APP, CONTAINER, METRICS, SECOND, ForeignSocket,
                                            Listener, of_kind, take)
@@ -140,20 +140,31 @@ class Supervisor:
         kinds = {d.get("kind") for d, _ in received}
         second = SECOND in kinds and APP not in kinds   # deposited before the move back
         try:
-            self.held = take(self.config, received, second_port=second)
+            try:
+                self.held = take(self.config, received, second_port=second)
+            except ListenError as e:
+                if e.errno != errno.EADDRINUSE or e.port != cfg.app_port \
+                        or not cfg.handover_port or received:
+                    raise
+                second = True
+                self.held = take(self.config, [], second_port=True, skip_taken=(METRICS,
+                                                                                CONTAINER))
         except ListenError as e:
-            if e.errno != errno.EADDRINUSE or e.port != cfg.app_port \
-                    or not cfg.handover_port or received:
-                raise
-            second = True
-            self.held = take(self.config, [], second_port=True, skip_taken=(METRICS,
-                                                                            CONTAINER))
+            raise start_errors.listen_failed(e, cfg) from None
         if second:
             self.second = secondport.SecondPort(self)
         note_path = deposit.note.get("table_path") if deposit is not None else None
-        self._open_table(continuing=bool(received), note_path=note_path,
-                         second_port=second)
-        self.token_key_fd = token_key_fd(load_token_key(cfg.token_key_file))
+        try:
+            self._open_table(continuing=bool(received), note_path=note_path,
+                             second_port=second)
+        except OSError as e:
+            raise start_errors.state_file_failed("table-path", cfg.table_path, e) from None
+        try:
+            key = load_token_key(cfg.token_key_file)
+        except OSError as e:
+            raise start_errors.state_file_failed("token-key-file", cfg.token_key_file,
+                                                 e) from None
+        self.token_key_fd = token_key_fd(key)
         self._build_children()
 
     def _open_table(self, *, continuing: bool, note_path: str | None,
@@ -277,6 +288,10 @@ class Supervisor:
             log.error("cannot take the node over: %s", e)
             self.close()
             return 0 if self.stopping else 1
+        except start_errors.CannotStart as e:
+            log.error("cannot start: %s", e)
+            self.close()
+            return e.code
         except (ListenError, OSError, LinkError, ForeignSocket) as e:
             log.error("cannot start: %s", e)   # the port is taken, the key file unwritable,
             self.close()                       # no NET_ADMIN, a foreign socket

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
@@ -71,14 +73,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "get on serviceaccounts)")
     p.add_argument("--kubeconfig", default="",
                    help="kubeconfig to read ServiceAccounts with (default: in-cluster)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="debug, info, warn or error (as the agent's --log-level)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="text or json, as the agent's --log-format (default text)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     from kiamfast import logs
-    logs.setup(level=args.log_level, process="webhook")
+    logs.setup(log_format=args.log_format, level=args.log_level, process="webhook")
     accounts = None
     if args.service_account_opt_in:
         def make_client() -> Any:
@@ -87,16 +92,27 @@ def main(argv: Sequence[str]) -> int:
             try:
                 make_client()
             except Exception as e:
-                print(f"kiamfast webhook: --kubeconfig {args.kubeconfig}: {e}",
-                      file=sys.stderr)
+                log.error("cannot start: --kubeconfig %s: %s", args.kubeconfig, e)
                 return 2
         # In-cluster credentials missing are a failed read (logged), not a webhook down:
         # the pods that opt in by their own annotations keep being injected.
         accounts = AccountAnnotations(service_account_read(make_client))
-    server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key, settings={
-        "role_key": args.iam_role_key, "audience": args.audience,
-        "expiration": args.token_expiration, "full_uri": args.full_uri,
-        "accounts": accounts})
+    try:
+        server = make_server(listen=args.listen, cert=args.tls_cert, key=args.tls_key,
+                             settings={"role_key": args.iam_role_key, "audience": args.audience,
+                                       "expiration": args.token_expiration,
+                                       "full_uri": args.full_uri, "accounts": accounts})
+    except ssl.SSLError as e:
+        log.error("cannot start: --tls-cert %s and --tls-key %s do not load as a PEM "
+                  "certificate and its key (%s)", args.tls_cert, args.tls_key, e)
+        return 1
+    except OSError as e:
+        unreadable = [f"{flag} {path}" for flag, path in (("--tls-cert", args.tls_cert),
+                                                         ("--tls-key", args.tls_key))
+                      if not os.access(path, os.R_OK)]
+        where = ", ".join(unreadable) or f"--listen {args.listen[0]}:{args.listen[1]}"
+        log.error("cannot start: %s: %s", where, e.strerror or e)
+        return 1
     # As a container's PID 1 it gets no default action for SIGTERM: without a handler the
     # kubelet waits out the whole grace period on every rollout and scale-down.
     signal.signal(signal.SIGTERM, lambda signum, frame: threading.Thread(

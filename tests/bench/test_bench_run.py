@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from benchutil import BENCH
+from benchutil import BENCH, ROOT
+from kube2iam_speed import MISSING  # tests/kube2iam's reason (kube2iam_harness)
 from needs import tool_mark
 
 requires_nginx = tool_mark("nginx")  # the agent benchmarks' metadata upstream
@@ -45,3 +47,27 @@ def test_quick_run_of_everything(tmp_path):
     for png in ("hotpath_latency_c1.png", "hotpath_latency_paced.png", "churn_latency.png",
                 "node_start.png", "scale_watch.png"):
         assert (tmp_path / png).exists(), png
+
+
+@pytest.mark.parametrize("ci", ["", "true"], ids=["outside-ci", "ci"])
+def test_without_kube2iam_its_sections_and_tests_skip_outside_ci_only(tmp_path, ci):
+    """A machine where kube2iam cannot be built (README command 2 outside CI): the sections
+    and tests beside kube2iam skip with tests/kube2iam's reason; in CI that is a failure."""
+    env = dict(os.environ, KIAMFAST_TOOLS=str(tmp_path / "no-tools"), CI=ci)
+    p = subprocess.run([str(BENCH / "run"), "--quick", "--only", "kube2iam,node-start",
+                        "--out", str(tmp_path / "report")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == (1 if ci else 0), p.stderr[-3000:]
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert text.count(f"skipped: {MISSING}") == 2, text
+    assert "not measured" not in text.replace("Not measured on this machine", "")
+    t = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-q",
+                        "tests/bench/test_bench_kube2iam.py"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=ROOT)
+    if ci:
+        assert t.returncode == 1, t.stdout[-3000:]
+        assert f"CI=true: a skipped test fails the run. Skipped: {MISSING}" in t.stdout
+    else:
+        assert t.returncode == 0 and "skipped" in t.stdout and MISSING in t.stdout, \
+            t.stdout[-3000:]
+        assert "failed" not in t.stdout and "error" not in t.stdout, t.stdout[-3000:]

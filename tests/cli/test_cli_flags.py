@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -389,16 +390,47 @@ def test_bad_command_line_one_line_on_stderr_exit_2(args, flag):
     assert flag in lines[0]
 
 
+@pytest.mark.parametrize("typed,meant", [
+    ("--app-prot=8181", "--app-port"),
+    ("--kubconfig", "--kubeconfig"),
+    ("--iptable", "--iptables"),
+    ("--base_role_arn=arn:aws:iam::1:role/", "--base-role-arn"),
+    ("--Verbose", "--verbose"),
+    ("--log-fromat=json", "--log-format"),
+    ("--hepl", "--help"),
+])
+def test_an_unknown_flag_names_the_closest_one(typed, meant):
+    proc = run_cli(typed)
+    name = typed.split("=", 1)[0]
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == f"kiamfast: unknown flag: {name} (did you mean {meant}?)\n"
+
+
+@pytest.mark.parametrize("typed", ["--x", "--no-such-flag", "--frobnicate=1"])
+def test_an_unknown_flag_like_no_other_gets_no_guess(typed):
+    proc = run_cli(typed)
+    assert proc.returncode == 2
+    assert proc.stderr == f"kiamfast: unknown flag: {typed.split('=', 1)[0]}\n"
+
+
 def test_bad_value_message_format():
     proc = run_cli("--app-port=abc")
     assert proc.stderr == ('kiamfast: invalid value "abc" for flag --app-port: '
                            "must be an integer\n")
 
 
+def checkout_commit_and_date() -> tuple[str, str]:
+    out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %ct"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    return out[0], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(out[1])))
+
+
 def test_version_format():
+    # From this checkout (an editable install has no build stamp): git's commit and date.
+    commit, date = checkout_commit_and_date()
     proc = run_cli("--version")
     assert proc.returncode == 0
-    assert proc.stdout == f"Version: {kiamfast.__version__} - Commit: unknown - Date: unknown\n"
+    assert proc.stdout == f"Version: {kiamfast.__version__} - Commit: {commit} - Date: {date}\n"
     proc = run_cli("--version", env={"KIAMFAST_GIT_COMMIT": "4c4a2b4",
                                      "KIAMFAST_BUILD_DATE": "2026-05-08T00:00:00Z"})
     assert re.fullmatch(r"Version: \S+ - Commit: 4c4a2b4 - Date: 2026-05-08T00:00:00Z\n",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,18 @@ pytestmark = pytest.mark.slow
 
 ROW = re.compile(r"^\s+(?P<mark>✓|✗)\s+(?P<pod>\S+)\s+(?P<ip>127\.\S+)\s+"
                  r"(?P<annotated>\S+)\s+(?P<received>.+?)\s{3,}(?P<latency>[\d.]+ m?s|—)$")
+
+
+def kubectl_binary() -> Path:
+    """The kubectl tests/k8s/build.sh built (the version tests/k8s/kubernetes requires)."""
+    gomod = (REPO / "tests/k8s/kubernetes/go.mod").read_text()
+    version = re.search(r"^\s*(?:require\s+)?k8s\.io/kubernetes\s+(v\S+)", gomod,
+                        re.MULTILINE)[1]
+    tools = Path(os.environ.get("KIAMFAST_TOOLS") or Path.home() / ".cache/kiamfast/tools")
+    path = tools / f"kubectl-{version}" / "kubectl"
+    if not path.is_file():
+        pytest.skip(f"needs kubectl ({path}): run tests/run")
+    return path
 
 
 def _rows(stdout: str) -> dict[str, dict[str, str]]:
@@ -130,7 +143,7 @@ def test_keep_running_serves_the_printed_curl_line_until_interrupted():
             if not line:
                 break
             lines.append(line)
-            if "python -m kiamfast.demo.pod" in line:
+            if line.strip().startswith("kubectl "):
                 break
         text = "".join(lines)
         assert "Still running" in text, text
@@ -149,6 +162,15 @@ def test_keep_running_serves_the_printed_curl_line_until_interrupted():
         if os.path.exists("/usr/bin/curl") or os.path.exists("/bin/curl"):
             doc = subprocess.run(curl.split(), capture_output=True, text=True, timeout=30)
             assert json.loads(doc.stdout)["Code"] == "Success"
+        # The printed kubectl line, run by the real kubectl, lists the demo's pods.
+        kubectl = shlex.split(next(ln for ln in lines if ln.strip().startswith("kubectl ")))
+        listed = subprocess.run([str(kubectl_binary()), *kubectl[1:]], capture_output=True,
+                                text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        rows = {tuple(row.split()[:2]): row.split()[2:] for row in listed.stdout.splitlines()}
+        for pod in sc.PODS:
+            namespace, name = pod.ref.split("/")
+            assert rows[(namespace, name)] == [pod.ip, pod.role or "<none>"], listed.stdout
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

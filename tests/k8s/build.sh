@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the real kube-apiserver, kubelet, kube-controller-manager, kube-scheduler and etcd
-# that tests/k8s start, from the Go module proxy only (the modules in tests/k8s/kubernetes
-# and tests/k8s/etcd; nothing vendored), into
+# that tests/k8s start, and kubectl (pointed at the demo by tests/demo), from the Go module
+# proxy only (the modules in tests/k8s/kubernetes and tests/k8s/etcd; nothing vendored), into
 # ${KIAMFAST_TOOLS:-$HOME/.cache/kiamfast/tools}/<name>-<version>/. A binary already there
 # is kept, so a second run costs nothing. Prints one line per binary: wall and CPU time.
 set -euo pipefail
@@ -53,3 +53,5 @@ build kubelet "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubelet "$stamp"
 build kube-controller-manager "$KUBE_VERSION" kubernetes \
     k8s.io/kubernetes/cmd/kube-controller-manager "$stamp"
 build kube-scheduler "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kube-scheduler "$stamp"
+# The client a user points at the demo's API server (tests/demo: the printed kubectl line).
+build kubectl "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubectl "$stamp"

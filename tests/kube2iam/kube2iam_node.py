@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "e2e")]
 
 from e2e_cluster import APP_PORT, BASE_ARN, Node  # noqa: E402
-from kube2iam_harness import NoRegionsEc2, kube2iam_binary, kube2iam_env  # noqa: E402
+from kube2iam_harness import MISSING, NoRegionsEc2, kube2iam_binary, kube2iam_env  # noqa: E402
 from netns import METADATA_IP, call_in_netns  # noqa: E402
 
 AGENTS = ["kiamfast", "kube2iam"]
@@ -107,7 +107,7 @@ def unavailable_reason(*, runtime: bool) -> str | None:
         from runtime_node import containerd_unavailable_reason
         reason = containerd_unavailable_reason()
     if reason is None and kube2iam_binary() is None:
-        reason = "needs kube2iam: run tests/tools/build_kube2iam.sh"
+        reason = MISSING
     if reason is None:
         from e2e_cluster import sweep_stale_runs
         sweep_stale_runs()

@@ -25,7 +25,7 @@ import pytest
 
 from kiamfast.testing.net import free_port
 from kiamfast import supervisor, table
-from kiamfast.supervisor import statefiles
+from kiamfast.supervisor import start_errors, statefiles
 from kiamfast.config import Config
 
 POD_IP = "10.0.0.7"
@@ -199,8 +199,9 @@ def test_a_second_agent_waits_for_the_first_to_let_go_of_the_table(tmp_path, mon
     cfg = config(tmp_path)
     first = prepared(cfg)
     monkeypatch.setattr(statefiles, "LOCK_WAIT", 0.3)
-    with pytest.raises(OSError, match="held by another kiamfast"):
+    with pytest.raises(start_errors.CannotStart, match="held by another kiamfast") as held:
         prepared(config(tmp_path))
+    assert str(held.value).startswith("--table-path=") and held.value.code == 1
     first.table.set_status(ready=True)
 
     second = supervisor.Supervisor(config(tmp_path))

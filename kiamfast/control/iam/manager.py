@@ -59,6 +59,7 @@ from kiamfast.control.iam.sts import (Credentials, StsDenied, StsError, StsThrot
 from kiamfast.table import CRED_ERROR, CRED_PENDING
 
 log = logging.getLogger("kiamfast.credentials")
+NO_CREDENTIALS_LOG_EVERY = 30.0
 
 
 class ManagerClosed(Exception):
@@ -135,6 +136,7 @@ class CredentialManager:
                               slot_refs=slot_refs if slot_refs is not None else NoRefs())
         self._pods: dict[str, CredentialKey] = {}   # pod UID -> the key it uses
         self._waiting: set[KeyEntry] = set()        # entries with waiting=True
+        self._no_credentials_logged = float("-inf")
         self._closed = False
         self._stopped = asyncio.Event()
         self._counts = {"sts_success": 0, "sts_throttled": 0, "sts_transient": 0,
@@ -529,6 +531,19 @@ class CredentialManager:
                                          base_role_arn=self.base_role_arn, now=now)
         entry.state = DENIED
 
+    def _no_credentials(self, now: float) -> None:
+        """botocore found no credentials of the agent's own: one line for every role, at
+        most every NO_CREDENTIALS_LOG_EVERY seconds."""
+        if now - self._no_credentials_logged < NO_CREDENTIALS_LOG_EVERY:
+            return
+        self._no_credentials_logged = now
+        log.warning("STS: the agent has no AWS credentials of its own to call AssumeRole with "
+                    "(botocore: Unable to locate credentials): give the node an instance role "
+                    "(read from the metadata service), or the agent AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY, a web identity (IRSA) or a profile in its "
+                    "environment; retrying, credentials already fetched are served until they "
+                    "expire (logged at most every %.0fs)", NO_CREDENTIALS_LOG_EVERY)
+
     def _on_failure(self, entry: KeyEntry, err: StsError) -> None:
         now = self.clock()
         entry.failures += 1
@@ -539,7 +554,9 @@ class CredentialManager:
         delay = self.timing.retry_delay(err, failures=entry.failures, denials=entry.denials,
                                         paused_for=max(0.0, self.bucket.paused_until - now))
         loud = entry.failures == 1 or entry.failures % 10 == 0
-        if not entry.unsendable:
+        if err.code == "NoCredentialsError":
+            self._no_credentials(now)            # the node's problem, not this role's
+        elif not entry.unsendable:
             log.log(logging.WARNING if loud else logging.DEBUG,
                     "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
                     entry.key.role_arn, err.code, entry.failures, delay,

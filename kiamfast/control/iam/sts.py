@@ -183,6 +183,7 @@ class StsClient:
         self._timeouts = (connect_timeout, read_timeout)
         self._session = session
         self._client: Any = None
+        self._built = False
         self._endpoint = ""
         self._closed = False
         self._build_lock = threading.Lock()
@@ -256,8 +257,11 @@ class StsClient:
         # Not client.meta.endpoint_url: that is the legacy table's answer (a guess without
         # the table), which STS's rule set overrides for every call.
         self._endpoint = endpoint or assume_role_url(client)
-        log.info("STS client for %s at %s built in %.0f ms", self.region, self._endpoint,
-                 (time.monotonic() - started) * 1000)
+        # Built again after each NoCredentialsError (_forget): said once, then in debug.
+        log.log(logging.DEBUG if self._built else logging.INFO,
+                "STS client for %s at %s built in %.0f ms", self.region, self._endpoint,
+                (time.monotonic() - started) * 1000)
+        self._built = True
         if self._closed:
             client.close()
         return client
