@@ -64,6 +64,7 @@ class Command:
     page: str
     block: int
     text: str          # continuation lines joined, comments dropped; a heredoc with its body
+    comment: str = ""  # the line's trailing comment ("# or deploy/overlays/eks": rendered too)
 
 
 def commands() -> list[Command]:
@@ -86,7 +87,9 @@ def commands() -> list[Command]:
                     continue
                 while line.endswith("\\"):
                     line = line[:-1].rstrip() + " " + next(lines).strip()
-                found.append(Command(name, number, COMMENT.sub("", line).strip()))
+                comment = COMMENT.search(line)
+                found.append(Command(name, number, COMMENT.sub("", line).strip(),
+                                     comment.group(0) if comment else ""))
     return found
 
 
@@ -143,9 +146,10 @@ def test_every_helm_and_kubectl_command_renders(tmp_path):
             checked += 1
             continue
         if words[:3] == ["kubectl", "apply", "-k"]:
-            objects = kustomize(ROOT / words[3])
-            assert [o for o in objects if o["kind"] == "DaemonSet"], command
-            checked += 1
+            for directory in [words[3], *re.findall(r"\bor (deploy/[\w/-]+)", command.comment)]:
+                objects = kustomize(ROOT / directory)
+                assert [o for o in objects if o["kind"] == "DaemonSet"], (command, directory)
+                checked += 1
             continue
         if words[0] == "curl":
             continue    # test_the_curl_commands_answer_from_a_running_agent
