@@ -47,3 +47,15 @@ def test_every_log_line_is_explained_at_its_level():
 def test_every_line_on_the_page_is_still_logged():
     logged = {line.template for line in log_lines.log_lines()}
     assert sorted(set(documented()) - logged) == [], "lines the code no longer logs"
+
+
+def test_the_start_failures_quoted_are_what_the_agent_says(capsys):
+    """The page's examples of a bad start, asked of the agent's own command line."""
+    from kiamfast.cli import main
+    from kiamfast.kube.config import NO_CLUSTER
+    page = " ".join(PAGE.split("## The agent does not start", 1)[1].split("\n## ")[0].split())
+    for argv in (["--workers", "0"], ["--iptables", "false"]):
+        assert main(argv) == 2
+        said = capsys.readouterr().err.strip()
+        assert len(said.splitlines()) == 1 and f"`{said}`" in page, (argv, said)
+    assert f"`cannot start: {NO_CLUSTER}`" in page
