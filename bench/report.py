@@ -1,6 +1,6 @@
 """``bench/run``: every benchmark in one command, one markdown report with PNG plots.
 
-The README's performance section quotes this report. These machines are shared and noisy,
+docs/performance.md quotes this report. These machines are shared and noisy,
 so no figure here is an absolute timing on its own: every timing is a ratio to, or a
 distribution next to, a baseline measured in the same run (the Python and C ceilings for
 the hot path, the real kube2iam started in turns on the same node for node start, a bare

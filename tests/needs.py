@@ -34,6 +34,7 @@ PACKAGES = {
     "node": "nodejs",
     "containerd": "containerd",
     "runc": "runc",
+    "curl": "curl",
 }
 
 

@@ -1,4 +1,5 @@
-"""``bench/run --quick`` writes the report the README quotes: tables, plots, machine facts."""
+"""``bench/run --quick`` writes the report docs/performance.md quotes: tables, plots, machine
+facts."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def build() -> str:
         "source, commit 4c4a2b4), the kube2iam chart 3.2.0's defaults",
         "(`tests/deploy/kube2iam-chart-3.2.0/values.yaml`) and `deploy/chart/kiamfast`; a test",
         "regenerates it. Every value means what it meant in kube2iam's charts or the render",
-        "fails with the reason (deploy/README.md). A value your file sets is used as you set",
+        "fails with the reason (docs/switching-from-kube2iam.md). A value your file sets is used as you set",
         "it; one it leaves out gets kiamfast's default:",
         "",
         "| Value | kube2iam-chart | kube2iam 3.2.0 | kiamfast | Why |",

@@ -16,7 +16,7 @@
   with it imported.
 * what the chart modules share about the user's side: :func:`values_file` (a kube2iam
   user's values plus the node's particulars), :func:`ready_agent_pod`,
-  :func:`removal_commands` (deploy/README.md's, for what an uninstall leaves on a node).
+  :func:`removal_commands` (docs/install.md's, for what an uninstall leaves on a node).
 
 * :func:`pod_network_api`: the chart's API server for pods (a webhook's in-cluster client),
   on the node's address inside the node's network namespace.
@@ -49,7 +49,8 @@ from runtime_node import wait_until
 HELM_VERSION = "v3.19.5"   # tests/tools/build_helm.sh
 IMAGE_BUILD = kube.REPO / "deploy" / "image" / "build.sh"
 CHART = kube.REPO / "deploy" / "chart" / "kiamfast"
-DEPLOY_README = kube.REPO / "deploy" / "README.md"
+INSTALL_DOC = kube.REPO / "docs" / "install.md"              # removal_commands
+SWITCH_DOC = kube.REPO / "docs" / "switching-from-kube2iam.md"   # the documented switch
 IMAGE_REPO = "localhost/kiamfast/kiamfast"
 NAMESPACE = "kube-system"   # where the tests install the chart
 HOST_STATE_DIR = "/run/kiamfast"   # the chart's stateDir default
@@ -333,10 +334,10 @@ def metadata_dnat(node: ChartNode) -> list[str]:
 
 
 def removal_commands(directory: Path) -> list[str]:
-    """deploy/README.md's commands for what an uninstall leaves on a node, each ``sh``
+    """docs/install.md's commands for what an uninstall leaves on a node, each ``sh``
     block of its section in order (the DNAT rule and the state directory first, with this
     node's state directory for the chart's default; then the container-credentials link)."""
-    section = DEPLOY_README.read_text().split("## Uninstalling", 1)[1].split("\n## ", 1)[0]
+    section = INSTALL_DOC.read_text().split("## Uninstalling", 1)[1].split("\n## ", 1)[0]
     blocks = [part.split("```", 1)[0] for part in section.split("```sh\n")[1:]]
     assert blocks and HOST_STATE_DIR in blocks[0], section
     return [block.replace(HOST_STATE_DIR, str(directory)) for block in blocks]

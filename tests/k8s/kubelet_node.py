@@ -127,7 +127,7 @@ class KubeletNode(RuntimeNode):
             self.admin.create_namespace(self.name)
             self.image, tar = app_image(go_client())
             self.containerd.import_image(tar)
-            # As deploy/README.md tells users to register nodes: NoExecute, so the kubelet
+            # As docs/install.md tells users to register nodes: NoExecute, so the kubelet
             # itself refuses a pod that is bound to the node before the agent serves.
             taints = ([{"key": STARTUP_TAINT, "value": "true", "effect": "NoExecute"}]
                       if taint else [])

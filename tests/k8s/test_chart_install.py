@@ -307,7 +307,7 @@ def test_helm_uninstall_leaves_the_dnat_rule_so_pods_fail_closed_until_it_is_rem
     assert node.imds_credential_requests() == []
     state = state_dir(node)
     assert (state / "table").exists()   # kept for a reinstall to adopt
-    # deploy/README.md's removal commands for the rule and the state, run on the node.
+    # docs/install.md's removal commands for the rule and the state, run on the node.
     node.net.ns.run(["sh", "-ec", removal_commands(state)[0]], check=True)
     assert metadata_dnat(node) == [], node.dnat_rules()
     assert not state.exists()

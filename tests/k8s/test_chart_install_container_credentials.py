@@ -29,7 +29,7 @@ every check STS's own answer (moto's record of which role each key was issued fo
    10 s so the wait ends sooner). The app, fetching afresh every round, keeps its role and key:
    one more TokenReview, no more AssumeRole.
 5. ``helm uninstall``: the link keeps its addresses, so the running app's next call is
-   refused at once (fail closed, never IMDS), until deploy/README.md's removal commands take
+   refused at once (fail closed, never IMDS), until docs/install.md's removal commands take
    the link, the DNAT rule and the state directory away.
 
 What the control plane needs for the webhook, checked against the real components

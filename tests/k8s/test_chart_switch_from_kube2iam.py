@@ -1,7 +1,7 @@
 """The switch from kube2iam, as its users make it (issue 34): kube2iam-chart (kube2iam's own
 chart, from the read-only source beside the clone) installed with a kube2iam user's values
 file and the real kube2iam (tests/tools/build_kube2iam.sh, in an image: kube2iam_image.py);
-then deploy/README.md's ``helm upgrade`` of that release to kiamfast's chart, run as written
+then docs/switching-from-kube2iam.md's ``helm upgrade`` of that release to kiamfast's chart, run as written
 there. The real DaemonSet controller, scheduler and kubelet do the rest. Checked: the
 DaemonSet is the same object (name and uid) and the only one, the kubelet runs kiamfast in
 its pod, a pod on the node gets its own role through 169.254.169.254 before (kube2iam) and
@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import yaml
 import kube
-from chart_cluster import (CHART, DEPLOY_README, IMAGE_REPO, NAMESPACE, ChartControlPlane,
+from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, SWITCH_DOC, ChartControlPlane,
                            chart_node, helm, helm_binary, missing_reason, print_failure_report,
                            ready_agent_pod, state_dir)
 from kube2iam_image import NAME as KUBE2IAM_IMAGE
@@ -122,8 +122,9 @@ def node_particulars(node) -> Path:
 
 
 def documented_switch(chart: str, values: Path) -> list[str]:
-    """deploy/README.md's command for a release of ``chart``, filled in for this test."""
-    section = DEPLOY_README.read_text().split("## Switching from kube2iam", 1)[1]
+    """docs/switching-from-kube2iam.md's command for a release of ``chart``, filled in for
+    this test."""
+    section = SWITCH_DOC.read_text().split("## With kube2iam's Helm chart", 1)[1]
     section = section.split("\n## ", 1)[0]
     line = next(line for line in section.splitlines()
                 if line.startswith("helm upgrade") and f"kube2iamChart={chart}" in line

@@ -75,7 +75,7 @@ def test_a_pod_that_asks_the_instant_it_starts_gets_its_own_role(kubelet_node: K
     node.start_agent()
     wait_untainted(node)
     # A NoSchedule taint holds back the scheduler only: the kubelet runs these pods anyway
-    # (bound by nodeName), which is why deploy/README.md asks for NoExecute.
+    # (bound by nodeName), which is why docs/install.md asks for NoExecute.
     node.admin.call("PATCH", f"/api/v1/nodes/{node.name}", {"spec": {"taints": [
         {"key": "example.com/scheduler-only", "effect": "NoSchedule"}]}},
         content_type="application/strategic-merge-patch+json")

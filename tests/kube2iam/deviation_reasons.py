@@ -2,10 +2,10 @@
 
 REASONS: a case (``"<config>: <case>"``) whose status or body differs, and why.
 NOT_DELIBERATE: a case that differs for no known reason: a bug to fix, or a reason to find.
-FORMAT_REASONS: a header or trailing-newline difference, keyed as the README table shows it
+FORMAT_REASONS: a header or trailing-newline difference, keyed as the deviation table shows it
 (``"<part>: <kube2iam> → <kiamfast>"``); such a difference alone is no deviation.
-The README's table shows all three; a test fails when an entry matches nothing in the record
-or a difference has no entry.
+The deviation table (docs/switching-from-kube2iam.md) shows all three; a test fails when an
+entry matches nothing in the record or a difference has no entry.
 """
 
 _EMPTY_LISTING = ("kube2iam maps an unannotated pod to the bare base ARN: a 200 listing "

@@ -1,17 +1,17 @@
-"""The record of kube2iam's answers beside kiamfast's, and the README table made from it.
+"""The record of kube2iam's answers beside kiamfast's, and the deviation table made from it.
 
 Both agents get the same requests from the same pod addresses under the same flags (one
 "config" per set of flags) and each answer is reduced to what a client reads: the status,
 the headers SDKs and operators look at, and the body — exact for listings and error texts,
 for a credential document its shape and the role STS issued its key for.  The reduced
-answers are checked in as docs/kube2iam-record.json; the README's deviation table is
-generated from the cases where the two differ, each with its reason from
+answers are checked in as docs/kube2iam-record.json; the deviation table of
+docs/switching-from-kube2iam.md is generated from the cases where the two differ, each with its reason from
 ``deviation_reasons.REASONS``.
 
     python3 tests/kube2iam/kube2iam_record.py --update   # re-run both, rewrite record + table
 
 tests/kube2iam/test_kube2iam_record.py re-runs both and fails when either side no longer
-answers as recorded, or when the README, the record and the reasons disagree.
+answers as recorded, or when that page, the record and the reasons disagree.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from kube2iam_harness import BASE_ARN, NODE, Cluster, Kiamfast, Kube2iam, reques
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "docs" / "kube2iam-record.json"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "switching-from-kube2iam.md"   # holds the table
 TABLE_START = "<!-- kube2iam-deviations:start -->"
 TABLE_END = "<!-- kube2iam-deviations:end -->"
 
@@ -462,19 +462,19 @@ def render_table(record: dict) -> str:
     return "\n".join(rows)
 
 
-def readme_table(readme: str) -> str:
-    start, end = readme.index(TABLE_START), readme.index(TABLE_END)
-    return readme[start + len(TABLE_START):end].strip("\n")
+def page_table(page: str) -> str:
+    start, end = page.index(TABLE_START), page.index(TABLE_END)
+    return page[start + len(TABLE_START):end].strip("\n")
 
 
-def with_table(readme: str, table: str) -> str:
-    start, end = readme.index(TABLE_START), readme.index(TABLE_END)
-    return readme[:start + len(TABLE_START)] + "\n" + table + "\n" + readme[end:]
+def with_table(page: str, table: str) -> str:
+    start, end = page.index(TABLE_START), page.index(TABLE_END)
+    return page[:start + len(TABLE_START)] + "\n" + table + "\n" + page[end:]
 
 
 def write(record: dict) -> None:
     RECORD.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-    README.write_text(with_table(README.read_text(), render_table(record)))
+    PAGE.write_text(with_table(PAGE.read_text(), render_table(record)))
 
 
 def main(argv: list[str]) -> int:

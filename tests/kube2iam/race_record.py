@@ -7,7 +7,7 @@ another role (or the node's key from the metadata service), is another identity.
 
 The numbers of a run are printed as JSON lines (``RACE {...}``) and, when
 ``KUBE2IAM_RACES_RECORD`` names a file, written there at the end of the module
-(docs/kube2iam-races.json is such a run; the README's table quotes it).
+(docs/kube2iam-races.json is such a run; docs/performance.md's race table quotes it).
 """
 from __future__ import annotations
 

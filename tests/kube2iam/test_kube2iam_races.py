@@ -20,7 +20,7 @@ pod's own credentials came. Whether the first call already had them is recorded,
 asserted: it depends on how soon the runtime answers on a loaded machine (kiamfast fails
 closed with a 503 when the runtime has not answered within its wait budget). For kube2iam
 the tests assert only that the measurement ran: its numbers are printed (``RACE {...}`` lines; run with ``-s``) and recorded when
-``KUBE2IAM_RACES_RECORD`` names a file (docs/kube2iam-races.json, quoted by the README).
+``KUBE2IAM_RACES_RECORD`` names a file (docs/kube2iam-races.json, quoted by docs/performance.md).
 """
 from __future__ import annotations
 

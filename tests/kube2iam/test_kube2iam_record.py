@@ -1,5 +1,5 @@
-"""kube2iam's recorded behaviour, beside kiamfast's, still true of both; the README's
-deviation table still what the record says.
+"""kube2iam's recorded behaviour, beside kiamfast's, still true of both; the deviation table
+of docs/switching-from-kube2iam.md still what the record says.
 
 The record (docs/kube2iam-record.json) is rewritten by
 ``python3 tests/kube2iam/kube2iam_record.py --update`` after a deliberate change.
@@ -46,9 +46,10 @@ def test_the_record_holds_every_case_once_and_the_flags_they_ran_with():
     assert [(c["case"], c["flags"], c["request"]) for c in record["cases"]] == expected
 
 
-def test_the_readme_table_is_the_one_generated_from_the_record():
-    assert rec.readme_table(rec.README.read_text()) == rec.render_table(rec.load_record()), \
-        "README deviation table is stale: run tests/kube2iam/kube2iam_record.py --update"
+def test_the_switching_page_table_is_the_one_generated_from_the_record():
+    assert rec.page_table(rec.PAGE.read_text()) == rec.render_table(rec.load_record()), \
+        f"{rec.PAGE.relative_to(rec.REPO)}'s deviation table is stale: run " \
+        "tests/kube2iam/kube2iam_record.py --update"
 
 
 def test_every_deviation_has_a_reason_and_every_reason_a_deviation():
