@@ -28,8 +28,11 @@ class Caller(Protocol):
                authorization: str | None) -> ApiError: ...
 
 # A kept-alive connection the server had closed while idle shows as one of these before
-# any byte of the answer: the request is sent again once on a new connection.
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+# any byte of the answer: the request is sent again once on a new connection.  Over TLS
+# the close arrives as an EOF without close_notify (SSLEOFError; seen as the token path's
+# TokenReview failing once, 503 to the pod, when the API server closed an idle connection).
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+          ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 class _Connection(http.client.HTTPConnection):

@@ -5,8 +5,10 @@ case (a stream cut mid-chunk, a kept-alive connection closed while idle)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import orjson
@@ -188,6 +190,42 @@ def test_blocking_requests(emulator, tmp_path):
         "metadata": {"labels": {"a": "b"}}}, content_type="application/merge-patch+json")
     assert patched.json()["metadata"]["labels"]["a"] == "b"
     assert emulator.stats()["requests"] == 4
+    run(client.close())
+
+
+def test_a_blocking_tls_connection_the_server_closed_while_idle_is_replaced_once(raw, pki,
+                                                                                 tmp_path):
+    """The API server closes an idle kept-alive TLS connection (its idle timeout): the next
+    request's write on it fails with ssl.SSLEOFError before any answer, and goes once more
+    on a new connection (the token path's TokenReview answered a pod 503 here before)."""
+    import ssl
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki["cert"], pki["key"])
+    closed = threading.Semaphore(0)
+
+    def serve(conn):
+        tls = context.wrap_socket(conn, server_side=True)
+        request = read_request(tls)
+        while not request.endswith(b"{}"):     # the body too: none left unread at the close
+            request += tls.recv(65536)
+        tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        os.close(tls.detach())       # idle now: closed, as the server's idle timeout does
+        closed.release()
+    server = raw(serve)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_bytes(orjson.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{server.port}",
+                                                "certificate-authority": str(pki["ca"])}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    client = Client(load_config(kubeconfig=str(kubeconfig), environ={}))
+    for _ in range(3):
+        assert client.request_sync("POST", "/apis/authentication.k8s.io/v1/tokenreviews",
+                                   body={}).body == b"{}"
+        assert closed.acquire(timeout=10)
+        time.sleep(0.1)              # the close has reached the client's socket
+    assert server.accepted == 3
     run(client.close())
 
 
