@@ -63,7 +63,7 @@ def binary(name: str, version: str) -> Path:
 def missing_binaries(names: tuple[str, ...] = ("etcd", "kube-apiserver")) -> str | None:
     """The skip reason naming the binaries of ``names`` not built yet, or None."""
     versions = {"etcd": ETCD_VERSION, **{n: KUBE_VERSION for n in (
-        "kube-apiserver", "kubelet", "kube-controller-manager", "kube-scheduler")}}
+        "kube-apiserver", "kubelet", "kube-controller-manager", "kube-scheduler", "kubectl")}}
     missing = [str(p) for p in (binary(n, versions[n]) for n in names) if not p.is_file()]
     if missing:
         return f"needs {' and '.join(names)} ({', '.join(missing)}): run {SETUP}"
