@@ -9,7 +9,8 @@ hand over, keeps its readiness in a file of its pod's own emptyDir (probed with 
 since two pods share the port during a handover), and keeps its DNAT rule in place; the
 socket keeper is a second container sharing that emptyDir, as the agent's user. A kube2iam
 values file's ``maxUnavailable`` keeps kube2iam's meaning, and every value that cannot work
-fails the render with one line. The real rollouts are tests/k8s/test_chart_handover.py.
+fails the render with one line. The real rollouts are
+tests/k8s/test_chart_upgrade_and_rollback.py.
 """
 from __future__ import annotations
 
