@@ -18,7 +18,8 @@ module, the steps in order, each starting where the last left the node:
 2. ``--set maxUnavailable=1`` (kube2iam's way): calls are refused for the gap, measured and
    split into the kubelet's part and kiamfast's (its container's start to its first answer);
 3. ``kill -9`` of the agent's container: the socket keeper holds the sockets, calls wait in
-   the backlog (a 10 s timeout here) and none is refused;
+   the backlog (a 10 s timeout here) and none is refused; only requests the killed worker
+   had in hand may be lost;
 4. ``helm rollback`` to the surge release: a handover again, nothing refused;
 5. the release uninstalled and the node cleaned; kube2iam-chart installed with the real
    kube2iam and a kube2iam user's values (kube2iam_image.py; fixtures shared with
@@ -432,6 +433,7 @@ def test_the_agent_container_killed_calls_wait_in_the_keepers_backlog(reported, 
         subprocess.run(["ctr", "-a", str(node.containerd.socket), "-n", "k8s.io", "tasks",
                         "kill", "-s", "SIGKILL", agent["containerID"].split("://", 1)[1]],
                        check=True, capture_output=True, timeout=30)
+        kill_returned = time.monotonic()
         after = wait_until(lambda: (p := only_pod(node, image=f"{IMAGE_REPO}:rolling-3"))
                            and agent_container(p)["restartCount"] > agent["restartCount"] and p,
                            timeout=120, interval=0.3, what="the agent's container restarted")
@@ -444,7 +446,15 @@ def test_the_agent_container_killed_calls_wait_in_the_keepers_backlog(reported, 
           f"{max((c.took for c in waited), default=0):.2f} s ({len(over_a_second)} over the "
           f"SDKs' 1 s timeout); the container restarted {restarted:.2f} s after the kill")
     asking.never_wrong()
-    assert asking.failed() == [], asking.failed()[:5]
+    # A request the killed worker had accepted dies with it (EOF or reset: a keep-alive
+    # caller sends it again, as urllib3 does, a fresh one cannot); every other call waits
+    # in the backlog the keeper holds and is answered: none refused, none begun after the
+    # kill failed.
+    in_hand = [c for c in asking.failed() if c.at <= kill_returned and c.at + c.took >= killed
+               and c.outcome in ("eof", "reset")]
+    print(f"{len(in_hand)} calls the killed worker held were lost")
+    assert asking.failed() == in_hand, asking.failed()[:5]
+    assert len(in_hand) <= len(asking.callers)     # at most one in flight per caller
     assert after["metadata"]["uid"] == before["metadata"]["uid"]   # the same pod
     assert container_status(after, "socket-keeper")["restartCount"] == keeper["restartCount"]
 
