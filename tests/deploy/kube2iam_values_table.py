@@ -64,31 +64,51 @@ REASONS = {
     "rbac.create": "kiamfast also patches its own Node (the startup taint) and lists nodes "
                    "(the STS budget): its own ServiceAccount and ClusterRole carry exactly "
                    "that; with `false` the notes say what to grant",
-    "updateStrategy": "kiamfast hands a node over to its next pod in seconds (the table and "
-                      "token key stay on the node), so a rolling update is safe; an explicit "
-                      "`OnDelete` is kept and the notes say how to roll the nodes",
+    "updateStrategy": "kiamfast rolls the nodes itself: on each node the new pod starts "
+                      "beside the old one and takes the node over without a refused call "
+                      "(the surge handover); an explicit `OnDelete` is kept and the notes say "
+                      "how to roll the nodes",
+    "maxUnavailable": "0 with kiamfast's `maxSurge` (10%): the surge handover, no node without "
+                      "an agent; a values file's own number other than 0 keeps kube2iam's "
+                      "meaning (old pod first, a few seconds of refused calls) and the notes "
+                      "say so",
     "tolerations": "an agent missing from a tainted node leaves that node's pods without "
                    "credentials; kiamfast tolerates every NoSchedule and NoExecute taint "
                    "(and its own startup taint); an explicit list is kept",
     # ---- rendered with the same values ----
     "container.image": "kiamfast's image replaces kube2iam's (image.repository above)",
     "container.args": "kiamfast's own flags after kube2iam's (workers, startup taint, "
-                      "runtime socket, table and token key in the node directory), and "
-                      "`--host-ip` also without iptables",
+                      "runtime socket, table and token key in the node directory, the "
+                      "handover socket and second port, the ready file, the socket keeper, "
+                      "the DNAT rule kept in place), and `--host-ip` also without iptables",
     "container.env.HOST_IP": "the node's address either way (host network); kiamfast names "
                              "it by status.hostIP",
-    "container.ports": "the same port; `protocol: TCP` said explicitly",
-    "container.readinessProbe.httpGet.path": "/readyz: ready only once the DNAT rule is in "
-                                             "and the node's pods and credentials are "
-                                             "loaded; /healthz is liveness",
-    "container.resources": "`{}` means kiamfast's measured default (requests 50m CPU, "
-                           "128Mi + 32Mi per worker, memory limit twice that, no CPU limit), "
-                           "not none: the shared table lives in the pod's memory",
+    "container.ports": "none declared: with host networking a declared port is a hostPort, "
+                       "and the scheduler would keep the surge pod Pending beside the old "
+                       "one (kubernetes#106417); the metrics Service targets it by number",
+    "container.readinessProbe.exec.command": "the pod's own ready file, there exactly while "
+                                             "its own control process is ready (the DNAT rule "
+                                             "in, the node's pods and credentials loaded): "
+                                             "during a handover two pods serve one port, and "
+                                             "an HTTP probe cannot tell which one answered; "
+                                             "/healthz is liveness",
+    "container.readinessProbe.httpGet.path": "see container.readinessProbe.exec.command",
+    "container.readinessProbe.httpGet.port": "see container.readinessProbe.exec.command",
+    "container.readinessProbe.httpGet.scheme": "see container.readinessProbe.exec.command",
+    "container.resources": "`{}` means kiamfast's default, not none: small requests (20m CPU, "
+                           "64Mi), so a surge pod fits beside the old one without preempting "
+                           "a workload, and a memory limit from the measured RSS (2 x (128Mi "
+                           "+ 32Mi per worker): the shared table lives in the pod's memory); "
+                           "no CPU limit",
     "container.securityContext": "NET_ADMIN and NET_RAW as root instead of privileged (and "
                                  "with iptables off too: kube2iam rendered none then)",
     "container.volumeMounts": "the node directory with the credential table and token key, "
-                              "/tmp, the xtables lock shared with kube-proxy, the container "
+                              "/tmp, the xtables lock shared with kube-proxy, the pod's own "
+                              "directory (ready file, socket keeper), the container "
                               "runtime's socket directory (read-only)",
+    "pod.containers": "the socket keeper beside the agent: it holds the listening sockets "
+                      "while the agent's container restarts, so pods' calls wait instead of "
+                      "being refused",
     "pod.volumes": "see container.volumeMounts",
     "pod.dnsPolicy": "the agent needs no cluster DNS, and the node's resolver works before "
                      "CoreDNS can run on a still-tainted node",
@@ -179,7 +199,8 @@ def fields(objs: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in pod.items():
         if key != "containers":
             out[f"pod.{key}"] = value
-    (container,) = pod["containers"]
+    out["pod.containers"] = [c["name"] for c in pod["containers"]]
+    container = pod["containers"][0]   # the agent's (kiamfast's socket keeper is beside it)
     for key, value in container.items():
         if key == "env":
             for name, var in _by_name(value).items():

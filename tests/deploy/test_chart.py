@@ -42,6 +42,7 @@ TAINT = FLAGS_BY_NAME["node-startup-taint"].default
 SCHEMA_VERSION = "1.30"  # the oldest Kubernetes the manifests must be valid for
 NEWEST_VERSION = "1.34"  # what this helm release renders for (its client libraries)
 CRDS = {"ServiceMonitor"}  # no schema in kubernetes-validate: checked field by field below
+READY_FILE_PROBE = {"command": ["test", "-f", "/run/kiamfast-pod/ready"]}
 
 
 def helm_binary() -> str:
@@ -218,13 +219,14 @@ def test_kube2iam_default_values_mean_what_they_meant(tmp_path):
         "httpGet": {"path": "/healthz", "port": 8181, "scheme": "HTTP"},
         "initialDelaySeconds": 30, "periodSeconds": 5, "successThreshold": 1,
         "failureThreshold": 3, "timeoutSeconds": 1}
-    # The readiness probe keeps kube2iam's timing but asks kiamfast's /readyz.
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The readiness probe keeps kube2iam's timing but is the pod's own ready file.
+    assert c["readinessProbe"]["exec"] == READY_FILE_PROBE
     assert c["readinessProbe"]["periodSeconds"] == 5
     # The preStop hook is the user's (kube2iam's default): kept, and warned about.
     assert c["lifecycle"] == user_values("default.yaml")["lifecycle"]
-    # resources: {} -> the measured default, without a CPU limit.
-    assert c["resources"] == {"requests": {"cpu": "50m", "memory": "160Mi"},
+    # resources: {} -> kiamfast's default (small requests, the limit from the measured
+    # RSS), without a CPU limit.
+    assert c["resources"] == {"requests": {"cpu": "20m", "memory": "64Mi"},
                               "limits": {"memory": "320Mi"}}
     cfg, _ = agent_config(objs)
     assert cfg.iptables is False and cfg.host_interface == "docker0"
@@ -247,11 +249,14 @@ def test_eks_values(tmp_path):
     assert cfg.base_role_arn == "arn:aws:iam::111122223333:role/"
     assert cfg.namespace_restrictions is True
     assert env_of(c)["AWS_DEFAULT_REGION"] == "eu-west-1"
+    # Their maxUnavailable keeps kube2iam's meaning: no surge (the API takes one non-zero).
     assert one(objs, "DaemonSet")["spec"]["updateStrategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "10%"}}
+    assert "maxUnavailable is 10%" in notes(tmp_path, VALUES / "eks.yaml")
     assert c["resources"] == {"requests": {"cpu": "20m", "memory": "200Mi"}}
     assert one(objs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"] == {
-        "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+        "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+        "kubectl.kubernetes.io/default-container": "kiamfast"}
     # The chart's own tolerations stay when the user gave none.
     assert {"operator": "Exists", "effect": "NoExecute"} in spec["tolerations"]
     assert spec["serviceAccountName"] == one(objs, "ServiceAccount")["metadata"]["name"]
@@ -289,9 +294,9 @@ def test_values_without_iptables_and_an_existing_service_account(tmp_path):
     assert cfg.default_role == "arn:aws:iam::777788889999:role/fallback"
     assert spec["serviceAccountName"] == "kube2iam"
     assert not of_kind(objs, "ClusterRole") and not of_kind(objs, "ClusterRoleBinding")
-    assert [p["containerPort"] for p in c["ports"]] == [8282]
-    assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] \
-        == 8282
+    assert "ports" not in c   # no hostPort: a surge pod must fit beside the old one
+    assert cfg.app_port == c["livenessProbe"]["httpGet"]["port"] == 8282
+    assert c["readinessProbe"]["exec"] == READY_FILE_PROBE
     assert spec["affinity"] == user_values("no-iptables.yaml")["affinity"]
     text = notes(tmp_path, VALUES / "no-iptables.yaml")
     assert "host.iptables is false" in text
@@ -303,8 +308,7 @@ def test_service_monitor_values_find_the_agents(tmp_path):
     c = container(objs)
     cfg, _ = agent_config(objs)
     assert cfg.metrics_port == 9543
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8181,
-                                                                  "metrics": 9543}
+    assert "ports" not in c   # no hostPort: the Service targets the port by number
     service = one(objs, "Service")
     monitor = one(objs, "ServiceMonitor")
     ds = one(objs, "DaemonSet")
@@ -454,7 +458,8 @@ def test_container_runtime_disabled_means_no_mount_and_none(tmp_path):
     assert not any("hostPath" in v and v["hostPath"]["type"] == "Socket"
                    for v in spec["volumes"])
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/run/kiamfast", "/tmp",
-                                                           "/run/xtables.lock"}
+                                                           "/run/xtables.lock",
+                                                           "/run/kiamfast-pod"}
 
 
 def test_table_and_token_key_are_in_a_node_directory_a_new_pod_finds(tmp_path):
@@ -477,7 +482,7 @@ def test_workers_set_the_flag_and_size_the_memory(tmp_path):
     objs = render(values_file(tmp_path, {"workers": 3}))
     cfg, _ = agent_config(objs)
     assert cfg.workers == 3
-    assert container(objs)["resources"] == {"requests": {"cpu": "50m", "memory": "224Mi"},
+    assert container(objs)["resources"] == {"requests": {"cpu": "20m", "memory": "64Mi"},
                                             "limits": {"memory": "448Mi"}}
 
 
@@ -500,13 +505,15 @@ def test_startup_taint_key_sets_flag_and_toleration_together(tmp_path):
     assert "tolerations" not in pod_spec(objs)
 
 
-def test_readiness_probe_is_readyz_by_default_and_overridable(tmp_path):
-    probe = container(render())["readinessProbe"]
-    assert probe["httpGet"] == {"path": "/readyz", "port": 8181, "scheme": "HTTP"}
+def test_readiness_probe_is_the_pods_own_ready_file_with_the_values_timings(tmp_path):
+    objs = render()
+    probe = container(objs)["readinessProbe"]
+    assert probe["exec"] == READY_FILE_PROBE
+    assert agent_config(objs)[0].ready_file == READY_FILE_PROBE["command"][-1]
     probe = container(render(values_file(tmp_path, {"readinessProbe": {
         "periodSeconds": 7, "failureThreshold": 9}})))["readinessProbe"]
-    assert (probe["httpGet"]["path"], probe["periodSeconds"], probe["failureThreshold"]) == \
-        ("/readyz", 7, 9)
+    assert (probe["exec"], probe["periodSeconds"], probe["failureThreshold"]) == \
+        (READY_FILE_PROBE, 7, 9)
 
 
 def test_rbac_grants_every_call_the_agent_makes_and_nothing_more():

@@ -83,8 +83,10 @@ def test_the_switch_keeps_every_object_name_selector_and_service_kind(tmp_path, 
     selector = old_ds["spec"]["selector"]["matchLabels"]
     assert new_ds["spec"]["selector"]["matchLabels"] == selector   # immutable
     assert selector.items() <= new_ds["spec"]["template"]["metadata"]["labels"].items()
+    # The agent's container keeps theirs; the socket keeper is a container beside it.
     assert [c["name"] for c in pod_spec(new)["containers"]] == \
-        [c["name"] for c in pod_spec(old)["containers"]] == ["kube2iam"]
+        [c["name"] for c in pod_spec(old)["containers"]] + ["socket-keeper"] == \
+        ["kube2iam", "socket-keeper"]
     if USER_VALUES[values].get("rbac", {}).get("create"):
         assert pod_spec(new)["serviceAccountName"] == pod_spec(old)["serviceAccountName"]
     for service in of_kind(old, "Service"):
@@ -183,7 +185,8 @@ def test_the_2x_probe_switch_means_the_liveness_probe(tmp_path):
     assert "livenessProbe" not in container(render(values_file(
         tmp_path, {"probe": {"enabled": False, "periodSeconds": 15}})))
     # Their 2.x had no readiness probe: kiamfast's own default stays (docs' table says why).
-    assert probe["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert probe["readinessProbe"]["exec"] == {"command": ["test", "-f",
+                                                           "/run/kiamfast-pod/ready"]}
 
 
 def test_global_image_pull_secrets_win_as_in_kube2iams_charts(tmp_path):
@@ -260,7 +263,8 @@ def test_the_overlays_update_kube2iams_plain_manifests_in_place(overlay):
                                                                           "kube-system")
         assert ds["spec"]["selector"] == theirs_ds["spec"]["selector"]   # immutable
         assert [c["name"] for c in ds["spec"]["template"]["spec"]["containers"]] == \
-            [c["name"] for c in theirs_ds["spec"]["template"]["spec"]["containers"]]
+            [c["name"] for c in theirs_ds["spec"]["template"]["spec"]["containers"]] + \
+            ["socket-keeper"]
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "kube2iam"

@@ -106,15 +106,23 @@ def test_daemonset_args_parse_with_our_parser(kustomization):
     assert pod["hostNetwork"] is True
     assert pod["priorityClassName"] == "system-node-critical"
     assert container["image"] == "ghcr.io/kiamfast/kiamfast:0.1.0"
-    ports = {p["containerPort"] for p in container["ports"]}
-    assert ports == {cfg.app_port}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": cfg.app_port,
-                                                      "scheme": "HTTP"}
+    # No declared ports: a hostPort would keep the surge pod Pending beside the old one.
+    assert "ports" not in container
+    assert container["readinessProbe"]["exec"] == {"command": ["test", "-f", cfg.ready_file]}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": cfg.app_port,
                                                      "scheme": "HTTP"}
-    # Sized from the benchmarks' RSS (control ~96 MiB + worker ~27 MiB, and the table).
-    assert container["resources"]["requests"] == {"cpu": "50m", "memory": "160Mi"}
-    assert "cpu" not in container["resources"].get("limits", {})
+    # Small requests (a surge pod beside the old one), the limit from the benchmarks' RSS
+    # (control ~96 MiB + worker ~27 MiB, and the table).
+    assert container["resources"] == {"requests": {"cpu": "20m", "memory": "64Mi"},
+                                      "limits": {"memory": "320Mi"}}
+    # The surge handover, with the socket keeper beside the agent.
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": "10%", "maxUnavailable": 0}}
+    assert cfg.handover_socket == "/run/kiamfast/handover.sock"
+    keeper = pod["containers"][1]
+    assert keeper["command"] == ["python", "-m", "kiamfast.keeper"]
+    assert keeper["args"] == ["--socket", cfg.socket_keeper]
+    assert cfg.iptables_backstop is True and cfg.iptables_check_interval == 10.0
     caps = container["securityContext"]["capabilities"]["add"]
     assert container["securityContext"].get("privileged") or "NET_ADMIN" in caps
 

@@ -53,5 +53,7 @@ build kubelet "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubelet "$stamp"
 build kube-controller-manager "$KUBE_VERSION" kubernetes \
     k8s.io/kubernetes/cmd/kube-controller-manager "$stamp"
 build kube-scheduler "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kube-scheduler "$stamp"
-# The client a user points at the demo's API server (tests/demo: the printed kubectl line).
+# The client a user points at the demo's API server (tests/demo: the printed kubectl
+# line), and the operator's commands of docs/upgrade-and-rollback.md, run as written
+# (test_chart_upgrade_and_rollback.py).
 build kubectl "$KUBE_VERSION" kubernetes k8s.io/kubernetes/cmd/kubectl "$stamp"

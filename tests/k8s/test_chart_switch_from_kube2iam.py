@@ -6,8 +6,12 @@ there. The real DaemonSet controller, scheduler and kubelet do the rest. Checked
 DaemonSet is the same object (name and uid) and the only one, the kubelet runs kiamfast in
 its pod, a pod on the node gets its own role through 169.254.169.254 before (kube2iam) and
 after (kiamfast), and the release's Service (its cluster IP), ServiceAccount, ClusterRole,
-binding and Secret are the same objects, nothing beside them. Before that, the same upgrade
-without kube2iamChart is refused by the chart (it would start a second DaemonSet beside).
+binding and Secret are the same objects, nothing beside them. A pod asking every 0.5 s
+across the switch never gets the node's own role, and the node's metadata service is never
+asked for credentials: kiamfast's pod surges beside kube2iam's (the second port), and
+kube2iam-chart's preStop hook, when kube2iam's pod stops, takes no rule away for good (issue
+33). Before that, the same upgrade without kube2iamChart is refused by the chart (it would
+start a second DaemonSet beside).
 
 kube2iam's side of the node: the API server through the node's loopback proxy (in-cluster
 client, ``KUBERNETES_SERVICE_HOST``/``PORT``), STS through ``AWS_ENDPOINT_URL`` (the node's
@@ -23,34 +27,24 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import kube2iam_release
 import pytest
-import yaml
-import kube
-from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, SWITCH_DOC, ChartControlPlane,
-                           chart_node, helm, helm_binary, missing_reason, print_failure_report,
-                           ready_agent_pod, state_dir)
+from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, SWITCH_DOC, ChartControlPlane, helm,
+                           helm_binary, print_failure_report, ready_agent_pod)
 from kube2iam_image import NAME as KUBE2IAM_IMAGE
-from kube2iam_image import kube2iam_image
+from kube2iam_release import THEIR_CHART, kube2iam_values, node_particulars
 
-from e2e_cluster import BASE_ARN, NODE_ACCESS_KEY_PREFIX, assert_own_role
-from netns import call_in_netns
+from e2e_cluster import NODE_ACCESS_KEY_PREFIX, assert_own_role
 from runtime_node import wait_until
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kube2iam"))
-from kube2iam_harness import NoRegionsEc2  # noqa: E402
 
 pytestmark = [pytest.mark.kubelet, pytest.mark.kube_apiserver, pytest.mark.root,
               pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RELEASE = "kube2iam"
-# kube2iam's source, as tests/run finds it for tests/tools/build_kube2iam.sh.
-KUBE2IAM_SRC = Path(os.environ.get("KUBE2IAM_SRC") or kube.REPO.parent / "shared/peers/kube2iam")
-THEIR_CHART = KUBE2IAM_SRC / "charts" / "kube2iam"
 KINDS = {"DaemonSet": "/apis/apps/v1", "Service": "/api/v1", "ServiceAccount": "/api/v1",
          "Secret": "/api/v1", "ClusterRole": "/apis/rbac.authorization.k8s.io/v1",
          "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1"}
@@ -58,67 +52,31 @@ KINDS = {"DaemonSet": "/apis/apps/v1", "Service": "/api/v1", "ServiceAccount": "
 
 @pytest.fixture(scope="module")
 def control(kube_cluster, kubelet_available, tmp_path_factory):
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    if not (THEIR_CHART / "Chart.yaml").is_file():
-        pytest.skip(f"needs kube2iam's source (KUBE2IAM_SRC): {THEIR_CHART}")
-    # kube2iam's charts run it privileged (with host.iptables): the API server must allow
-    # privileged containers (kiamfast's own chart needs none).
-    plane = ChartControlPlane(kube_cluster, tmp_path_factory.mktemp("switch-control"),
-                              apiserver_args=("--allow-privileged=true",))
-    yield plane
-    plane.stop()
+    with kube2iam_release.control_plane(kube_cluster,
+                                        tmp_path_factory.mktemp("switch-control")) as plane:
+        yield plane
 
 
 @pytest.fixture(scope="module")
 def node(kube_cluster, control, tmp_path_factory):
-    with chart_node(kube_cluster, tmp_path_factory.mktemp("switch-node"), taint=False) as n:
-        n.containerd.import_image(kube2iam_image(n.image_archive))
-        n.ec2 = call_in_netns(n.net.ns, lambda: NoRegionsEc2().start())
-        try:
-            yield n
-        finally:
-            n.ec2.stop()
+    with kube2iam_release.node(kube_cluster, tmp_path_factory.mktemp("switch-node")) as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def release(node, control):
+    """The release is gone afterwards: the session's etcd outlives the module, and a
+    DaemonSet left there would be run on the next chart module's node by its controllers."""
+    yield
+    kube2iam_release.uninstall(control, RELEASE)
 
 
 @pytest.fixture
-def reported(node, control, test_failed):
+def reported(node, control, release, test_failed):
     """The node; its logs (kubelet, containerd, agent pods, controllers) if the test failed."""
     yield node
     if test_failed():
         print_failure_report(node, control)
-
-
-def kube2iam_values(node) -> Path:
-    """A kube2iam user's values file (kube2iam's value names only) for this node."""
-    values = {
-        "host": {"iptables": True, "interface": node.host_interface},
-        "extraArgs": {"base-role-arn": BASE_ARN},
-        "rbac": {"create": True},
-        "prometheus": {"service": {"enabled": True}},
-        "aws": {"access_key": "testing", "secret_key": "testing", "region": "us-east-1"},
-        "image": {"repository": KUBE2IAM_IMAGE.rsplit(":", 1)[0], "tag": "test",
-                  "pullPolicy": "Never"},
-        "extraEnv": {"KUBERNETES_SERVICE_HOST": "127.0.0.1",
-                     "KUBERNETES_SERVICE_PORT": str(node.api_proxy.port),
-                     "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": node.sts.endpoint,
-                     "AWS_ENDPOINT_URL_EC2": node.ec2.url},
-    }
-    path = node.workdir / "kube2iam-values.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def node_particulars(node) -> Path:
-    """What differs on a test node for kiamfast (its image is not published; the test's
-    containerd and state directory): kiamfast's own values, given beside the user's file."""
-    path = node.workdir / "kiamfast-node.yaml"
-    path.write_text(yaml.safe_dump({
-        "image": {"repository": IMAGE_REPO, "tag": "test", "pullPolicy": "Never"},
-        "cri": {"socketPath": str(node.containerd.socket)},
-        "stateDir": str(state_dir(node))}))
-    return path
 
 
 def documented_switch(chart: str, values: Path) -> list[str]:
@@ -219,9 +177,9 @@ def test_helm_upgrade_of_a_kube2iam_chart_release_updates_it_in_place(reported, 
     wait_until(lambda: node.metric("kiamfast_ready") == 1, timeout=60, interval=0.5,
                what="kiamfast serving in the DaemonSet's pod")
     own_role_served(node, "under-kiamfast")
-    # Observed, not asserted (the handover issue owns it): kube2iam-chart's preStop hook
-    # deletes the DNAT rule when kube2iam's pod stops, and kiamfast's pod adds its own only
-    # once it runs; between the two a pod's request goes to the node's metadata service.
+    # kube2iam-chart's preStop hook runs when kube2iam's pod stops: kiamfast's rules stay
+    # (its DNAT rule kept in place, the filter-table backstop), so no request reaches the
+    # node's metadata service.
     across.finished(timeout=120)
     rounds = across.rounds()
     node_role = [r for r in rounds
@@ -235,3 +193,5 @@ def test_helm_upgrade_of_a_kube2iam_chart_release_updates_it_in_place(reported, 
           f"node's metadata service: {len(node.imds_credential_requests())}; metadata DNAT "
           f"rules after: {[r for r in node.dnat_rules() if '169.254.169.254' in r]}")
     print(f"install, refusal, switch and checks: {time.monotonic() - started:.1f} s")
+    assert node_role == [], node_role
+    assert node.imds_credential_requests() == []

@@ -194,6 +194,20 @@ kiamfast's own flags come last.
 - --cri-endpoint={{ include "kiamfast.criEndpoint" . }}
 - --table-path={{ .Values.stateDir }}/table
 - --token-key-file={{ .Values.stateDir }}/token-key
+- --handover-socket={{ .Values.stateDir }}/handover.sock
+{{- if .Values.handoverPort }}
+- --handover-port={{ .Values.handoverPort }}
+{{- end }}
+- --ready-file={{ include "kiamfast.readyFile" . }}
+{{- if .Values.socketKeeper.enabled }}
+- --socket-keeper={{ include "kiamfast.keeperSocket" . }}
+{{- end }}
+{{- if .Values.host.iptables }}
+{{- if .Values.dnatRule.backstop }}
+- --iptables-backstop
+{{- end }}
+- --iptables-check-interval={{ .Values.dnatRule.checkInterval }}
+{{- end }}
 {{- with .Values.containerCredentials }}
 {{- if .enabled }}
 - --container-credentials-addr={{ include "kiamfast.containerCredentialsAddr" $ }}
@@ -245,21 +259,61 @@ http://{{ include "kiamfast.containerCredentialsIP" . }}/v1/credentials
 {{- end -}}
 {{- end -}}
 
-{{/* The default resources, from the measured RSS (values.yaml, resources). */}}
+{{/* The memory the agent needs, from the measured RSS (values.yaml, resources). */}}
 {{- define "kiamfast.minimumMemoryMi" -}}
 {{- add 128 (mul 32 (int .Values.workers)) -}}
 {{- end -}}
 
+{{/* The default resources: small requests, so a surge pod fits beside the old one without
+preempting a workload; the limit from the measured RSS (values.yaml, resources). */}}
 {{- define "kiamfast.resources" -}}
 {{- if .Values.resources -}}
 {{- toYaml .Values.resources -}}
 {{- else -}}
-{{- $memory := int (include "kiamfast.minimumMemoryMi" .) -}}
 requests:
-  cpu: 50m
-  memory: {{ $memory }}Mi
+  cpu: 20m
+  memory: 64Mi
 # No CPU limit: a throttled agent makes the SDKs' 1 s metadata calls time out.
 limits:
-  memory: {{ mul 2 $memory }}Mi
+  memory: {{ mul 2 (int (include "kiamfast.minimumMemoryMi" .)) }}Mi
+{{- end -}}
+{{- end -}}
+
+{{/* The pod's own directory (an emptyDir): the ready file, the socket keeper's socket. */}}
+{{- define "kiamfast.podDir" -}}
+/run/kiamfast-pod
+{{- end -}}
+
+{{- define "kiamfast.readyFile" -}}
+{{ include "kiamfast.podDir" . }}/ready
+{{- end -}}
+
+{{- define "kiamfast.keeperSocket" -}}
+{{ include "kiamfast.podDir" . }}/keeper.sock
+{{- end -}}
+
+{{/* The numeric part of a number or percentage (maxSurge, maxUnavailable). */}}
+{{- define "kiamfast.intOrPercentValue" -}}
+{{- trimSuffix "%" (toString .) | int -}}
+{{- end -}}
+
+{{/* "true" when a RollingUpdate (the string form) surges: maxUnavailable 0 (kiamfast's
+default); a kube2iam values file's maxUnavailable other than 0 rolls without the surge. */}}
+{{- define "kiamfast.surging" -}}
+{{- if and (eq (toString .Values.updateStrategy) "RollingUpdate") (eq (include "kiamfast.intOrPercentValue" .Values.maxUnavailable) "0") -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+Values added with the handover. `helm upgrade --reuse-values` renders with the installed
+release's values.yaml, not this one, so a key added since is missing there: it is set here
+to the default values.yaml gives it (tests/deploy/test_chart_handover.py checks the two
+agree). maxUnavailable is not: a release installed before has its own (1), which keeps
+rolling it without the surge. Run first by kiamfast.validate; idempotent.
+*/}}
+{{- define "kiamfast.handoverDefaults" -}}
+{{- range $key, $value := dict "maxSurge" "10%" "handoverPort" 8182 "socketKeeper" (dict "enabled" true "resources" (dict "requests" (dict "cpu" "1m" "memory" "8Mi") "limits" (dict "memory" "32Mi"))) "dnatRule" (dict "checkInterval" "10s" "backstop" true) -}}
+{{- if not (hasKey $.Values $key) }}{{ $_ := set $.Values $key $value }}{{ end -}}
 {{- end -}}
 {{- end -}}

@@ -34,7 +34,20 @@ kube2iam){{ end }} until you delete it. Roll the nodes one at a time, each once 
   kubectl --namespace {{ .Release.Namespace }} delete pod --field-selector spec.nodeName=<node> -l app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/name={{ include "kiamfast.name" . }}
   kubectl --namespace {{ .Release.Namespace }} get pods -o wide -l app.kubernetes.io/instance={{ .Release.Name }},app.kubernetes.io/name={{ include "kiamfast.name" . }}
 
-or leave updateStrategy out of your values: kiamfast's default, RollingUpdate, rolls them for you.
+The node's pods are refused between the old pod's stop and the new one's start. Or leave
+updateStrategy out of your values: kiamfast's default rolls the nodes for you, each new pod
+taking its node over from the old one without a refused call (docs/upgrade-and-rollback.md).
+{{- else if and (eq (toString $strategy) "RollingUpdate") (not (kindIs "map" .Values.updateStrategy)) (not (include "kiamfast.surging" .)) }}
+
+NOTE: maxUnavailable is {{ .Values.maxUnavailable }} (kube2iam's charts' way, kept because your values say so): on
+each node the old pod stops before the new one starts, and the node's pods are refused for the
+seconds between. Leave maxUnavailable out of your values (or set it to 0) for kiamfast's
+surge: each node's new pod takes the node over from the old one without a refused call.
+{{- else if and .Values.kube2iamChart (include "kiamfast.surging" .) }}
+
+The switch from kube2iam: on each node kiamfast's pod starts beside kube2iam's, serves on port
+{{ .Values.handoverPort }} and takes pods' new connections from kube2iam with a DNAT rule of its own; once
+it is Ready the DaemonSet deletes kube2iam's pod and kiamfast moves back to port {{ .Values.host.port }}.
 {{- end }}
 {{- if include "kiamfast.isKube2iamImage" . }}
 

@@ -45,8 +45,9 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 */}}
 {{- define "kiamfast.validate" -}}
 {{- include "kiamfast.containerCredentialsDefaults" . -}}
+{{- include "kiamfast.handoverDefaults" . -}}
 {{- include "kiamfast.kube2iamProbe" . -}}
-{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "kube2iamChart" "probe" "global" -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "kube2iamChart" "probe" "global" "maxSurge" "handoverPort" "socketKeeper" "dnatRule" -}}
 {{- range $key, $_ := .Values -}}
 {{- if not (has $key $known) -}}
 {{- fail (printf "%s: not a value of kube2iam's chart nor of kiamfast's, so kiamfast cannot know what it means; remove it (values.yaml lists them all)" $key) -}}
@@ -64,7 +65,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
 {{- fail (printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default" $key $value $key $key) -}}
 {{- end -}}
-{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" -}}
+{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" "handover-socket" "stateDir" "handover-port" "handoverPort" "socket-keeper" "socketKeeper.enabled" "ready-file" "readinessProbe" "iptables-backstop" "dnatRule.backstop" "iptables-check-interval" "dnatRule.checkInterval" -}}
 {{- if hasKey $owned $key -}}
 {{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get $owned $key)) -}}
 {{- end -}}
@@ -110,6 +111,62 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- end -}}
 {{- if and (kindIs "string" .Values.updateStrategy) (not (has .Values.updateStrategy (list "RollingUpdate" "OnDelete"))) -}}
 {{- fail (printf "updateStrategy %s: a DaemonSet updates by RollingUpdate or OnDelete" .Values.updateStrategy) -}}
+{{- end -}}
+{{- include "kiamfast.validateHandover" . -}}
+{{- end -}}
+
+{{/*
+The rollout and the handover (docs/upgrade-and-rollback.md): maxSurge, maxUnavailable,
+handoverPort, socketKeeper, dnatRule, and the readiness probe's ready file.
+*/}}
+{{- define "kiamfast.validateHandover" -}}
+{{- range $key := list "maxSurge" "maxUnavailable" -}}
+{{- $value := toString (get $.Values $key) -}}
+{{- if not (regexMatch "^[0-9]+%?$" $value) -}}
+{{- fail (printf "%s %s: a number of nodes or a percentage of them, e.g. 1 or 10%%" $key $value) -}}
+{{- end -}}
+{{- if and (hasSuffix "%" $value) (gt (int (trimSuffix "%" $value)) 100) -}}
+{{- fail (printf "%s %s: a percentage of the nodes, at most 100%%" $key $value) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq (toString .Values.updateStrategy) "RollingUpdate") (include "kiamfast.surging" .) (eq (include "kiamfast.intOrPercentValue" .Values.maxSurge) "0") -}}
+{{- fail "maxSurge and maxUnavailable are both 0: a RollingUpdate needs one of them (maxSurge: the surge handover, kiamfast's default 10%; or maxUnavailable: a node's old pod stops first)" -}}
+{{- end -}}
+{{- with .Values.updateStrategy -}}
+{{- if and (kindIs "map" .) (hasKey . "rollingUpdate") -}}
+{{- $rolling := .rollingUpdate | default dict -}}
+{{- if and (hasKey $rolling "maxSurge") (ne (include "kiamfast.intOrPercentValue" $rolling.maxSurge) "0") (not (hasKey $rolling "maxUnavailable")) -}}
+{{- fail "updateStrategy.rollingUpdate.maxSurge needs maxUnavailable: 0 beside it: the API defaults maxUnavailable to 1 and refuses both non-zero" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $port := .Values.handoverPort -}}
+{{- if not (and (or (kindIs "float64" $port) (kindIs "int64" $port) (kindIs "int" $port)) (ge (int $port) 0) (le (int $port) 65535)) -}}
+{{- fail (printf "handoverPort %v: a port number, or 0 for none" $port) -}}
+{{- end -}}
+{{- if and (int $port) (has (int $port) (list (int .Values.host.port) (int (include "kiamfast.metricsPort" .)))) -}}
+{{- fail (printf "handoverPort %v: the second port must differ from host.port and the metrics port" $port) -}}
+{{- end -}}
+{{- if and .Values.kube2iamChart (include "kiamfast.surging" .) (not (int $port)) -}}
+{{- fail "handoverPort 0 with kube2iamChart and the surge: kube2iam cannot hand its port over, so each node's new pod needs the second port to start beside it (or set maxUnavailable: 1)" -}}
+{{- end -}}
+{{- if not (kindIs "bool" .Values.socketKeeper.enabled) -}}
+{{- fail (printf "socketKeeper.enabled %v: true or false" .Values.socketKeeper.enabled) -}}
+{{- end -}}
+{{- if not (kindIs "bool" .Values.dnatRule.backstop) -}}
+{{- fail (printf "dnatRule.backstop %v: true or false" .Values.dnatRule.backstop) -}}
+{{- end -}}
+{{- if not (regexMatch "^(0|([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+)$" (toString .Values.dnatRule.checkInterval)) -}}
+{{- fail (printf "dnatRule.checkInterval %v: a duration such as 10s (Go's form), or 0 to install the rule once" .Values.dnatRule.checkInterval) -}}
+{{- end -}}
+{{- with .Values.readinessProbe.path -}}
+{{- if ne . "/readyz" -}}
+{{- fail (printf "readinessProbe.path %s: the readiness probe is no HTTP request any more but the agent's own ready file (test -f), since during a handover two pods serve one port; remove it" .) -}}
+{{- end -}}
+{{- end -}}
+{{- $podDir := include "kiamfast.podDir" . -}}
+{{- if or (eq (toString .Values.stateDir) $podDir) (hasPrefix (printf "%s/" (trimSuffix "/" (toString .Values.stateDir))) $podDir) -}}
+{{- fail (printf "stateDir %s: %s is the pod's own directory (an emptyDir): choose another node directory" .Values.stateDir $podDir) -}}
 {{- end -}}
 {{- end -}}
 
