@@ -86,6 +86,33 @@ def test_the_socket_keeper_shares_the_pods_directory_and_the_agents_user():
     assert annotations["kubectl.kubernetes.io/default-container"] == "kiamfast"
 
 
+def test_the_socket_keeper_logs_as_the_agent_does(tmp_path):
+    """One format in the pod's logs: the agent's --log-format and --log-level (kube2iam's
+    extraArgs, or verbose) reach the keeper too, which starts with them."""
+    import subprocess
+    import sys
+    import time
+    objs = render(values_file(tmp_path, {"extraArgs": {"log-format": "json",
+                                                       "log-level": "warn"}}))
+    assert keeper(objs)["args"][2:] == ["--log-format=json", "--log-level=warn"]
+    cfg, _ = agent_config(objs)
+    assert (cfg.log_format, cfg.log_level) == ("json", "warn")
+    verbose = render(values_file(tmp_path, {"verbose": True}))
+    assert keeper(verbose)["args"][2:] == ["--log-level=debug"]
+    for n, args in enumerate((keeper(objs)["args"], keeper(verbose)["args"])):
+        path = tmp_path / f"keeper-{n}.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "kiamfast.keeper", "--socket",
+                                 str(path), *args[2:]], stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert path.exists() and proc.poll() is None, proc.stderr.read()
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
 def test_without_the_keeper_one_container_and_no_keeper_flag(tmp_path):
     objs = render(values_file(tmp_path, {"socketKeeper": {"enabled": False}}))
     assert [c["name"] for c in pod_spec(objs)["containers"]] == ["kiamfast"]
