@@ -189,9 +189,11 @@ def test_helm_install_from_the_registry_deploys_the_pushed_image(release, kube_c
             (f"kiamfast-{release.version}", release.version)
         daemonsets = kube_cluster.admin.call(
             "GET", f"/apis/apps/v1/namespaces/{name}/daemonsets")["items"]
-        images = [c["image"] for ds in daemonsets
-                  for c in ds["spec"]["template"]["spec"]["containers"]]
-        assert images == [f"{release.image}:{release.version}"]
+        images = {c["name"]: c["image"] for ds in daemonsets
+                  for c in ds["spec"]["template"]["spec"]["containers"]}
+        # the agent and its socket keeper, one image
+        assert images == {"kiamfast": f"{release.image}:{release.version}",
+                          "socket-keeper": f"{release.image}:{release.version}"}
         assert daemonsets[0]["spec"]["template"]["spec"]["nodeSelector"] == \
             {"kiamfast.io/release-test": "no-such-node"}
     finally:
