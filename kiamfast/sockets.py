@@ -50,3 +50,18 @@ def listen_socket(host: str | None, port: int, *, reuse_port: bool = False,
         raise ListenError(f"cannot listen on {bind_host} port {port}: {e}",
                           errno=e.errno, port=port) from e
     return sock
+
+
+def raise_fd_limit() -> None:
+    """Every pod connection is a file descriptor (and a flood's are accepted before they are
+    reset): use the hard limit, not the soft 1024.  Each process that accepts calls it."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass

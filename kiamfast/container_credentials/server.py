@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import resource
 import socket
 import time
 from collections import OrderedDict
@@ -44,6 +43,7 @@ from kiamfast.container_credentials.review import (
 )
 from kiamfast.control.iam.render import account_id, parse_response
 from kiamfast.control.mappings.decisions import IdentityKind
+from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.container_credentials")
 
@@ -302,19 +302,6 @@ class _Gate(asyncio.StreamReaderProtocol):
         super().connection_lost(exc)
 
 
-def _raise_fd_limit() -> None:
-    """Every connection is a file descriptor, and a flood's are accepted before they are
-    reset: the hard limit, not a soft 1024 (as the workers do)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        hard = 1 << 20
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            pass
-
-
 class BadRequest(Exception):
     pass
 
@@ -409,7 +396,7 @@ class ContainerCredentialsServer:
     # ---- connections -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        _raise_fd_limit()
+        raise_fd_limit()   # the control process did; a server run alone too
         loop = asyncio.get_running_loop()
 
         def gate() -> _Gate:

@@ -50,6 +50,7 @@ from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.publish import metrics as control_metrics
 from kiamfast.control.publish.aux import AuxPublisher
 from kiamfast.control.iam.sts import StsClient
+from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.control")
 
@@ -402,19 +403,6 @@ def discover_roles(config: Config) -> Config:
     return config.replace(base_role_arn=base)
 
 
-def _raise_fd_limit() -> None:
-    """Every token-path connection is a file descriptor: use the hard limit."""
-    import resource
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY:
-            hard = 1 << 20
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiamfast-control")
     parser.add_argument("--table", required=True)
@@ -430,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_json(args.config_json)
     logs.setup(log_format=config.log_format, level=config.effective_log_level,
                process="control")
-    _raise_fd_limit()
+    raise_fd_limit()
     from kiamfast.kube.errors import ConfigError
     try:
         prepared = Prepared.load(config)      # before the lock: standby does this meanwhile

@@ -39,7 +39,7 @@ from typing import Any
 
 from kiamfast import milestones
 from kiamfast import table as _table
-from kiamfast.sockets import ListenError, listen_socket
+from kiamfast.sockets import ListenError, listen_socket, raise_fd_limit
 from kiamfast.server.settings import SettingsError, WorkerSettings
 from kiamfast.server.upstream import Upstream
 
@@ -208,26 +208,12 @@ def _say_ready(fd: int) -> None:
         os.close(fd)
 
 
-def _raise_fd_limit() -> None:
-    """Every pod connection is a file descriptor: use the hard limit, not the soft 1024."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY:
-            hard = 1 << 20
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, ValueError, OSError):
-        pass
-
-
 def run_worker(settings: WorkerSettings, table_path: str, channel_fd: int | None,
                worker_index: int, *, listen_fd: int | None = None,
                metrics_listen_fd: int | None = None, extra_listen_fds: tuple[int, ...] = (),
                paused: bool = False, ready_fd: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT (blocking): the body of one worker process."""
-    _raise_fd_limit()
+    raise_fd_limit()
     body = _run(settings, table_path, channel_fd, worker_index,
                 listen_fds=(listen_fd, metrics_listen_fd), extra_listen_fds=extra_listen_fds,
                 paused=paused, ready_fd=ready_fd)
