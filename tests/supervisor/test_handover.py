@@ -17,19 +17,10 @@ import signal
 
 import pytest
 
-from handover_agents import (Node, idle, kill_tree, overlapping, serving, start_keeper,
-                             summary, wait_until, writer_terms)
+from handover_agents import (idle, kill_tree, overlapping, serving, start_keeper, summary,
+                             wait_until, writer_terms)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
 
 
 def test_a_new_agent_takes_the_node_over_and_no_call_fails(node):

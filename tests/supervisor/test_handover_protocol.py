@@ -18,7 +18,7 @@ import threading
 import pytest
 
 from agent_process import free_port
-from handover_agents import Node, idle, serving, wait_until
+from handover_agents import idle, serving, wait_until
 from kiamfast import fdpass
 from kiamfast.sockets import listen_socket
 
@@ -125,15 +125,6 @@ def test_a_symlink_is_not_a_handover_socket(tmp_path):
 
 
 # ---- against a real agent --------------------------------------------------------------------
-
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
-
 
 class FakeOldAgent(threading.Thread):
     """Listens on the node's handover socket and answers a takeover with ``answer(conn)``."""

@@ -12,18 +12,9 @@ from __future__ import annotations
 import pytest
 
 from agent_process import LISTING, POD_IP, ROLE, free_port, http
-from handover_agents import Node, serving, wait_until
+from handover_agents import serving, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
 
 
 def listing(port: int) -> tuple[int, bytes]:

@@ -16,22 +16,13 @@ import time
 
 import pytest
 
-from handover_agents import Node, kill_tree, serving, start_keeper, summary, wait_until
+from handover_agents import kill_tree, serving, start_keeper, summary, wait_until
 from kiamfast import fdpass
 from kiamfast.sockets import listen_socket
 
 pytestmark = pytest.mark.slow
 
 DOWN = 0.5        # how long the container stays down before it is started again
-
-
-@pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
 
 
 @pytest.fixture
