@@ -27,6 +27,7 @@ socket keeper costs (RSS and PSS), and what re-asserting the DNAT rule costs per
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import shutil
@@ -177,20 +178,10 @@ def kiamfast_scenarios(res: Result, opts: Options, tmp: Path, log) -> None:
         # container crash, with the keeper
         log("  kiamfast: container crash (SIGKILL of the tree), keeper holding the sockets")
         res.keeper["kiamfast keep-sockets (the pod's keeper)"] = memory(keepers[1].pid)
-        callers = ask(pods, opts)
-        time.sleep(opts.settle)
-        t0 = time.monotonic()
-        agent.kill()
-        started = time.monotonic()
-        agent.start()
-        first = first_answer_wait(callers, started)
-        wait_for(lambda: serving(agent))
-        ready = time.monotonic() - started
-        event = time.monotonic() - t0
-        time.sleep(opts.settle)
-        res.scenarios.append(judge(node, Scenario(
-            "kiamfast", "container crash, keeper", event=event, start_to_first_answer=first,
-            start_to_ready=ready), callers))
+        agent, scenario = replaced(node, pods, opts, "kiamfast", "container crash, keeper",
+                                   stop=agent.kill, start=agent.start,
+                                   ready=lambda a: wait_for(lambda: serving(a)))
+        res.scenarios.append(scenario)
 
         # rolling: no keeper, no handover
         log("  kiamfast: rolling restart (SIGTERM, then a new agent; no keeper, no handover)")
@@ -201,25 +192,34 @@ def kiamfast_scenarios(res: Result, opts: Options, tmp: Path, log) -> None:
         keepers = []
         plain = handover_agent(node, "plain-0", handover=False).start()
         plain.wait_ready(timeout=120)
-        callers = ask(pods, opts)
-        time.sleep(opts.settle)
-        t0 = time.monotonic()
-        plain.stop()
-        started = time.monotonic()
-        again = handover_agent(node, "plain-1", handover=False).start()
-        first = first_answer_wait(callers, started)
-        wait_for(lambda: serving(again))
-        ready = time.monotonic() - started
-        event = time.monotonic() - t0
-        time.sleep(opts.settle)
-        res.scenarios.append(judge(node, Scenario(
-            "kiamfast", "rolling restart", event=event, start_to_first_answer=first,
-            start_to_ready=ready), callers))
+        _, scenario = replaced(
+            node, pods, opts, "kiamfast", "rolling restart", stop=plain.stop,
+            start=lambda: handover_agent(node, "plain-1", handover=False).start(),
+            ready=lambda a: wait_for(lambda: serving(a)))
+        res.scenarios.append(scenario)
     finally:
         for keeper in keepers:
             keeper.terminate()
             keeper.wait(10)
         node.close()
+
+
+def replaced(node, pods, opts: Options, agent: str, name: str, *, stop, start, ready):
+    """The pods asking, ``stop()`` the serving agent and ``start()`` the next (returned with
+    the scenario): the gap timed from the new start to the first answer after it and to
+    ``ready(new)``, and from the stop to ready (the event)."""
+    callers = ask(pods, opts)
+    time.sleep(opts.settle)
+    t0 = time.monotonic()
+    stop()
+    started = time.monotonic()
+    new = start()
+    first = first_answer_wait(callers, started)
+    ready(new)
+    done = time.monotonic()
+    time.sleep(opts.settle)
+    return new, judge(node, Scenario(agent, name, event=done - t0, start_to_first_answer=first,
+                                     start_to_ready=done - started), callers)
 
 
 def first_answer_wait(callers, t0: float, timeout: float = 60.0) -> float:
@@ -249,20 +249,11 @@ def kube2iam_scenarios(res: Result, opts: Options, tmp: Path, log) -> None:
         for name, stop in (("restart (SIGTERM)", stop_kube2iam_term),
                            ("crash (SIGKILL)", stop_kube2iam_kill)):
             log(f"  kube2iam: {name}")
-            callers = ask(pods, opts)
-            time.sleep(opts.settle)
-            t0 = time.monotonic()
-            stop(agent)
-            started = time.monotonic()
-            agent = Kube2iamAgent(node)
-            first = first_answer_wait(callers, started)
-            agent.wait_ready()
-            ready = time.monotonic() - started
-            event = time.monotonic() - t0
-            time.sleep(opts.settle)
-            res.scenarios.append(judge(node, Scenario(
-                "kube2iam", name, event=event, start_to_first_answer=first,
-                start_to_ready=ready), callers))
+            agent, scenario = replaced(node, pods, opts, "kube2iam", name,
+                                       stop=functools.partial(stop, agent),
+                                       start=lambda: Kube2iamAgent(node),
+                                       ready=lambda a: a.wait_ready())
+            res.scenarios.append(scenario)
     finally:
         node.close()
 
