@@ -44,6 +44,18 @@ def add_pods(node):
     return pods
 
 
+def pods_asking(node, *, timeout: float = 20.0):
+    """With an agent ready: the node's pods, each served its own role, then asking all
+    along: their callers."""
+    pods = add_pods(node)
+    for pod in pods:
+        got = pod.wait_credentials(timeout=timeout)
+        assert got.ok and got.role == pod.role, got
+    callers = pod_callers(pods)
+    time.sleep(0.5)
+    return callers
+
+
 def never_wrong(node, calls) -> None:
     assert node_role(calls) == [], node_role(calls)[:5]
     assert another_role(node, calls) == [], another_role(node, calls)[:5]
@@ -53,11 +65,7 @@ def never_wrong(node, calls) -> None:
 def test_a_surge_handover_answers_every_call(node):
     old = handover_agent(node, "old").start()
     old.wait_ready()
-    pods = add_pods(node)
-    for pod in pods:
-        assert pod.wait_credentials().ok
-    callers = pod_callers(pods)
-    time.sleep(0.5)
+    callers = pods_asking(node)
     new = handover_agent(node, "new").start()
     wait_until(lambda: serving(new), lambda: "new agent never ready\n" + new.log())
     wait_until(lambda: idle(old), lambda: "old agent never idle\n" + old.log())
@@ -105,11 +113,7 @@ def test_a_killed_agent_with_a_socket_keeper_refuses_nothing(node):
 def test_a_restart_without_keeper_or_handover_refuses_calls_meanwhile(node):
     agent = handover_agent(node, "agent", handover=False).start()
     agent.wait_ready()
-    pods = add_pods(node)
-    for pod in pods:
-        assert pod.wait_credentials().ok
-    callers = pod_callers(pods)
-    time.sleep(0.5)
+    callers = pods_asking(node)
     agent.stop()
     again = handover_agent(node, "again", handover=False).start()
     wait_until(lambda: serving(again), lambda: "never ready\n" + again.log())
@@ -131,12 +135,7 @@ def test_the_switch_from_kube2iam_never_fails_open(node):
     skip_unless_available(runtime=False)
     kube2iam = Kube2iamAgent(node)
     kube2iam.wait_ready()
-    pods = add_pods(node)
-    for pod in pods:
-        got = pod.wait_credentials(timeout=30)
-        assert got.ok and got.role == pod.role, got
-    callers = pod_callers(pods)
-    time.sleep(0.5)
+    callers = pods_asking(node, timeout=30)
     agent = handover_agent(node, "kiamfast", extra=["--handover-port=8182"]).start()
     wait_until(lambda: serving(agent), lambda: "kiamfast never ready\n" + agent.log())
     wait_until(lambda: "new connections come here" in agent.log(), "never diverted")
