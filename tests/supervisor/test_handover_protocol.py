@@ -151,12 +151,29 @@ def fails_to_take_over(node, agent) -> str:
     return agent.log()
 
 
-def test_an_old_agent_speaking_garbage_is_not_followed(node):
-    node.port = free_port()
-    fake = FakeOldAgent(str(node.state / "handover.sock"),
-                        lambda self, conn: conn.sendall(b"\x00\x00\x00\x03abc"))
+def takeover_refused(node, answer) -> tuple[str, FakeOldAgent]:
+    """A new agent asks the fake old one to hand over, gets ``answer``, and fails: its log,
+    and the fake (what it saw)."""
+    fake = FakeOldAgent(str(node.state / "handover.sock"), answer)
     fake.start()
     log = fails_to_take_over(node, node.agent("new"))
+    fake.join(10)
+    return log, fake
+
+
+def offer(*, table_path: str, sock: socket.socket, port: int):
+    """An answer handing over ``sock`` as the app socket of ``port`` and ``table_path``."""
+    def answer(self, conn):
+        fdpass.send(conn, {"op": "sockets", "table_path": table_path,
+                           "sockets": [{"kind": "app", "host": "", "port": port}]},
+                    [sock.fileno()])
+        self.seen.append(fdpass.receive(conn)[0])
+    return answer
+
+
+def test_an_old_agent_speaking_garbage_is_not_followed(node):
+    node.port = free_port()
+    log, fake = takeover_refused(node, lambda self, conn: conn.sendall(b"\x00\x00\x00\x03abc"))
     assert "cannot take the node over" in log and "not JSON" in log
     assert fake.seen and fake.seen[0]["op"] == "takeover"
     fake.close()
@@ -165,17 +182,8 @@ def test_an_old_agent_speaking_garbage_is_not_followed(node):
 def test_sockets_that_do_not_match_the_configuration_are_refused(node):
     node.port = free_port()
     other = listen_socket("127.0.0.1", 0)
-
-    def offer(self, conn):
-        fdpass.send(conn, {"op": "sockets", "table_path": str(node.state / "table"),
-                           "sockets": [{"kind": "app", "host": "", "port": node.port}]},
-                    [other.fileno()])
-        self.seen.append(fdpass.receive(conn)[0])
-
-    fake = FakeOldAgent(str(node.state / "handover.sock"), offer)
-    fake.start()
-    log = fails_to_take_over(node, node.agent("new"))
-    fake.join(10)
+    log, fake = takeover_refused(node, offer(table_path=str(node.state / "table"), sock=other,
+                                             port=node.port))
     assert "refusing the handed-over sockets" in log
     assert fake.seen[-1]["op"] == "abort" and "listens on" in fake.seen[-1]["error"]
     # this agent's descriptor of the foreign socket was closed: only ours is left
@@ -187,17 +195,8 @@ def test_sockets_that_do_not_match_the_configuration_are_refused(node):
 def test_a_table_path_of_another_configuration_is_refused(node):
     node.port = free_port()
     held = listen_socket(None, node.port)
-
-    def offer(self, conn):
-        fdpass.send(conn, {"op": "sockets", "table_path": "/dev/shm/elsewhere",
-                           "sockets": [{"kind": "app", "host": "", "port": node.port}]},
-                    [held.fileno()])
-        self.seen.append(fdpass.receive(conn)[0])
-
-    fake = FakeOldAgent(str(node.state / "handover.sock"), offer)
-    fake.start()
-    log = fails_to_take_over(node, node.agent("new"))
-    fake.join(10)
+    log, fake = takeover_refused(node, offer(table_path="/dev/shm/elsewhere", sock=held,
+                                             port=node.port))
     assert "/dev/shm/elsewhere" in log and fake.seen[-1]["op"] == "abort"
     held.close()
     fake.close()
