@@ -636,6 +636,7 @@ def test_every_pod_only_ever_sees_credentials_of_its_own_key(h, seed):
         async with h.manager(clock=clock.time, sleep=clock.sleep, capacity=6,
                              release_grace=30, backoff_base=0.5) as mgr:
             pods: dict[str, tuple[str, str | None]] = {}
+            slots: dict[str, int] = {}      # the slot acquire gave each pod
             checked = 0
             for step in range(160):
                 op = rng.random()
@@ -643,17 +644,19 @@ def test_every_pod_only_ever_sees_credentials_of_its_own_key(h, seed):
                 if op < 0.45:
                     want = (rng.choice(roles), rng.choice(ext_ids))
                     try:
-                        mgr.acquire(uid, h.req(want[0], pod=uid, external_id=want[1]))
+                        slots[uid] = mgr.acquire(uid, h.req(want[0], pod=uid,
+                                                            external_id=want[1]))
                         pods[uid] = want
-                    except CredentialSlotsExhausted:
-                        pass
+                    except CredentialSlotsExhausted:   # a pod changing key left its old one
+                        pods.pop(uid, None)
+                        slots.pop(uid, None)
                 elif op < 0.65 and uid in pods:
                     mgr.release(uid)
                     del pods[uid]
+                    del slots[uid]
                 elif op < 0.75:
-                    slot = mgr.slot_of(uid)
-                    if slot is not None:
-                        mgr.wanted(slot)
+                    if uid in slots:
+                        mgr.wanted(slots[uid])
                 elif op < 0.8:
                     h.proxy.clear_faults()
                     h.proxy.add_fault(rng.choice(["5xx", "down", "deny", "throttle"]),
@@ -662,7 +665,7 @@ def test_every_pod_only_ever_sees_credentials_of_its_own_key(h, seed):
                 issued = {c.access_key_id: (c.role_arn, c.external_id)
                           for c in h.proxy.assume_role_calls(outcome="ok")}
                 for uid, (role_name, ext) in pods.items():
-                    slot = mgr.slot_of(uid)
+                    slot = slots[uid]
                     state, _, parts = h.state(slot)
                     if state != tbl.CRED_READY:
                         continue
@@ -687,5 +690,5 @@ def test_from_config(h):
                                                 notify=h.notify)
     assert mgr.capacity == h.capacity and mgr.naming.policy == "pod"
     assert mgr.duration == 3600 and mgr.min_lifetime == 900
-    assert (mgr.bucket.rate, mgr.bucket.burst, mgr.error_ttl) == (7.0, 3, 42.0)
+    assert (mgr.bucket.rate, mgr.bucket.burst, mgr.timing.error_ttl) == (7.0, 3, 42.0)
     assert mgr.naming.node_name == "ip-10-0-0-1"

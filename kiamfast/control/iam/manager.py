@@ -7,17 +7,11 @@ refreshed ahead of time (half-life, jittered), and what workers serve always has
 ``min_lifetime`` left (sdk-imds.md §4: SDKs misbehave below ~15 min). If STS is down, the old
 credentials keep flowing until that point; then the slot turns to ERROR and workers answer
 503.  Keys and session names: :mod:`.keys`; when calls run and the node's STS budget:
-:mod:`.schedule`; which key holds which slot, and adoption: :mod:`.slots`; what an STS
+:mod:`.schedule`; one STS call and what its answer does to the key (retries, refusals,
+expiry): :mod:`.calls`; which key holds which slot, and adoption: :mod:`.slots`; what an
 answer writes and logs, and when the key is called next: :mod:`.outcomes`; the bytes
-written: :mod:`.render`.
-
-A throttled key retries when the node's pause ends (no backoff of its own); a throttled call
-of a key a pod's request is held for retries once 50-150 ms later, within that wait.  Other
-failures back off per key. Permanent refusals (AccessDenied...) become the real-IMDS error
-document, cached for ``error_ttl`` (kube2iam's ``--iam-role-error-ttl``, at least
-``error_ttl_floor`` so a misconfigured role cannot hammer STS), retried with growing
-intervals while pods use them.  A tagged call STS refuses is denied as any refusal, with a
-message naming ``sts:TagSession``, and never retried without its tags.
+written: :mod:`.render`.  This module keeps the keys' life: which pods use which key, the
+order their calls go in, idle keys freed, a restart's slots adopted.
 
 Restarts. Every slot also holds its key and expiry (``render.PART_KEY``), so a restarted
 control process adopts what the table holds (:meth:`CredentialManager.adopt`): credentials
@@ -26,9 +20,8 @@ instead of calling STS for every key at once (or losing them when STS is down). 
 never freed, and so never reused for another key, while an address in the table names it
 (``slot_refs``, counted where the addresses are written).
 
-What it must never do: serve credentials with less than ``min_lifetime`` left, hand a key's
-credentials to a slot of another key, call STS twice at once for one key, log a secret, or
-block the event loop (STS runs on the client's thread pool).
+What it must never do: hand a key's credentials to a slot of another key, or call STS twice
+at once for one key.
 
 Time comes from the injected ``clock`` (epoch seconds) and ``sleep``, so tests can live
 through hours of rotation without waiting. The table is any object with ``write_cred``,
@@ -41,36 +34,25 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
-from kiamfast import milestones
-from kiamfast.budget import TokenBucket
+from kiamfast.control.iam.calls import AssumeRole, KeyCalls
 from kiamfast.control.iam.keys import (CredentialKey, CredentialRequest, SessionNaming,
                                        tag_problem)
 from kiamfast.control.iam.metrics import StsMetrics
-from kiamfast.control.iam.outcomes import (CallTiming, audit_line, refusal_reason,
-                                           write_credentials, write_denied)
+from kiamfast.control.iam.outcomes import CallTiming, audit_line
 from kiamfast.control.iam.schedule import (HEADROOM, PRIO_NEW, PRIO_REFRESH, PRIO_WANTED,
-                                           PROBE_AFTER, QUICK_RETRY, Schedule, node_share)
-from kiamfast.control.iam.slots import (DENIED, ERROR, READY, STATES, CredentialTable,
-                                        KeyEntry, NoRefs, SlotPool, SlotRefs)
-from kiamfast.control.iam.sts import (Credentials, StsDenied, StsError, StsThrottled,
-                                  StsTransient, classify)
-from kiamfast.table import CRED_ERROR, CRED_PENDING
+                                           PROBE_AFTER, Schedule, node_bucket)
+from kiamfast.control.iam.slots import (DENIED, READY, STATES, CredentialTable, KeyEntry,
+                                        NoRefs, SlotPool, SlotRefs)
+from kiamfast.control.iam.sts import StsDenied, StsThrottled
+from kiamfast.table import CRED_PENDING
 
 log = logging.getLogger("kiamfast.credentials")
-NO_CREDENTIALS_LOG_EVERY = 30.0
 
 
 class ManagerClosed(Exception):
     """The manager was closed; it takes no more work."""
-
-
-class AssumeRole(Protocol):
-    async def assume_role(self, role_arn: str, session_name: str, *,
-                          external_id: str | None = None, duration: int = 3600,
-                          tags: list[tuple[str, str]] | None = None,
-                          transitive: bool = False) -> Credentials: ...
 
 
 class CredentialManager:
@@ -98,10 +80,8 @@ class CredentialManager:
             raise ValueError("capacity must be >= 1")
         self.naming = naming or SessionNaming(**naming_args)
         self.table = table
-        self.sts = sts
         self.capacity = capacity
         self.notify = notify
-        self.base_role_arn = base_role_arn or None
         self.duration = int(duration)
         self.min_lifetime = float(min_lifetime)
         self.release_grace = release_grace
@@ -113,42 +93,33 @@ class CredentialManager:
                                  error_ttl_max=max(error_ttl, error_ttl_max),
                                  backoff_base=backoff_base, backoff_max=backoff_max,
                                  rng=self.rng)
-        # With a fleet budget but no node count yet (it comes from the API), the floor is
-        # the one without a budget until set_fleet_nodes: the lower of the two.  A node of
-        # a fleet starts at that floor, with one token (schedule.py: a fleet arriving
-        # together stays within the account's budget from its first call).
         self.account_qps = account_qps
         fleet = account_qps > 0
-        self.bucket = TokenBucket(
-            qps, burst, clock=clock, sleep=sleep,
-            min_rate=node_share(account_qps, fleet_nodes, qps)
-            if fleet and fleet_nodes > 0 else None, tokens=1.0 if fleet else None)
-        if fleet:
-            self.bucket.rate = self.bucket.min_rate
+        self.bucket = node_bucket(qps=qps, burst=burst, account_qps=account_qps,
+                                  fleet_nodes=fleet_nodes, clock=clock, sleep=sleep)
+        # The calls need the schedule and the schedule runs them: built just below.
         self.schedule = Schedule(bucket=self.bucket, max_inflight=max_inflight,
-                                 fetch=self._fetch, on_timer=self._on_timer, clock=clock,
-                                 sleep=sleep, rank=self._deadline,
+                                 fetch=lambda entry, ticket: self.calls.fetch(entry, ticket),
+                                 on_timer=self._on_timer, clock=clock, sleep=sleep,
                                  probe_after=PROBE_AFTER if fleet else 0.0,
                                  headroom=HEADROOM if fleet else 0.0,
                                  throttle_base=throttle_base, throttle_max=throttle_max,
                                  rng=self.rng)
         self.slots = SlotPool(table=table, capacity=capacity,
                               slot_refs=slot_refs if slot_refs is not None else NoRefs())
-        self._pods: dict[str, CredentialKey] = {}   # pod UID -> the key it uses
-        self._waiting: set[KeyEntry] = set()        # entries with waiting=True
-        self._no_credentials_logged = float("-inf")
-        self._closed = False
-        self._stopped = asyncio.Event()
-        self._counts = {"sts_success": 0, "sts_throttled": 0, "sts_transient": 0,
-                        "sts_denied": 0, "refreshes": 0, "cache_hits": 0, "issued": 0,
-                        "expired": 0, "evicted": 0}
         self.metrics = StsMetrics()
         self.metrics.rate.set(self.bucket.rate)
-
-    @property
-    def error_ttl(self) -> float:
-        """How long a refusal is cached at first (``--iam-role-error-ttl``, floored)."""
-        return self.timing.error_ttl
+        self.calls = KeyCalls(sts=sts, naming=self.naming, table=table, schedule=self.schedule,
+                              timing=self.timing, metrics=self.metrics,
+                              duration=self.duration, min_lifetime=self.min_lifetime,
+                              base_role_arn=base_role_arn or None,
+                              release_grace=release_grace, clock=clock, rng=self.rng,
+                              notify=self._notify, set_waiting=self._set_waiting)
+        self._pods: dict[str, CredentialKey] = {}   # pod UID -> the key it uses
+        self._waiting: set[KeyEntry] = set()        # entries with waiting=True
+        self._closed = False
+        self._stopped = asyncio.Event()
+        self._counts = {"cache_hits": 0, "evicted": 0}
 
     @classmethod
     def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
@@ -177,14 +148,11 @@ class CredentialManager:
         count): the floor throttling may cut this node's rate down to follows its share."""
         if self.account_qps <= 0 or nodes < 1:
             return
-        share = node_share(self.account_qps, nodes, self.bucket.max_rate)
-        if share != self.bucket.min_rate:
+        before = self.bucket.min_rate
+        share = self.schedule.share_fleet(self.account_qps, nodes)
+        if share != before:
             log.info("STS share: %.3g calls/s (%g over %d nodes)", share, self.account_qps,
                      nodes)
-        self.bucket.tokens      # what was saved so far accrued at the old rate
-        self.bucket.min_rate = share
-        # Until the node has been calm long enough to probe, it runs at its share exactly.
-        self.bucket.rate = max(self.bucket.rate, share) if self.schedule.probing else share
         self.metrics.rate.set(self.bucket.rate)
 
     # ---- the pods' API ------------------------------------------------------------------------
@@ -205,7 +173,7 @@ class CredentialManager:
             if old == key:
                 entry = self.slots.by_key[key]
                 entry.users[pod_uid] = req
-                self._sooner(entry, req)
+                self.schedule.sooner(entry, addressed=bool(req.pod_ip))
                 return entry.slot
             self.release(pod_uid)
         entry = self.slots.by_key.get(key)
@@ -218,13 +186,13 @@ class CredentialManager:
                 self._revive(entry)
             if entry.creds is not None and entry.state == READY:
                 audit_line("credentials shared", entry, pods=[(pod_uid, req)],
-                           session_name=self._session_name(entry))
-            self._sooner(entry, req)
+                           session_name=self.calls.session_name(entry))
+            self.schedule.sooner(entry, addressed=bool(req.pod_ip))
             return entry.slot
         entry = self.slots.allocate(key, evict=self._evict)
         slot = entry.slot
         entry.users[pod_uid] = req
-        self._sooner(entry, req, queue=False)
+        self.schedule.sooner(entry, addressed=bool(req.pod_ip))
         self._pods[pod_uid] = key
         problem = tag_problem(key.tags)
         if problem:
@@ -232,8 +200,8 @@ class CredentialManager:
             log.warning("pod %s/%s: no credentials for %s: %s", req.namespace, req.pod_name,
                         key.role_arn, problem)
             entry.unsendable = True
-            self._on_failure(entry, StsDenied("InvalidSessionTag", problem,
-                                              role_arn=key.role_arn))
+            self.calls.failed(entry, StsDenied("InvalidSessionTag", problem,
+                                               role_arn=key.role_arn))
             return slot
         self.table.write_cred(slot, [], serve_until=0.0, state=CRED_PENDING)
         self._notify()
@@ -272,34 +240,6 @@ class CredentialManager:
         entry.quick_retry = True
         self.schedule.enqueue(entry, PRIO_WANTED)
 
-    # ---- the order of calls --------------------------------------------------------------------
-
-    def _sooner(self, entry: KeyEntry, req: CredentialRequest, *, queue: bool = True) -> None:
-        """A pod acquired the key (or came back with more to say): its deadline moves up to
-        when this pod could ask.  A pod with an address can ask at any moment; one without
-        cannot until its sandbox has one, so any addressed pod's key comes first."""
-        now = self.clock()
-        if req.pod_ip and not entry.addressed:
-            entry.addressed, entry.due = True, now
-        elif not entry.addressed:
-            entry.due = min(entry.due, now)
-        else:
-            return
-        if queue and entry.queued is not None:
-            self.schedule.enqueue(entry, entry.queued[0])   # re-ranked if it moved up
-
-    @staticmethod
-    def _deadline(entry: KeyEntry, prio: int) -> tuple[float, ...]:
-        """The key's place within its priority (earliest deadline first): waited-for keys
-        in the order their pods asked; new keys, those of addressed pods first, then by
-        when their first pod arrived; refreshes by when their credentials stop being
-        servable."""
-        if prio == PRIO_WANTED:
-            return (entry.asked_at,)
-        if prio == PRIO_NEW:
-            return (0.0 if entry.addressed else 1.0, entry.due)
-        return (entry.serve_until,)
-
     # ---- a restart, and what a slot holds -----------------------------------------------------
 
     def adopt(self, slots: Iterable[tuple[int, int, float, list[bytes]]]) -> int:
@@ -326,10 +266,6 @@ class CredentialManager:
         """(role ARN, external ID) of the key a slot holds (an adopted one included)."""
         entry = self.slots.by_slot.get(slot)
         return None if entry is None else (entry.key.role_arn, entry.key.external_id)
-
-    def slot_of(self, pod_uid: str) -> int | None:
-        key = self._pods.get(pod_uid)
-        return None if key is None else self.slots.by_key[key].slot
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -371,10 +307,12 @@ class CredentialManager:
         for e in self.slots.by_key.values():
             states[e.state] += 1
             idle += e.idle_since is not None
+        calls = self.calls.counts
         return {
+            **calls,
             **self._counts,
-            "sts_calls": sum(self._counts[k] for k in ("sts_success", "sts_throttled",
-                                                       "sts_transient", "sts_denied")),
+            "sts_calls": sum(calls[k] for k in ("sts_success", "sts_throttled",
+                                                "sts_transient", "sts_denied")),
             "inflight": self.schedule.inflight,
             "keys": len(self.slots.by_key),
             "pods": len(self._pods),
@@ -418,7 +356,7 @@ class CredentialManager:
 
     def _revive(self, entry: KeyEntry) -> None:
         entry.idle_since = None
-        entry.due, entry.addressed = float("inf"), False   # its new pods' (_sooner)
+        entry.due, entry.addressed = float("inf"), False   # its new pods' (sooner)
         self.schedule.cancel_timer(entry)     # the "free" timer
         now = self.clock()
         if entry.inflight:
@@ -444,168 +382,7 @@ class CredentialManager:
             if entry.idle_since is not None and not entry.users:
                 self._free_entry(entry)
         elif kind == "expire":
-            self._expire(entry)
-
-    # ---- one STS call -------------------------------------------------------------------------
-
-    async def _fetch(self, entry: KeyEntry, ticket: int) -> None:
-        key = entry.key
-        name = self._session_name(entry)
-        started = time.monotonic()
-        self.metrics.inflight.set(self.schedule.inflight)
-        result: Credentials | StsError
-        try:
-            result = await self.sts.assume_role(
-                key.role_arn, name, external_id=key.external_id, duration=self.duration,
-                tags=list(key.tags) or None, transitive=self.naming.eks)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # classified: StsError already, anything else -> transient
-            result = classify(exc, role_arn=key.role_arn)
-        finally:
-            self.schedule.finished(entry)
-            self.metrics.inflight.set(self.schedule.inflight)
-        elapsed = time.monotonic() - started
-        if isinstance(result, Credentials):
-            milestones.mark("first STS answer")
-            self.metrics.sts_call(key.role_arn, "Success", "success", elapsed)
-            self._counts["sts_success"] += 1
-            self.schedule.succeeded()
-            self.metrics.rate.set(self.bucket.rate)
-            if not entry.freed:
-                try:
-                    self._on_success(entry, result, name)
-                except Exception as exc:  # e.g. ValueTooLarge: never leave the key stuck
-                    log.exception("publishing credentials for %s failed", key.role_arn)
-                    self._on_failure(entry, StsTransient(type(exc).__name__, str(exc),
-                                                         role_arn=key.role_arn))
-            return
-        kind = ("throttled" if isinstance(result, StsThrottled) else
-                "denied" if isinstance(result, StsDenied) else "transient")
-        self.metrics.sts_call(key.role_arn, result.code or "UnknownError", kind, elapsed)
-        self._counts[f"sts_{kind}"] += 1
-        if isinstance(result, StsThrottled):
-            self.schedule.throttled(ticket)
-            self.metrics.rate.set(self.bucket.rate)
-        if not entry.freed:
-            self._on_failure(entry, result)
-
-    def _on_success(self, entry: KeyEntry, creds: Credentials, session_name: str) -> None:
-        now = self.clock()
-        expires = creds.expires_at
-        serve_until = expires - self.min_lifetime
-        if serve_until <= now + 1.0:
-            # STS gave less than min_lifetime (clock skew?): never serve it.
-            self._on_failure(entry, StsTransient(
-                "ShortLifetime", f"credentials expire at {creds.expiration.isoformat()}",
-                role_arn=entry.key.role_arn))
-            return
-        refreshed = entry.creds is not None
-        write_credentials(self.table, entry, creds, base_role_arn=self.base_role_arn, now=now,
-                          serve_until=serve_until)
-        entry.creds = creds
-        entry.state = READY
-        entry.serve_until = serve_until
-        entry.fetched_at = now
-        entry.failures = entry.denials = 0
-        entry.last_error = None
-        entry.not_before = 0.0
-        self._set_waiting(entry, False)
-        entry.issued += 1
-        self._counts["issued"] += 1
-        if refreshed:
-            self._counts["refreshes"] += 1
-            self.metrics.refreshes.inc()
-        entry.refresh_at = self.timing.refresh_at(now, expires, serve_until)
-        self._notify()
-        audit_line("credentials issued", entry, pods=list(entry.users.items()),
-                   session_name=session_name)
-        if entry.idle_since is None:
-            self.schedule.set_timer(entry, entry.refresh_at, "fetch", PRIO_REFRESH)
-        else:
-            self.schedule.set_timer(entry, entry.idle_since + self.release_grace, "free")
-
-    def _write_denied(self, entry: KeyEntry, err: StsError, now: float) -> None:
-        """The real-IMDS error document for a refused key, served until the next attempt."""
-        entry.serve_until = write_denied(self.table, entry, err,
-                                         base_role_arn=self.base_role_arn, now=now)
-        entry.state = DENIED
-
-    def _no_credentials(self, now: float) -> None:
-        """botocore found no credentials of the agent's own: one line for every role, at
-        most every NO_CREDENTIALS_LOG_EVERY seconds."""
-        if now - self._no_credentials_logged < NO_CREDENTIALS_LOG_EVERY:
-            return
-        self._no_credentials_logged = now
-        log.warning("STS: the agent has no AWS credentials of its own to call AssumeRole with "
-                    "(botocore: Unable to locate credentials): give the node an instance role "
-                    "(read from the metadata service), or the agent AWS_ACCESS_KEY_ID/"
-                    "AWS_SECRET_ACCESS_KEY, a web identity (IRSA) or a profile in its "
-                    "environment; retrying, credentials already fetched are served until they "
-                    "expire (logged at most every %.0fs)", NO_CREDENTIALS_LOG_EVERY)
-
-    def _on_failure(self, entry: KeyEntry, err: StsError) -> None:
-        now = self.clock()
-        entry.failures += 1
-        entry.last_error = err
-        denied = isinstance(err, StsDenied)
-        if denied:
-            entry.denials += 1
-        delay = self.timing.retry_delay(err, failures=entry.failures, denials=entry.denials,
-                                        paused_for=max(0.0, self.bucket.paused_until - now))
-        loud = entry.failures == 1 or entry.failures % 10 == 0
-        if err.code == "NoCredentialsError":
-            self._no_credentials(now)            # the node's problem, not this role's
-        elif not entry.unsendable:
-            log.log(logging.WARNING if loud else logging.DEBUG,
-                    "AssumeRole failed: role=%s code=%s failures=%d retry_in=%.1fs: %s",
-                    entry.key.role_arn, err.code, entry.failures, delay,
-                    refusal_reason(entry, err) or err.message)
-        if entry.state == READY and now < entry.serve_until:
-            # Static stability: keep serving what we have; retry, at the latest at the end.
-            retry_at = min(now + delay, entry.serve_until)
-            entry.not_before = retry_at
-            if entry.idle_since is None:
-                if retry_at < entry.serve_until:
-                    self.schedule.set_timer(entry, retry_at, "fetch", PRIO_REFRESH)
-                else:  # the last chance is at serve_until; _expire retries after it
-                    self.schedule.set_timer(entry, entry.serve_until, "expire")
-            return
-        entry.not_before = now + delay
-        if denied:
-            self._write_denied(entry, err, now)
-            self._set_waiting(entry, False)    # the pod gets its answer: the error document
-            entry.creds = None
-        else:
-            if entry.state == READY:
-                self._counts["expired"] += 1
-            self.table.set_cred_state(entry.slot, CRED_ERROR)
-            entry.state = ERROR
-        self._notify()
-        if entry.idle_since is None:
-            if isinstance(err, StsThrottled) and entry.quick_retry:
-                # once per request a worker holds: the next token may be free within its wait
-                entry.quick_retry = False
-                self.schedule.set_timer(entry, now + self.rng.uniform(*QUICK_RETRY), "fetch",
-                                        PRIO_WANTED)
-            else:
-                self.schedule.set_timer(entry, entry.not_before, "fetch", PRIO_NEW)
-
-    def _expire(self, entry: KeyEntry) -> None:
-        """serve_until reached with no fresh credentials: stop serving (ERROR -> 503)."""
-        now = self.clock()
-        if entry.state != READY or now < entry.serve_until:
-            return
-        self._counts["expired"] += 1
-        if isinstance(entry.last_error, StsDenied):
-            self._write_denied(entry, entry.last_error, now)
-        else:
-            self.table.set_cred_state(entry.slot, CRED_ERROR)
-            entry.state = ERROR
-        entry.creds = None
-        self._notify()
-        if entry.idle_since is None and not entry.inflight:
-            self.schedule.set_timer(entry, max(now, entry.not_before), "fetch", PRIO_NEW)
+            self.calls.expire(entry)
 
     # ---- side channels ------------------------------------------------------------------------
 
@@ -614,7 +391,3 @@ class CredentialManager:
             self.notify()
         except Exception:  # a broken notifier must not break the manager
             log.exception("notify callback failed")
-
-    def _session_name(self, entry: KeyEntry) -> str:
-        """The key's session name as its pods now make it (kube2iam's policy reads them)."""
-        return self.naming.session_name(entry.key, entry.users.items())

@@ -20,17 +20,17 @@ no pod can wait for, which may go beyond the pace (below).  Nodes starting at
 other; ``bench/fleet_sim.py`` measures both.
 
 Calls are taken earliest deadline first: by priority, then by when the credentials are
-needed (``rank``, the manager's).  A key a pod is *waiting* for (a worker said so) comes
-first, in the order the pods asked; then keys nobody has credentials for yet, the pods
-that can ask soonest first; then refresh-ahead, the credentials that stop being servable
-soonest first.  A waited-for key keeps its priority through its retries until it is
+needed (:func:`deadline`).  A key a pod is *waiting* for (a worker said so) comes first, in
+the order the pods asked; then keys nobody has credentials for yet, the pods that can ask
+soonest first (:meth:`Schedule.sooner`); then refresh-ahead, the credentials that stop
+being servable soonest first.  A waited-for key keeps its priority through its retries until it is
 servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a
 waited-for key does not wait for the node's token, pace or pause: it borrows a token (debt
 of at most a burst, which later tokens pay back by delaying the next prefetch: over time
 the node's rate holds).
 
-The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (the
-manager's) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
+The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (one
+call, :mod:`.calls`) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
 re-queue the entry themselves).  An entry is any object with the scheduling fields of the
 manager's ``KeyEntry`` (:mod:`.slots`).
 """
@@ -40,7 +40,7 @@ import asyncio
 import heapq
 import itertools
 import random
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable
 
 from kiamfast.budget import TokenBucket, backoff
 
@@ -74,6 +74,33 @@ def node_share(account_qps: float, fleet_nodes: int, node_qps: float) -> float:
     return min(node_qps, account_qps / fleet_nodes)
 
 
+def node_bucket(*, qps: float, burst: int, account_qps: float, fleet_nodes: int,
+                clock: Callable[[], float],
+                sleep: Callable[[float], Awaitable[None]]) -> TokenBucket:
+    """The node's STS bucket.  A node of a fleet (``account_qps``) starts at its share, with
+    one token; with no node count yet (it comes from the API) the floor is the one without
+    a budget until :meth:`Schedule.share_fleet`: the lower of the two."""
+    fleet = account_qps > 0
+    bucket = TokenBucket(
+        qps, burst, clock=clock, sleep=sleep,
+        min_rate=node_share(account_qps, fleet_nodes, qps)
+        if fleet and fleet_nodes > 0 else None, tokens=1.0 if fleet else None)
+    if fleet:
+        bucket.rate = bucket.min_rate
+    return bucket
+
+
+def deadline(entry: Any, prio: int) -> tuple[float, ...]:
+    """The key's place within its priority (earliest deadline first): waited-for keys in
+    the order their pods asked; new keys, those of addressed pods first, then by when their
+    first pod arrived; refreshes by when their credentials stop being servable."""
+    if prio == PRIO_WANTED:
+        return (entry.asked_at,)
+    if prio == PRIO_NEW:
+        return (0.0 if entry.addressed else 1.0, entry.due)
+    return (entry.serve_until,)
+
+
 class Schedule:
     """The ready queue, the timers and the dispatcher of STS calls."""
 
@@ -81,12 +108,10 @@ class Schedule:
                  fetch: Callable[[Any, int], Awaitable[None]],
                  on_timer: Callable[[Any, str], None],
                  clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]],
-                 rank: Callable[[Any, int], tuple[Hashable, ...]] = lambda entry, prio: (),
                  probe_after: float = 0.0, headroom: float = 0.0,
                  throttle_base: float = 1.0, throttle_max: float = 30.0,
                  rng: random.Random | None = None) -> None:
         self.bucket = bucket
-        self.rank = rank                    # (entry, prio) -> its deadline within the prio
         self.probe_after = probe_after
         self.rng = rng or random.Random()
         # Every call also takes a token of the pace, (1 - headroom) of the node's rate (a
@@ -123,7 +148,7 @@ class Schedule:
             return
         if entry.waiting:
             prio = PRIO_WANTED
-        order = (prio, *self.rank(entry, prio))
+        order = (prio, *deadline(entry, prio))
         if entry.queued is not None and entry.queued <= order:
             return
         if entry.queued is None:
@@ -131,6 +156,20 @@ class Schedule:
         entry.queued = order
         heapq.heappush(self._ready, (order, next(self._seq), entry))
         self._work.set()
+
+    def sooner(self, entry: Any, *, addressed: bool) -> None:
+        """A pod acquired the key (or came back with more to say): its deadline moves up to
+        when this pod could ask.  A pod with an address can ask at any moment; one without
+        cannot until its sandbox has one, so any addressed pod's key comes first."""
+        now = self.clock()
+        if addressed and not entry.addressed:
+            entry.addressed, entry.due = True, now
+        elif not entry.addressed:
+            entry.due = min(entry.due, now)
+        else:
+            return
+        if entry.queued is not None:
+            self.enqueue(entry, entry.queued[0])   # re-ranked if it moved up
 
     def dequeue(self, entry: Any) -> None:
         """Forget a queued item (the entry is freed)."""
@@ -154,6 +193,16 @@ class Schedule:
     def probing(self) -> bool:
         """Whether successes may take the rate up (``probe_after`` calm seconds have passed)."""
         return self.clock() - self._calm_since >= self.probe_after
+
+    def share_fleet(self, account_qps: float, nodes: int) -> float:
+        """``nodes`` agents now share ``account_qps``: the floor throttling may cut this
+        node's rate down to follows its share (:func:`node_share`), which it runs at
+        exactly until it has been calm long enough to probe.  Returns the share."""
+        share = node_share(account_qps, nodes, self.bucket.max_rate)
+        self.bucket.tokens      # what was saved so far accrued at the old rate
+        self.bucket.min_rate = share
+        self.bucket.rate = max(self.bucket.rate, share) if self.probing else share
+        return share
 
     def succeeded(self) -> None:
         """An STS call succeeded: the rate may grow back (once the node has been calm)."""
