@@ -134,6 +134,7 @@ def test_no_two_test_modules_share_a_name():
 # policy and the credential sink are handed in); the agent's own API client stays a leaf; only
 # the CLI starts the supervisor.  Within iam, the schedule decides when calls run knowing
 # nothing of STS, the table or the keys' owners: it runs the calls it is handed (iam/calls.py).
+# The iptables rules are data: iptables_rules.py runs nothing (iptables.py runs iptables).
 SHAPE = [
     ("kiamfast/control/k8s", ("kiamfast.control.cri", "kiamfast.control.mappings",
                               "kiamfast.control.iam", "kiamfast.control.process")),
@@ -146,6 +147,7 @@ SHAPE = [
                               "kiamfast.control.publish", "kiamfast.control.process",
                               "kiamfast.kube")),
     ("kiamfast/control/iam/schedule.py", ("kiamfast.control", "kiamfast.table")),
+    ("kiamfast/control/iptables_rules.py", ("kiamfast.control", "subprocess", "asyncio")),
     ("kiamfast/kube", ("kiamfast.",)),
     ("kiamfast/metrics_text.py", ("kiamfast.",)),
     ("kiamfast/budget.py", ("kiamfast.",)),
@@ -173,6 +175,26 @@ def test_only_the_cli_imports_the_supervisor():
                                                   if n.startswith("kiamfast.supervisor"))
                  for f in files}
     assert {f: n for f, n in offenders.items() if n} == {}
+
+
+_LOAD_SUPERVISOR = """
+import importlib, pkgutil, sys
+import kiamfast.supervisor
+for info in pkgutil.walk_packages(kiamfast.supervisor.__path__, "kiamfast.supervisor."):
+    importlib.import_module(info.name)
+print(" ".join(sorted(m for m in sys.modules if m == "asyncio"
+                      or m == "kiamfast.control.rule_keeper")))
+"""
+
+
+def test_the_supervisor_loads_no_asyncio():
+    """The supervisor runs no event loop: the second port's rules come from iptables_rules.py
+    and iptables.py; keeping rules in place (rule_keeper.py, asyncio) is the control
+    process's job.  What its modules import in turn counts too, in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SUPERVISOR], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == []
 
 
 # No module of kiamfast imports, however indirectly, a module that imports it back: not at

@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from kiamfast.control import iptables
+from kiamfast.control import iptables, iptables_rules
 from kiamfast.sockets import ListenError, listen_socket
 from kiamfast.supervisor.listeners import APP, SECOND, Listener, of_kind
 
@@ -51,12 +51,13 @@ BIND_EVERY = 0.2     # how often the app port is tried while the old process hol
 DRAIN = 5.0          # the second port stays open this long after its rule is gone
 
 
-def second_port_rules(config) -> list[iptables.Rule]:
+def second_port_rules(config) -> list[iptables_rules.Rule]:
     """The DNAT rules to --handover-port (the app-port rules with the other port)."""
     if not config.iptables:
         return []
-    return [iptables.Rule(r.metadata_addr, r.host_ip, config.handover_port, r.host_interface,
-                          r.family) for r in iptables.rules_for_config(config)]
+    return [iptables_rules.Rule(r.metadata_addr, r.host_ip, config.handover_port,
+                                r.host_interface, r.family)
+            for r in iptables_rules.rules_for_config(config)]
 
 
 def remove_stale_rules(config) -> None:
@@ -122,7 +123,7 @@ class SecondPort:
                                        sock))
         self.sup.swap_workers()
         if self.rules:
-            for rule in iptables.rules_for_config(self.config):
+            for rule in iptables_rules.rules_for_config(self.config):
                 iptables.ensure_rule(rule, backend=self.backend)
             self.remove_rules()
         self.drain_until = time.monotonic() + DRAIN

@@ -158,7 +158,8 @@ RULE = ("169.254.169.254", "10.89.0.1", 8181, "kfc+")
 DNAT = ("-A PREROUTING -d 169.254.169.254/32 -i kfc+ -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination 10.89.0.1:8181")
 INSTALL = f"""
-from kiamfast.control.iptables import Rule, ensure_rule, resolve_backend
+from kiamfast.control.iptables import ensure_rule, resolve_backend
+from kiamfast.control.iptables_rules import Rule
 backend = resolve_backend("auto")
 ensure_rule(Rule(*{RULE!r}), backend=backend)
 print(backend)

@@ -6,8 +6,8 @@ tests/e2e/test_e2e_dnat_kept.py.
 from __future__ import annotations
 
 from kiamfast.config import Config
-from kiamfast.control import iptables
-from kiamfast.control.iptables import BackstopRule, Rule
+from kiamfast.control import iptables, iptables_rules
+from kiamfast.control.iptables_rules import BackstopRule, Rule
 
 
 def test_the_backstop_resets_what_no_dnat_redirected_in_the_filter_table():
@@ -22,15 +22,15 @@ def test_the_backstop_resets_what_no_dnat_redirected_in_the_filter_table():
 
 def test_backstops_for_config():
     cfg = Config(iptables=True, host_ip="10.0.0.7", host_interface="cali+")
-    assert iptables.backstops_for_config(cfg) == []              # off by default
+    assert iptables_rules.backstops_for_config(cfg) == []              # off by default
     on = cfg.replace(iptables_backstop=True)
-    assert iptables.backstops_for_config(on) == [
+    assert iptables_rules.backstops_for_config(on) == [
         BackstopRule("169.254.169.254", "cali+", "INPUT"),
         BackstopRule("169.254.169.254", "cali+", "FORWARD")]
     # "! -i eth0" would match the loopback, where the agent's own requests to a local
     # metadata address arrive: FORWARD only
     negated = on.replace(host_interface="!eth0", metadata_ipv6=True, host_ipv6="fd00::1")
-    assert iptables.backstops_for_config(negated) == [
+    assert iptables_rules.backstops_for_config(negated) == [
         BackstopRule("169.254.169.254", "!eth0", "FORWARD"),
         BackstopRule("fd00:ec2::254", "!eth0", "FORWARD", 6)]
 

@@ -17,13 +17,9 @@ import uuid
 import pytest
 
 from kiamfast.config import Config
-from kiamfast.control import iptables
-from kiamfast.control.iptables import (
-    InterfaceNotFound,
-    IptablesError,
-    IptablesNotFound,
-    Rule,
-)
+from kiamfast.control import iptables, iptables_rules
+from kiamfast.control.iptables import InterfaceNotFound, IptablesError, IptablesNotFound
+from kiamfast.control.iptables_rules import Rule
 from needs import missing_tool, not_root_reason
 
 # --------------------------------------------------------------------------------------------
@@ -46,7 +42,7 @@ def test_negated_interface_and_ipv6_and_prefixes():
     argv = iptables.command("-A", rule, backend="legacy", netns="kf-x")
     assert argv[:5] == ["ip", "netns", "exec", "kf-x", "ip6tables-legacy"]
     assert argv[-5:] == ["--to-destination", "[fd00:1::1]:8181", "!", "-i", "eth0"]
-    assert iptables.saved_form(rule) == (
+    assert iptables_rules.saved_form(rule) == (
         "-A PREROUTING -d fd00:ec2::254/128 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination [fd00:1::1]:8181")
     with pytest.raises(ValueError):
@@ -56,17 +52,17 @@ def test_negated_interface_and_ipv6_and_prefixes():
 def test_rules_for_config():
     cfg = Config(iptables=True, host_ip="10.0.0.7", host_interface="cali+", app_port=8282,
                  metadata_addr="169.254.169.254:80")
-    assert iptables.rules_for_config(cfg) == [
+    assert iptables_rules.rules_for_config(cfg) == [
         Rule("169.254.169.254", "10.0.0.7", 8282, "cali+", 4)]
     both = cfg.replace(metadata_ipv6=True, host_ipv6="fd00:1::7")
-    assert [r.family for r in iptables.rules_for_config(both)] == [4, 6]
-    assert iptables.rules_for_config(both)[1].host_ip == "fd00:1::7"
+    assert [r.family for r in iptables_rules.rules_for_config(both)] == [4, 6]
+    assert iptables_rules.rules_for_config(both)[1].host_ip == "fd00:1::7"
     # No IPv6 address known: the IPv6 rule is skipped, the IPv4 one stays.
-    assert len(iptables.rules_for_config(cfg.replace(metadata_ipv6=True))) == 1
+    assert len(iptables_rules.rules_for_config(cfg.replace(metadata_ipv6=True))) == 1
     v6_only = Config(iptables=True, host_ip="fd00:1::7", host_interface="eni+")
     with pytest.raises(IptablesError, match="IPv6"):
-        iptables.rules_for_config(v6_only)
-    assert iptables.rules_for_config(v6_only.replace(metadata_ipv6=True)) == [
+        iptables_rules.rules_for_config(v6_only)
+    assert iptables_rules.rules_for_config(v6_only.replace(metadata_ipv6=True)) == [
         Rule("fd00:ec2::254", "fd00:1::7", 8181, "eni+", 6)]
 
 
@@ -132,7 +128,7 @@ def test_ensure_is_idempotent_and_exact(netns, backend):
     assert nat_rules(ns, binary) == [
         "-A PREROUTING -d 169.254.169.254/32 -i eni+ -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination 10.213.0.1:8181"]
-    assert nat_rules(ns, binary) == [iptables.saved_form(rule)]
+    assert nat_rules(ns, binary) == [iptables_rules.saved_form(rule)]
     # A second copy (say, left by kube2iam and then added by hand) is removed too.
     sh("ip", "netns", "exec", ns, *iptables.command("-A", rule, backend=backend)[0:],
        check=True)
@@ -151,7 +147,7 @@ def test_other_rules_are_left_alone(netns):
     iptables.ensure_rule(other, netns=ns)
     iptables.ensure_rule(ours, netns=ns)
     iptables.remove_rule(ours, netns=ns)
-    assert nat_rules(ns) == [iptables.saved_form(other)]
+    assert nat_rules(ns) == [iptables_rules.saved_form(other)]
 
 
 @pytest.mark.root
@@ -174,7 +170,7 @@ def test_install_rules_from_config_wildcard_negated_and_ipv6(netns):
 
     wildcard = cfg.replace(host_interface="veth+", metadata_ipv6=False)
     iptables.install_rules(wildcard, netns=ns)  # no veth exists: a wildcard is not checked
-    assert nat_rules(ns) == [iptables.saved_form(iptables.rules_for_config(wildcard)[0])]
+    assert nat_rules(ns) == [iptables_rules.saved_form(iptables_rules.rules_for_config(wildcard)[0])]
 
 
 @pytest.mark.root
