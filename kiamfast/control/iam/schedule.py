@@ -22,15 +22,15 @@ other; ``bench/fleet_sim.py`` measures both.
 Calls are taken earliest deadline first: by priority, then by when the credentials are
 needed (:func:`deadline`).  A key a pod is *waiting* for (a worker said so) comes first, in
 the order the pods asked; then keys nobody has credentials for yet, the pods that can ask
-soonest first (:meth:`Schedule.sooner`); then refresh-ahead, the credentials that stop
-being servable soonest first.  A waited-for key keeps its priority through its retries until it is
-servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a
-waited-for key does not wait for the node's token, pace or pause: it borrows a token (debt
-of at most a burst, which later tokens pay back by delaying the next prefetch: over time
-the node's rate holds).
+soonest first (:meth:`Schedule.sooner`); then refresh-ahead, the credentials that stop being
+servable soonest first.  A waited-for key keeps its priority through its retries until it is
+servable.  A worker holds a pod's request only for its wait budget (0.35 s), so a waited-for
+key does not wait for the node's token, pace or pause: it borrows a token (debt of at most a
+burst, which later tokens pay back by delaying the next prefetch: over time the node's rate
+holds).
 
-The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (one
-call, :mod:`.calls`) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
+The schedule knows nothing of STS or the table: it runs ``fetch(entry, ticket)`` (one call,
+:mod:`.calls`) and fires ``on_timer(entry, kind)`` for the timers it keeps ("fetch" timers
 re-queue the entry themselves).  An entry is any object with the scheduling fields of the
 manager's ``KeyEntry`` (:mod:`.slots`).
 """
