@@ -46,6 +46,7 @@ from kiamfast.control.health import Health
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings import report
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.publish import metrics as control_metrics
 from kiamfast.control.publish.aux import AuxPublisher
@@ -324,9 +325,9 @@ class ControlProcess:
         while True:
             own = metrics_text.render(control_metrics.render(self._state()))
             self.aux.metrics(metrics_text.render(self.manager.metrics.lines()) + own, own)
-            self.aux.denials(self.model.denials())
+            self.aux.denials(report.denials(self.model))
             if self.config.debug:
-                self.aux.debug_store(self.model.debug_store())
+                self.aux.debug_store(report.debug_store(self.model))
             await asyncio.sleep(PUBLISH_INTERVAL)
 
     def _state(self) -> control_metrics.ControlState:
@@ -336,7 +337,7 @@ class ControlProcess:
             healthy=self.health.healthy, ready=self.ready, runtime_up=self.runtime.state == "ok",
             publish_failures=self.aux.failures, version=__version__, commit=commit,
             built=built, pods=len(self.model.pods), pending_pods=self.model.pending_pods,
-            watch={**self.source.stats(), **self.model.counters},
+            watch={**self.source.stats(), **report.counters(self.model)},
             runtime=self.runtime.counters() if self.runtime.poller is not None else None,
             container_lines=self.container.metrics() if self.container is not None else [],
             uninjected=self.uninjected.reported if self.uninjected is not None else None)

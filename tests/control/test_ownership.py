@@ -1,6 +1,7 @@
 """The ownership model: which pod owns which address, as written into a real table file."""
 from kiamfast import table as tablemod
 from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings import report
 from kiamfast.control.mappings.decisions import IdentityKind
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.mappings.addresses import canonical_ip, pod_ips
@@ -421,7 +422,7 @@ def test_a_pod_deleted_during_an_outage_is_not_rebuilt_from_the_stale_view(make_
     m.delete_pod(pod("k", rv=9))
     m.commit()
     assert lookup(table, "10.0.0.8") == ("k", UNDECIDED, -1)
-    assert "k" not in m.sandbox_pods and "k" not in sink.holders
+    assert m.decision("k") is None and "k" not in sink.holders   # no sandbox pod either
 
 
 def test_view_date_is_published_after_its_addresses(make_model, table):
@@ -455,7 +456,7 @@ def test_restart_releases_addresses_of_pods_gone_during_the_outage(table, sink):
     m.set_synced(True)
     m.commit()
     assert lookup(table, "10.0.0.5") is None               # a was deleted meanwhile
-    assert m.mapping() == {"10.0.0.6": ("uid-b", ROLE, sink.slot_for(BASE + "b"))}
+    assert m.addresses.snapshot() == {"10.0.0.6": ("uid-b", ROLE, sink.slot_for(BASE + "b"))}
 
 
 def adopted_model(table, sink, clock=None, **policy_kw):
@@ -605,7 +606,7 @@ def test_namespace_denials_name_role_and_namespace_for_kube2iams_text(make_model
     m.apply_pod(pod("ok", ns="shop", ips=("10.0.0.2",), role="shop-cart"))
     m.commit()
     assert lookup(table, "10.0.0.1")[1] == DENIED
-    assert m.denials() == {"in": (BASE + "billing-admin", "shop")}
+    assert report.denials(m) == {"in": (BASE + "billing-admin", "shop")}
 
 
 def test_an_unchanged_view_only_moves_the_date_on(make_model, table, sink):
@@ -615,10 +616,10 @@ def test_an_unchanged_view_only_moves_the_date_on(make_model, table, sink):
     first = view(("a", "10.0.0.3", {"iam.amazonaws.com/role": "app"}), started_ns=1_000)
     m.apply_runtime(first)
     m.commit()
-    claims = m.counters["claims"]
+    claims = report.counters(m)["claims"]
     m.apply_runtime(dataclasses.replace(first, started_ns=2_000))
     m.commit()
-    assert table.verified_ns == 2_000 and m.counters["claims"] == claims
+    assert table.verified_ns == 2_000 and report.counters(m)["claims"] == claims
     assert lookup(table, "10.0.0.3") == ("a", ROLE, sink.slot_for(BASE + "app"))
     m.runtime_failed(3_000)                     # after a failure the same objects apply in full
     m.apply_pod(pod("b", ips=("10.0.0.9",), role="r"))
@@ -658,7 +659,7 @@ def test_a_pod_that_asks_by_token_is_refused_on_the_metadata_path(table, sink, c
         assert lookup(table, ip)[:2] == (uid, ROLE)
     # its credentials are still fetched and kept: the token path answers from that slot
     assert m.decision("tok").cred_slot == sink.slot_for(BASE + "app") and "tok" in sink.holders
-    assert "tok" not in m.denials()   # not the namespace-denial text of kube2iam
+    assert "tok" not in report.denials(m)   # not the namespace-denial text of kube2iam
 
 
 def test_without_a_listener_no_pod_is_token_only():

@@ -1,14 +1,19 @@
-"""rtnetlink for the route witness (`routes.py`): the constants, message and attribute
-framing, addresses, and the policy rules that cannot send a reply of the agent elsewhere
-(`inert`).  Plain `socket.AF_NETLINK`, no dependency."""
+"""rtnetlink, the wire of the route witness (`routes.py`): constants, message and attribute
+framing, addresses and prefixes, the notification socket, and dumps (a request, its answer
+read to the end, retried while the kernel says it changed underneath).  Plain
+`socket.AF_NETLINK`, no dependency; what the messages prove is `routes.py`'s and
+`policy_rules.py`'s."""
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
 import socket
 import struct
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger("kiamfast.routes")
 
 # linux/netlink.h, rtnetlink.h, if_link.h, fib_rules.h
 NLMSG_ERROR, NLMSG_DONE = 2, 3
@@ -30,12 +35,6 @@ RT_TABLE_MAIN, RT_TABLE_LOCAL = 254, 255
 FRA_DST, FRA_SRC, FRA_IIFNAME, FRA_GOTO, FRA_PRIORITY = 1, 2, 3, 4, 6
 FRA_FLOW, FRA_SUPPRESS_IFGROUP, FRA_SUPPRESS_PREFIXLEN, FRA_TABLE = 11, 13, 14, 15
 FRA_PAD, FRA_PROTOCOL = 18, 21
-FR_ACT_TO_TBL, FR_ACT_NOP = 1, 3
-FR_ACT_DROPS = frozenset({6, 7, 8})          # blackhole, unreachable, prohibit
-FIB_RULE_INVERT = 0x2
-# What a rule carries besides its selectors (FRA_FLOW only tags the packet's realm).
-RULE_NOT_SELECTORS = frozenset({FRA_PRIORITY, FRA_TABLE, FRA_GOTO, FRA_PROTOCOL, FRA_PAD,
-                                FRA_FLOW, FRA_SUPPRESS_IFGROUP, FRA_SUPPRESS_PREFIXLEN})
 
 NLMSGHDR = struct.Struct("=IHHII")           # len, type, flags, seq, pid
 IFINFOMSG = struct.Struct("=BxHiII")         # family, type, index, flags, change
@@ -44,7 +43,6 @@ RTMSG = struct.Struct("=BBBBBBBBI")          # family, dst_len, src_len, tos, ta
                                              # layout with res1, res2, action)
 RTATTR = struct.Struct("=HH")
 U32 = struct.Struct("=I")
-UNSET = U32.pack(0xFFFFFFFF)
 
 FAMILIES = {socket.AF_INET: 4, socket.AF_INET6: 6}
 HOST_LEN = {4: 32, 6: 128}
@@ -53,7 +51,7 @@ SO_RCVBUFFORCE, SOL_NETLINK, NETLINK_GET_STRICT_CHK = 33, 270, 12
 DUMP_TRIES = 3
 
 
-def _attrs(data: bytes, offset: int) -> dict[int, bytes]:
+def attributes(data: bytes, offset: int) -> dict[int, bytes]:
     """The netlink attributes from `offset` to the end of `data` (type -> payload)."""
     out: dict[int, bytes] = {}
     end = len(data)
@@ -67,7 +65,7 @@ def _attrs(data: bytes, offset: int) -> dict[int, bytes]:
     return out
 
 
-def _messages(buf: bytes) -> Iterator[tuple[int, int, int, bytes]]:
+def messages(buf: bytes) -> Iterator[tuple[int, int, int, bytes]]:
     """(type, flags, seq, payload) of each netlink message in one datagram."""
     offset = 0
     while offset + NLMSGHDR.size <= len(buf):
@@ -78,8 +76,8 @@ def _messages(buf: bytes) -> Iterator[tuple[int, int, int, bytes]]:
         offset += (length + 3) & ~3
 
 
-def _address(raw: bytes | None) -> str | None:
-    """The address in ownership.canonical_ip's spelling."""
+def address(raw: bytes | None) -> str | None:
+    """The address in mappings.addresses.canonical_ip's spelling."""
     if raw is not None and len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw)
     try:
@@ -92,114 +90,97 @@ def _address(raw: bytes | None) -> str | None:
 Prefix = tuple[int, int, int]
 
 
-def _prefix(raw: bytes, length: int) -> Prefix:
+def prefix(raw: bytes, length: int) -> Prefix:
     return (len(raw) * 8, int.from_bytes(raw, "big"), length)
 
 
-def _overlap(a: Prefix, b: Prefix) -> bool:
+def overlap(a: Prefix, b: Prefix) -> bool:
     if a[0] != b[0]:
         return False
     shift = a[0] - min(a[2], b[2])
     return a[1] >> shift == b[1] >> shift
 
 
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """A policy routing rule, as much of it as decides whether it may divert a reply."""
-    family: int                  # 4 or 6
-    action: int
-    table: int
-    invert: bool
-    src: Prefix | None
-    iifname: str | None
-    selectors: frozenset[int]    # other selectors present ("to", tos, marks, ports, ...)
-    suppressed: bool             # suppress_prefixlength / suppress_ifgroup set
-
-    @property
-    def catch_all_main(self) -> bool:
-        """``from all lookup main``: from here on the main table decides."""
-        return (self.action == FR_ACT_TO_TBL and self.table == RT_TABLE_MAIN
-                and not self.invert and self.src is None and self.iifname is None
-                and not self.selectors and not self.suppressed)
-
-    @property
-    def harmless_by_action(self) -> bool:
-        return (self.action == FR_ACT_NOP or self.action in FR_ACT_DROPS
-                or (self.action == FR_ACT_TO_TBL
-                    and self.table in (RT_TABLE_MAIN, RT_TABLE_LOCAL)))
-
-    @property
-    def keyed_on_source(self) -> bool:
-        """Is it harmless only for its source selector (`inert`)?"""
-        return (self.src is not None and not self.invert and self.iifname is None
-                and not self.harmless_by_action)
+def subscribe(rcvbuf: int) -> socket.socket:
+    """A non-blocking socket that receives the link, route and rule notifications."""
+    events = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
+                           | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
+    try:   # SO_RCVBUFFORCE needs CAP_NET_ADMIN; without it rmem_max caps the size
+        events.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
+    except OSError:
+        events.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    events.bind((0, GROUPS))
+    return events
 
 
-def parse_rule(payload: bytes) -> Rule | None:
-    family, dst_len, src_len, tos, table, _, _, action, flags = RTMSG.unpack_from(payload)
-    fam = FAMILIES.get(family)
-    if fam is None:
+class Dumps:
+    """A socket for dump requests, one at a time.  `OSError` from the socket or the kernel
+    goes to the caller."""
+
+    def __init__(self, *, clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self._clock_ns = clock_ns
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                                   socket.NETLINK_ROUTE)
+        self._sock.settimeout(2.0)
+        self._sock.bind((0, 0))
+        self._seq = 0
+        self.strict = False    # the kernel filters dumps (Linux >= 4.20)
+        self.done = 0          # dumps read to the end
+
+    def ask_strict(self) -> None:
+        try:
+            self._sock.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
+            self.strict = True
+        except OSError:
+            self.strict = False       # older kernels: whole dumps, filtered by the reader
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def links(self) -> tuple[int, list[bytes]] | None:
+        mask = RTATTR.pack(8, IFLA_EXT_MASK) + U32.pack(RTEXT_FILTER_SKIP_STATS)
+        return self.consistent(RTM_GETLINK, IFINFOMSG.pack(0, 0, 0, 0, 0) + mask)
+
+    def routes(self, family: int, table: int) -> tuple[int, list[bytes]] | None:
+        # with strict checking the kernel sends only that table
+        header = RTMSG.pack(family, 0, 0, 0, table if self.strict else 0, 0, 0, 0, 0)
+        return self.consistent(RTM_GETROUTE, header)
+
+    def rules(self, family: int) -> tuple[int, list[bytes]] | None:
+        return self.consistent(RTM_GETRULE, RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0))
+
+    def consistent(self, kind: int, header: bytes) -> tuple[int, list[bytes]] | None:
+        """(when it began, payloads) of a dump the kernel did not see change under it."""
+        for _ in range(DUMP_TRIES):
+            started = self._clock_ns()
+            payloads = self.dump(kind, header)
+            if payloads is not None:
+                return started, payloads
+        log.warning("rtnetlink dump %d kept changing under us; trying again later", kind)
         return None
-    attrs = _attrs(payload, RTMSG.size)
-    if FRA_TABLE in attrs:
-        table = U32.unpack(attrs[FRA_TABLE][:4])[0]
-    src = _prefix(attrs[FRA_SRC], src_len) if src_len and FRA_SRC in attrs else None
-    iif = attrs.get(FRA_IIFNAME)
-    selectors = {k for k in attrs if k not in RULE_NOT_SELECTORS
-                 and k not in (FRA_SRC, FRA_IIFNAME)}
-    if dst_len:
-        selectors.add(FRA_DST)
-    if tos:
-        selectors.add(-1)                           # no attribute: the header's tos
-    if src_len and src is None:
-        selectors.add(FRA_SRC)
-    return Rule(family=fam, action=action, table=table, invert=bool(flags & FIB_RULE_INVERT),
-                src=src, iifname=iif.rstrip(b"\0").decode(errors="replace") if iif else None,
-                selectors=frozenset(selectors),
-                # the kernel sends both always, 0xffffffff (-1) meaning unset
-                suppressed=any(attrs.get(k, UNSET) != UNSET
-                               for k in (FRA_SUPPRESS_PREFIXLEN, FRA_SUPPRESS_IFGROUP)))
 
-
-def inert(rule: Rule, local: Counter) -> bool:
-    """Can this rule, in front of the main table, never send the agent's reply to a pod
-    anywhere but where the main table does?
-
-    * a lookup of the main table (whatever selects it), or of the local table (its routes
-      to the host's own addresses keep a reply in the host; a unicast route someone put
-      there leaves no evidence, `path_kept`), a nop, or a drop (a dropped reply reaches
-      nobody);
-    * a rule for traffic arriving on an interface other than ``lo``: the agent's replies
-      are generated locally (the kernel matches them as arriving on ``lo``);
-    * a rule for traffic from a prefix that holds no local address of the host: a reply
-      leaves from the address the pod connected to, a local one (the AWS VPC CNI's
-      ``from <pod> lookup <eni table>``).
-    Anything else (another table for all or for marked traffic, ``goto``, an inverted
-    selector, a VRF's ``l3mdev`` rule) may divert it."""
-    if rule.harmless_by_action:
-        return True
-    if rule.invert:
-        return False
-    if rule.iifname is not None and rule.iifname != "lo":
-        return True
-    if rule.src is not None:
-        return not any(_overlap(rule.src, p) for p in local)
-    return False
-
-
-def policy_inert(rules: list[Rule], local: Counter) -> bool:
-    """Do replies reach the main table, through rules (in the kernel's order) that cannot
-    divert them?"""
-    for rule in rules:
-        if rule.catch_all_main:
-            return True
-        if not inert(rule, local):
-            return False
-    return False
-
-
-def _qualifying_link(flags: int, attrs: dict[int, bytes]) -> bool:
-    """Up, a veth, its peer in another network namespace: a pod's host end."""
-    kind = _attrs(attrs.get(IFLA_LINKINFO, b""), 0).get(IFLA_INFO_KIND, b"")
-    return bool(flags & IFF_UP) and kind.rstrip(b"\0") == b"veth" \
-        and IFLA_LINK_NETNSID in attrs
+    def dump(self, kind: int, header: bytes) -> list[bytes] | None:
+        """One dump's payloads, or None if the kernel says it was interrupted."""
+        self._seq += 1
+        seq = self._seq
+        msg = NLMSGHDR.pack(NLMSGHDR.size + len(header), kind, NLM_F_REQUEST | NLM_F_DUMP,
+                            seq, 0) + header
+        self._sock.send(msg)
+        out: list[bytes] = []
+        interrupted = False
+        while True:
+            buf = self._sock.recv(1 << 20)
+            for mkind, flags, mseq, payload in messages(buf):
+                if mseq != seq:
+                    continue            # the rest of an earlier dump that failed half-way
+                if flags & NLM_F_DUMP_INTR:
+                    interrupted = True
+                if mkind == NLMSG_DONE:
+                    self.done += 1
+                    return None if interrupted else out
+                if mkind == NLMSG_ERROR:
+                    code = -struct.unpack_from("=i", payload)[0]
+                    if code == 0:
+                        continue
+                    raise OSError(code, f"rtnetlink dump: {errno.errorcode.get(code, code)}")
+                out.append(payload)

@@ -39,68 +39,30 @@ link), and again after an overrun.
   replies elsewhere; a VRF; the watch could not run or lost notifications).
 
 It never changes the kernel's state, and it reads only the agent's own network namespace.
+The wire (framing, the notification socket, dumps) is `netlink.py`; which policy rules
+cannot divert a reply, `policy_rules.py`; this module judges what they witness.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import socket
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiamfast.control.cri.netlink import (FAMILIES, HOST_LEN, IFF_UP, IFINFOMSG, IFLA_INFO_KIND,
+                                          IFLA_LINK_NETNSID, IFLA_LINKINFO, NOT_PLAIN, RCVBUF,
+                                          RTA_DST, RTA_OIF, RTM_DELLINK, RTM_DELROUTE,
+                                          RTM_NEWLINK, RTM_NEWROUTE, RTM_NEWRULE, RTM_DELRULE,
+                                          RTMSG, RTN_LOCAL, RTN_UNICAST, RT_TABLE_LOCAL,
+                                          RT_TABLE_MAIN, U32, Dumps, address, attributes,
+                                          messages, overlap, prefix, subscribe)
+from kiamfast.control.cri.policy_rules import Rule, inert, parse_rule, policy_inert
+
 log = logging.getLogger("kiamfast.routes")
 
-from kiamfast.control.cri.netlink import (
-    DUMP_TRIES,
-    FAMILIES,
-    GROUPS,
-    HOST_LEN,
-    IFINFOMSG,
-    IFLA_EXT_MASK,
-    NETLINK_GET_STRICT_CHK,
-    NLMSGHDR,
-    NLMSG_DONE,
-    NLMSG_ERROR,
-    NLM_F_DUMP,
-    NLM_F_DUMP_INTR,
-    NLM_F_REQUEST,
-    NOT_PLAIN,
-    RCVBUF,
-    RTATTR,
-    RTA_DST,
-    RTA_OIF,
-    RTEXT_FILTER_SKIP_STATS,
-    RTMSG,
-    RTM_DELLINK,
-    RTM_DELROUTE,
-    RTM_DELRULE,
-    RTM_GETLINK,
-    RTM_GETROUTE,
-    RTM_GETRULE,
-    RTM_NEWLINK,
-    RTM_NEWROUTE,
-    RTM_NEWRULE,
-    RTN_LOCAL,
-    RTN_UNICAST,
-    RT_TABLE_LOCAL,
-    RT_TABLE_MAIN,
-    Rule,
-    SOL_NETLINK,
-    SO_RCVBUFFORCE,
-    U32,
-    _address,
-    _attrs,
-    _messages,
-    _overlap,
-    _prefix,
-    _qualifying_link,
-    inert,
-    parse_rule,
-    policy_inert,
-)
 
 @dataclass(slots=True)
 class _Family:
@@ -131,17 +93,15 @@ class RouteWatch:
         self._clock_ns = clock_ns
         self._rcvbuf = rcvbuf
         self._events: socket.socket | None = None
-        self._dumps: socket.socket | None = None
-        self._strict = False                   # the kernel filters dumps (Linux >= 4.20)
-        self._seq = 0
+        self._dumps: Dumps | None = None
         self._fam = {4: _Family(), 6: _Family()}
-        self._veths: set[int] = set()          # pods' host ends (`_qualifying_link`)
+        self._veths: set[int] = set()          # pods' host ends (`_host_end`)
         self._links_dirty = True               # the link dump is to be taken (again)
         self._on_link: dict[int, set[str]] = {}   # ifindex -> addresses routed on it
         self._touched: dict[str, int] = {}     # ip -> when a change to its route was read
         self._reset_ns: int | None = None      # evidence is continuous from here (None: never)
         self.generation = 0                    # bumped whenever an answer may have changed
-        self.stats = {"events": 0, "dumps": 0, "overruns": 0, "dump_errors": 0}
+        self._counts = {"events": 0, "overruns": 0, "dump_errors": 0}
         self._logged_inert: dict[int, bool] = {}
 
     # ---- life ---------------------------------------------------------------------------
@@ -150,28 +110,15 @@ class RouteWatch:
         """Subscribe, then read everything; False (logged) where rtnetlink cannot be used:
         then every answer is None and the fallback keeps its strict rule."""
         try:
-            events = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK
-                                   | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE)
-            try:   # SO_RCVBUFFORCE needs CAP_NET_ADMIN; without it rmem_max caps the size
-                events.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, self._rcvbuf)
-            except OSError:
-                events.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
-            events.bind((0, GROUPS))
+            events = subscribe(self._rcvbuf)
             start = self._clock_ns()   # every change from here on is in the socket
-            dumps = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                                  socket.NETLINK_ROUTE)
-            dumps.settimeout(2.0)
-            dumps.bind((0, 0))
+            dumps = Dumps(clock_ns=self._clock_ns)
         except OSError as e:
             log.warning("cannot watch the host's routes (rtnetlink: %s): while the container "
                         "runtime cannot be asked, an unplaced new pod makes every address "
                         "wait", e)
             return False
-        try:
-            dumps.setsockopt(SOL_NETLINK, NETLINK_GET_STRICT_CHK, 1)
-            self._strict = True
-        except OSError:
-            self._strict = False       # older kernels: whole dumps, filtered here
+        dumps.ask_strict()
         self._events, self._dumps = events, dumps
         self._reset_ns = start
         self.refresh()
@@ -181,15 +128,22 @@ class RouteWatch:
     def watching(self) -> bool:
         return self._events is not None
 
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"events": self._counts["events"],
+                "dumps": self._dumps.done if self._dumps is not None else 0,
+                "overruns": self._counts["overruns"], "dump_errors": self._counts["dump_errors"]}
+
     def fileno(self) -> int:
         assert self._events is not None
         return self._events.fileno()
 
     def close(self) -> None:
-        for sock in (self._events, self._dumps):
-            if sock is not None:
-                sock.close()
-        self._events = self._dumps = None
+        if self._events is not None:
+            self._events.close()
+        if self._dumps is not None:
+            self._dumps.close()         # (kept: its count stays in `stats`)
+        self._events = None
         self._reset_ns = None
         self.generation += 1            # every answer is None from now on
 
@@ -237,12 +191,12 @@ class RouteWatch:
                           "nothing any more", e)
                 self.close()
                 return
-            for kind, _, _, payload in _messages(buf):
-                self.stats["events"] += 1
+            for kind, _, _, payload in messages(buf):
+                self._counts["events"] += 1
                 self._note(kind, payload, touched, policy)
         now = self._clock_ns()
         if overrun:
-            self.stats["overruns"] += 1
+            self._counts["overruns"] += 1
             log.warning("route notifications were lost (socket overrun): the host routes "
                         "prove nothing about views before now")
             self._reset_ns = now       # (the kernel drops silently until the queue is empty)
@@ -258,9 +212,9 @@ class RouteWatch:
 
     def _note(self, kind: int, payload: bytes, touched: set[str], policy: set[int]) -> None:
         if kind in (RTM_NEWLINK, RTM_DELLINK) and len(payload) >= IFINFOMSG.size:
-            _, _, index, flags, _ = IFINFOMSG.unpack_from(payload)
+            index, host_end = _host_end(payload)
             touched.update(self._on_link.get(index, ()))    # any change of a pod's link
-            if kind == RTM_NEWLINK and _qualifying_link(flags, _attrs(payload, IFINFOMSG.size)):
+            if kind == RTM_NEWLINK and host_end:
                 self._veths.add(index)
             else:
                 self._veths.discard(index)
@@ -291,8 +245,8 @@ class RouteWatch:
         if table == RT_TABLE_MAIN:
             if dst_len != HOST_LEN[fam_no]:
                 return
-            attrs = _attrs(payload, RTMSG.size)
-            ip = _address(attrs.get(RTA_DST))
+            attrs = attributes(payload, RTMSG.size)
+            ip = address(attrs.get(RTA_DST))
             if ip is not None:
                 touched.add(ip)
                 if RTA_OIF in attrs:
@@ -304,16 +258,16 @@ class RouteWatch:
             if kind == RTM_NEWROUTE:
                 policy.add(fam_no)
         elif rtype == RTN_LOCAL:
-            dst = _attrs(payload, RTMSG.size).get(RTA_DST)
+            dst = attributes(payload, RTMSG.size).get(RTA_DST)
             if dst is None:
                 return
-            prefix = _prefix(dst, dst_len)
+            own = prefix(dst, dst_len)
             if kind == RTM_DELROUTE:
-                fam.local[prefix] -= 1
+                fam.local[own] -= 1
                 fam.local += Counter()
             else:
-                fam.local[prefix] += 1
-                if any(_overlap(prefix, p) for p in fam.from_prefixes):
+                fam.local[own] += 1
+                if any(overlap(own, p) for p in fam.from_prefixes):
                     policy.add(fam_no)          # a source rule may now match replies
                     fam.rules_dirty = True      # judge the rules again
 
@@ -336,7 +290,7 @@ class RouteWatch:
                 if fam.rules_dirty:
                     changed |= self._dump_rules(fam_no)
         except OSError as e:   # the old state stays, dated as it was: answers are None
-            self.stats["dump_errors"] += 1
+            self._counts["dump_errors"] += 1
             log.warning("cannot read the host's routes: %s", e)
         if changed:
             self.generation += 1
@@ -344,71 +298,26 @@ class RouteWatch:
             horizon = min(prune_before_ns, *(f.routes_ns for f in self._fam.values()))
             self._touched = {ip: t for ip, t in self._touched.items() if t > horizon}
 
-    def _dump(self, kind: int, header: bytes) -> list[bytes] | None:
-        """One dump's payloads, or None if the kernel says it was interrupted."""
-        assert self._dumps is not None
-        self._seq += 1
-        seq = self._seq
-        msg = NLMSGHDR.pack(NLMSGHDR.size + len(header), kind, NLM_F_REQUEST | NLM_F_DUMP,
-                            seq, 0) + header
-        self._dumps.send(msg)
-        out: list[bytes] = []
-        interrupted = False
-        while True:
-            buf = self._dumps.recv(1 << 20)
-            for mkind, flags, mseq, payload in _messages(buf):
-                if mseq != seq:
-                    continue            # the rest of an earlier dump that failed half-way
-                if flags & NLM_F_DUMP_INTR:
-                    interrupted = True
-                if mkind == NLMSG_DONE:
-                    self.stats["dumps"] += 1
-                    return None if interrupted else out
-                if mkind == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", payload)[0]
-                    if code == 0:
-                        continue
-                    raise OSError(code, f"rtnetlink dump: {errno.errorcode.get(code, code)}")
-                out.append(payload)
-
-    def _consistent_dump(self, kind: int, header: bytes) -> tuple[int, list[bytes]] | None:
-        """(when it began, payloads) of a dump the kernel did not see change under it."""
-        for _ in range(DUMP_TRIES):
-            started = self._clock_ns()
-            payloads = self._dump(kind, header)
-            if payloads is not None:
-                return started, payloads
-        log.warning("rtnetlink dump %d kept changing under us; trying again later", kind)
-        return None
-
     def _dump_links(self) -> bool:
         """Every link once (at start, after an overrun); notifications keep it current:
         each carries the whole link."""
-        mask = RTATTR.pack(8, IFLA_EXT_MASK) + U32.pack(RTEXT_FILTER_SKIP_STATS)
-        got = self._consistent_dump(RTM_GETLINK, IFINFOMSG.pack(0, 0, 0, 0, 0) + mask)
+        assert self._dumps is not None
+        got = self._dumps.links()
         if got is None:
             return False
-        veths = set()
-        for payload in got[1]:
-            _, _, index, flags, _ = IFINFOMSG.unpack_from(payload)
-            if _qualifying_link(flags, _attrs(payload, IFINFOMSG.size)):
-                veths.add(index)
+        veths = {index for index, host_end in map(_host_end, got[1]) if host_end}
         # What changed during the dump is still in the socket: the next drain applies it on
         # top (each notification sets the whole link, so a replay ends in the right state).
         self._veths, self._links_dirty = veths, False
         return True
 
-    def _route_dump(self, family: int, table: int) -> tuple[int, list[bytes]] | None:
-        # with strict checking the kernel sends only that table
-        header = RTMSG.pack(family, 0, 0, 0, table if self._strict else 0, 0, 0, 0, 0)
-        return self._consistent_dump(RTM_GETROUTE, header)
-
     def _dump_routes(self, fam_no: int) -> bool:
         family = socket.AF_INET if fam_no == 4 else socket.AF_INET6
         fam = self._fam[fam_no]
         host_len = HOST_LEN[fam_no]
+        assert self._dumps is not None
         if fam.local_dirty:
-            got = self._route_dump(family, RT_TABLE_LOCAL)
+            got = self._dumps.routes(family, RT_TABLE_LOCAL)
             if got is None:
                 return False
             local: Counter = Counter()
@@ -418,11 +327,11 @@ class RouteWatch:
                 if table == RT_TABLE_LOCAL and rtype == RTN_UNICAST:
                     fam.local_unicast += 1
                 elif table == RT_TABLE_LOCAL and rtype == RTN_LOCAL:
-                    dst = _attrs(payload, RTMSG.size).get(RTA_DST)
+                    dst = attributes(payload, RTMSG.size).get(RTA_DST)
                     if dst is not None:
-                        local[_prefix(dst, dst_len)] += 1
+                        local[prefix(dst, dst_len)] += 1
             fam.local, fam.local_dirty = local, False
-        got = self._route_dump(family, RT_TABLE_MAIN)
+        got = self._dumps.routes(family, RT_TABLE_MAIN)
         if got is None:
             return False
         started, payloads = got
@@ -432,8 +341,8 @@ class RouteWatch:
             _, dst_len, _, _, table, _, _, rtype, _ = RTMSG.unpack_from(payload)
             if table != RT_TABLE_MAIN or dst_len != host_len:
                 continue
-            attrs = _attrs(payload, RTMSG.size)
-            ip = _address(attrs.get(RTA_DST))
+            attrs = attributes(payload, RTMSG.size)
+            ip = address(attrs.get(RTA_DST))
             if ip is None:
                 continue
             oif = U32.unpack(attrs[RTA_OIF][:4])[0] if RTA_OIF in attrs else -1
@@ -452,8 +361,8 @@ class RouteWatch:
         return True
 
     def _dump_rules(self, fam_no: int) -> bool:
-        family = socket.AF_INET if fam_no == 4 else socket.AF_INET6
-        got = self._consistent_dump(RTM_GETRULE, RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0))
+        assert self._dumps is not None
+        got = self._dumps.rules(socket.AF_INET if fam_no == 4 else socket.AF_INET6)
         if got is None:
             return False
         started, payloads = got
@@ -478,3 +387,13 @@ class RouteWatch:
                 log.warning("IPv%d policy routing has rules that may send replies to pods "
                             "elsewhere: while the container runtime cannot be asked, an "
                             "unplaced new pod makes every IPv%d address wait", fam_no, fam_no)
+
+
+def _host_end(payload: bytes) -> tuple[int, bool]:
+    """(ifindex, whether it is a pod's host end: up, a veth, its peer in another network
+    namespace) of a link message."""
+    _, _, index, flags, _ = IFINFOMSG.unpack_from(payload)
+    attrs = attributes(payload, IFINFOMSG.size)
+    kind = attributes(attrs.get(IFLA_LINKINFO, b""), 0).get(IFLA_INFO_KIND, b"")
+    return index, (bool(flags & IFF_UP) and kind.rstrip(b"\0") == b"veth"
+                   and IFLA_LINK_NETNSID in attrs)

@@ -7,12 +7,13 @@ dropped and came back.  This is the one place that decides who owns each address
 sources, merged by :mod:`.merge`) and what its requests get (:mod:`.decisions`), and it
 writes exactly that into the table (:class:`~kiamfast.control.publish.addresses
 .AddressTable`).  Synchronous, no I/O but table writes and calls into the credential sink;
-the API source feeds it pods and namespaces, the control process the runtime's views.
+the API source feeds it pods and namespaces, the control process the runtime's views (a
+pod only the runtime shows is recorded by :mod:`.sandbox_pods`).
 
 Table entries: denied pods ``POD_DENIED`` (workers answer 404 at once), pods without a role
 ``POD_NO_ROLE``, pods with a role ``POD_ROLE`` with the slot the credential sink hands out
-(``sink.acquire``, which also starts the prefetch, before the pod has an address), owners not
-decided yet ``POD_UNDECIDED`` (workers wait).  A pod that asks by token only
+(:mod:`.credential_holds`: acquired before the pod has an address), owners not decided yet
+``POD_UNDECIDED`` (workers wait).  A pod that asks by token only
 (container_credentials/token_only.py) keeps its role and slot for the token path, but its
 addresses are written ``POD_DENIED`` naming its slot (so a restarted control process finds
 it again); such a pod on the host network is decided too, and owns no address.
@@ -24,8 +25,9 @@ any more is released.
 Writes are batched: the mutators record what changed; :meth:`NodeModel.commit` decides,
 writes claims before releases, releases credentials of pods that no longer need them, then
 publishes the status words and the runtime view's date, and calls ``notify()`` once if
-anything changed.  What it must never do: map an address to a pod that does not own it,
-give an address back to a pod that lost it, or keep an address the runtime says nobody holds.
+anything changed (:mod:`.report` reads denials, /debug/store and counters from it).  What
+it must never do: map an address to a pod that does not own it, give an address back to a
+pod that lost it, or keep an address the runtime says nobody holds.
 """
 from __future__ import annotations
 
@@ -33,26 +35,20 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
-from kiamfast.control.mappings.addresses import canonical_ip, pod_ips, resource_version
+from kiamfast.control.mappings.addresses import pod_ips, resource_version
 from kiamfast.control.mappings.api_owners import ApiOwners
+from kiamfast.control.mappings.credential_holds import CredentialHolds, CredentialSink
 from kiamfast.control.mappings.decisions import (Decider, IdentityKind, PodDecision, PodIdentity,
                                                  PodRecord)
 from kiamfast.control.mappings.merge import KEEP, HostRoutesLike, Merge, Undecided
-from kiamfast.control.mappings.runtime_owners import RuntimeOwners, RuntimeViewLike, SandboxLike
+from kiamfast.control.mappings.runtime_owners import RuntimeOwners, RuntimeViewLike
+from kiamfast.control.mappings.sandbox_pods import SandboxPods
 from kiamfast.control.publish.addresses import AddressTable, TableWriter, Written
 from kiamfast.table import POD_DENIED, POD_NO_ROLE, POD_ROLE, POD_UNDECIDED
 
 log = logging.getLogger("kiamfast.ownership")
-
-
-class CredentialSink(Protocol):
-    """The credential manager as the model uses it."""
-
-    def acquire(self, pod_uid: str, req: Any) -> int: ...
-    def release(self, pod_uid: str) -> None: ...
-    def role_of_slot(self, slot: int) -> tuple[str, str | None] | None: ...
 
 
 class NodeModel:
@@ -67,11 +63,10 @@ class NodeModel:
                  routes: HostRoutesLike | None = None) -> None:
         self.policy = policy
         self.token_only = token_only   # container_credentials/token_only.py
-        self.sink = sink
+        self.holds = CredentialHolds(sink)
         self.notify = notify
         self.clock = clock
         self.pods: dict[str, PodRecord] = {}              # from the API
-        self.sandbox_pods: dict[str, PodRecord] = {}      # the runtime's, not (yet) the API's
         self.namespaces: dict[str, Any] = {}       # name -> the policy's namespace rules
         self._by_ns: dict[str, set[str]] = {}
         self.addresses = AddressTable(table, adopted=adopted or {}, refs=slot_refs)
@@ -86,19 +81,16 @@ class NodeModel:
                                role_of_slot=lambda slot: sink.role_of_slot(slot),
                                adopted={uid: slot for uid, state, slot in written.values()
                                         if state in (POD_ROLE, POD_DENIED) and slot >= 0})
-        self._adopted_token_only = {uid for uid, state, slot in written.values()
-                                    if state == POD_DENIED and slot >= 0}
+        self.sandbox_pods = SandboxPods(  # the runtime's pods, not (yet) the API's
+            adopted_token_only={uid for uid, state, slot in written.values()
+                                if state == POD_DENIED and slot >= 0})
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._tombstone_cap = tombstones
         self._dirty_ips: set[str] = set()
         self._dirty_pods: set[str] = set()
-        self._gone: set[str] = set()           # pods whose credentials to release after writes
         self._pending: set[str] = set()
-        self._retry: set[str] = set()          # pods whose credential acquire failed
         self.synced = False
-        self._counts: dict[str, int] = {
-            "commits": 0, "stale_events": 0, "acquire_errors": 0, "runtime_views": 0,
-            "runtime_only_pods": 0}
+        self.counts = {"commits": 0, "stale_events": 0, "acquire_errors": 0, "runtime_views": 0}
 
     # ---- what the rest of the agent reads -----------------------------------------------------
 
@@ -111,57 +103,16 @@ class NodeModel:
     def pending_pods(self) -> int:
         return len(self._pending)
 
-    @property
-    def counters(self) -> dict[str, int]:
-        return {**self._counts, **self.addresses.counters, "displaced": self.api.displaced}
-
     def decision(self, uid: str) -> PodDecision | None:
         """The pod's current decision (both answer paths read this), or None if unknown."""
         pod = self._pod(uid)
         if pod is None:
             return None
-        ips = sorted(self._ips_of(pod)) or ([] if pod.host_network else sorted(pod.api_ips))
         return PodDecision(uid=uid, namespace=pod.namespace, name=pod.name,
                            service_account=pod.service_account, identity=pod.identity,
                            cred_slot=pod.cred_slot, token_only=pod.token_only,
                            host_network=pod.host_network, decided=pod.decided,
-                           address=ips[0] if ips else None, source=pod.source)
-
-    def owner(self, ip: str) -> str | None:
-        """The pod UID the table maps ``ip`` to (after the last commit), or None."""
-        c = canonical_ip(ip)
-        w = self.addresses.written.get(c) if c else None
-        return w[0] if w else None
-
-    def mapping(self) -> dict[str, Written]:
-        """ip -> (uid, pod state, credential slot) as written to the table."""
-        return self.addresses.snapshot()
-
-    def denials(self) -> dict[str, tuple[str, str]]:
-        """pod uid -> (role ARN, namespace) of the pods the table denies by their namespace's
-        rules: workers answer them with kube2iam's text."""
-        out = {}
-        for uid, state, _ in self.addresses.written.values():
-            pod = self._pod(uid) if state == POD_DENIED else None
-            if (pod is not None and pod.identity is not None and pod.identity.role_arn
-                    and pod.identity.kind == IdentityKind.DENIED):
-                out[uid] = (pod.identity.role_arn, pod.namespace)
-        return out
-
-    def debug_store(self) -> dict[str, Any]:
-        """kube2iam's /debug/store view: namespaceByIP, rolesByIP, rolesByNamespace."""
-        ns_by_ip: dict[str, str] = {}
-        roles_by_ip: dict[str, str] = {}
-        for ip, (uid, _, _) in sorted(self.addresses.written.items()):
-            pod = self._pod(uid)
-            if pod is None:
-                continue
-            ns_by_ip[ip] = pod.namespace
-            roles_by_ip[ip] = pod.annotations.get(self.policy.role_key, "")
-        return {"namespaceByIP": ns_by_ip, "rolesByIP": roles_by_ip,
-                "rolesByNamespace": {n: list(r.allowed_globs)
-                                     + [p.pattern for p in r.allowed_regexps]
-                                     for n, r in sorted(self.namespaces.items())}}
+                           address=self._address(pod), source=pod.source)
 
     # ---- pods and namespaces from the API -----------------------------------------------------
 
@@ -174,14 +125,14 @@ class NodeModel:
         rv = resource_version(obj)
         pod = self.pods.get(uid)
         if pod is not None and rv and rv < pod.rv:
-            self._counts["stale_events"] += 1
+            self.counts["stale_events"] += 1
             return
         if pod is None:
             pod = PodRecord(uid=uid, namespace=meta.get("namespace") or "",
                             name=meta.get("name") or "")
             self.pods[uid] = pod
             self._by_ns.setdefault(pod.namespace, set()).add(uid)
-            if self.sandbox_pods.pop(uid, None) is not None:
+            if self.sandbox_pods.forget(uid) is not None:
                 self._dirty_ips.update(self.runtime.ips.get(uid, ()))
         spec = obj.get("spec") or {}
         annotations = meta.get("annotations") or {}
@@ -240,8 +191,7 @@ class NodeModel:
             self.namespaces[name] = rules
             if self.policy.uses_namespaces:
                 self._dirty_pods.update(self._by_ns.get(name, ()))
-                self._dirty_pods.update(u for u, p in self.sandbox_pods.items()
-                                        if p.namespace == name)
+                self._dirty_pods.update(self.sandbox_pods.in_namespace(name))
 
     def replace_namespaces(self, items: Iterable[Mapping[str, Any]]) -> None:
         names = set()
@@ -256,7 +206,7 @@ class NodeModel:
 
     def apply_runtime(self, view: RuntimeViewLike) -> None:
         """A runtime poll: from now on its READY sandboxes own the node's addresses."""
-        self._counts["runtime_views"] += 1
+        self.counts["runtime_views"] += 1
         if self.runtime.unchanged(view):
             return
         old_ips = self.runtime.ips
@@ -267,11 +217,15 @@ class NodeModel:
         for uid, sandbox in self.runtime.sandboxes.items():
             pod = self.pods.get(uid)
             if pod is None:
-                self._sandbox_pod(sandbox)
+                if self.sandbox_pods.show(sandbox):
+                    self._dirty_pods.add(uid)
             elif pod.cred_key is not None and pod.cred_key[2] is None:
                 self._dirty_pods.add(uid)   # tell the credential manager its address
-        for uid in [u for u in self.sandbox_pods if u not in self.runtime.ips]:
-            self._forget_sandbox_pod(uid, old_ips.get(uid, ()))
+        for uid in [u for u in self.sandbox_pods.records if u not in self.runtime.ips]:
+            pod = self.sandbox_pods.records.pop(uid)   # its sandbox went
+            self._dirty_ips.update(old_ips.get(uid, ()))
+            self.holds.forget(pod)
+            self._dirty_pods.discard(uid)
         self._reconcile()
 
     def runtime_failed(self, started_ns: int) -> None:
@@ -290,9 +244,8 @@ class NodeModel:
         """Retry failed credential acquires; deny pods whose namespace stayed unknown past the
         grace period.  Call every second or so."""
         now = self.clock()
-        self._dirty_pods.update(u for u in self._retry if self._pod(u) is not None)
-        self._retry.clear()
-        for uid, pod in [*self.pods.items(), *self.sandbox_pods.items()]:
+        self._dirty_pods.update(u for u in self.holds.take_retries() if self._pod(u) is not None)
+        for uid, pod in [*self.pods.items(), *self.sandbox_pods.records.items()]:
             if self.decider.waited_too_long(pod, now):
                 self._dirty_pods.add(uid)
 
@@ -334,18 +287,14 @@ class NodeModel:
                   for ip in self._dirty_ips}
         self._dirty_ips.clear()
         changed = self.addresses.write(wanted)
-        for uid in self._gone:
-            pod = self._pod(uid)
-            if pod is None or pod.cred_key is None:
-                self.sink.release(uid)
-        self._gone.clear()
+        self.holds.release_gone(self._pod)
         changed |= self.addresses.publish_status(pending_pods=len(self._pending),
                                                  synced=self.synced)
         changed |= self.addresses.publish_dates(verified_ns=rt.verified_ns,
                                                 failed_ns=rt.failed_ns, stale=rt.stale,
                                                 have_view=rt.owners is not None)
         changed |= self.addresses.publish_mode(self.runtime_mode)
-        self._counts["commits"] += 1
+        self.counts["commits"] += 1
         if changed:
             self.notify()
         return changed
@@ -388,6 +337,11 @@ class NodeModel:
             return rt.ips.get(pod.uid, ())
         return pod.claims
 
+    def _address(self, pod: PodRecord) -> str | None:
+        """The pod's first address (its decision's, and what its session is named by)."""
+        ips = sorted(self._ips_of(pod)) or ([] if pod.host_network else sorted(pod.api_ips))
+        return ips[0] if ips else None
+
     def _remove(self, uid: str) -> None:
         pod = self.pods.pop(uid, None)
         self._tombstones[uid] = None
@@ -403,38 +357,14 @@ class NodeModel:
                 del self._by_ns[pod.namespace]
         self._dirty_ips |= self.api.drop_all(pod)
         self._pending.discard(uid)
-        if pod.cred_key is not None:
-            self._gone.add(uid)
+        self.holds.forget(pod)
         self._dirty_pods.discard(uid)
         if uid in self.runtime.sandboxes and not self.runtime.stale:
             # Deleted from the API while its sandbox still runs (a forced delete): the
             # processes asking from its address are still this pod's.  Not from a stale
             # view: the API's delete is the fresher evidence.
-            self._sandbox_pod(self.runtime.sandboxes[uid])
-
-    def _sandbox_pod(self, sandbox: SandboxLike) -> None:
-        pod = self.sandbox_pods.get(sandbox.pod_uid)
-        annotations = dict(sandbox.annotations)
-        if pod is None:
-            # A sandbox carries no environment: a pod the previous process served by token
-            # only stays so until the API shows its spec.
-            pod = PodRecord(uid=sandbox.pod_uid, namespace=sandbox.namespace,
-                            name=sandbox.name, from_api=False, phase="Running",
-                            annotations=annotations,
-                            token_only=sandbox.pod_uid in self._adopted_token_only)
-            self.sandbox_pods[pod.uid] = pod
-            self._dirty_pods.add(pod.uid)
-            self._counts["runtime_only_pods"] += 1
-        elif pod.annotations != annotations:
-            pod.annotations = annotations
-            self._dirty_pods.add(pod.uid)
-
-    def _forget_sandbox_pod(self, uid: str, ips: Iterable[str]) -> None:
-        pod = self.sandbox_pods.pop(uid)
-        self._dirty_ips.update(ips)
-        if pod.cred_key is not None:
-            self._gone.add(uid)
-        self._dirty_pods.discard(uid)
+            if self.sandbox_pods.show(self.runtime.sandboxes[uid]):
+                self._dirty_pods.add(uid)
 
     def _refresh_pending(self, pod: PodRecord) -> None:
         if pod.from_api and pod.live and (not pod.api_ips or pod.identity is None):
@@ -451,47 +381,20 @@ class NodeModel:
     def _decide(self, pod: PodRecord) -> None:
         if not pod.decided:
             # Terminal (or hostNetwork, unless by token): no addresses, no credentials.
-            self._drop_credentials(pod)
+            self.holds.drop(pod)
             pod.identity = PodIdentity.denied("not running")
             pod.undecided_since = None
             self._dirty_ips.update(self._ips_of(pod))
             self._refresh_pending(pod)
             return
-        self._gone.discard(pod.uid)
+        self.holds.keep(pod.uid)
         ident, pod.source = self.decider.decide(pod, self.namespaces.get(pod.namespace))
         if ident is not None and ident.kind == IdentityKind.ROLE:
-            ident = self._acquire(pod, ident)
+            if not self.holds.acquire(pod, ident, address=self._address(pod)):
+                self.counts["acquire_errors"] += 1
+                ident = None               # no slot: it waits and is retried
         else:
-            self._drop_credentials(pod)    # released after the table stops naming the slot
+            self.holds.drop(pod)           # released after the table stops naming the slot
         pod.identity = ident
         self._dirty_ips.update(self._ips_of(pod))
         self._refresh_pending(pod)
-
-    def _acquire(self, pod: PodRecord, ident: PodIdentity) -> PodIdentity | None:
-        """The pod's credential slot for its role (None: no slot, it waits and is retried)."""
-        ips = list(self._ips_of(pod)) or ([] if pod.host_network else list(pod.api_ips))
-        ip = sorted(ips)[0] if ips else None
-        want = (ident.role_arn, ident.external_id, ip)
-        if pod.cred_key == want:
-            return ident
-        try:
-            # The decision is what the credential manager keys and names the session by.
-            pod.cred_slot = self.sink.acquire(pod.uid, PodDecision(
-                uid=pod.uid, namespace=pod.namespace, name=pod.name,
-                service_account=pod.service_account, identity=ident,
-                token_only=pod.token_only, host_network=pod.host_network, address=ip,
-                source=pod.source))
-            pod.cred_key = want
-            return ident
-        except Exception as e:   # slots exhausted: stay undecided (503), retry later
-            self._counts["acquire_errors"] += 1
-            log.error("pod %s/%s: no credential slot for %s: %s",
-                      pod.namespace, pod.name, ident.role_arn, e)
-            self._retry.add(pod.uid)
-            return None
-
-    def _drop_credentials(self, pod: PodRecord) -> None:
-        if pod.cred_key is not None:
-            self._gone.add(pod.uid)
-            pod.cred_key = None
-            pod.cred_slot = -1
