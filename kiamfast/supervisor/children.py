@@ -17,6 +17,7 @@ log = logging.getLogger("kiamfast.supervisor")
 RESTART_BACKOFF_MIN = 0.5
 RESTART_BACKOFF_MAX = 10.0
 HEALTHY_AFTER = 30.0          # a child that ran this long restarts with the minimum backoff
+STOP_GRACE = 10.0             # SIGTERM, then SIGKILL after this long
 # `-P`: the children must import the kiamfast the parent imported.  `python -m` would put
 # the working directory first on sys.path, and started from a source checkout a child
 # would import the checkout's kiamfast, which has no compiled extensions.

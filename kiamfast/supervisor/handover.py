@@ -60,7 +60,7 @@ class Refused(HandoverFailed):
 # ---- the side that hands over -------------------------------------------------------------
 
 class Handing(Protocol):
-    """What the serving supervisor does at each step (supervisor.py)."""
+    """What the serving supervisor does at each step (handing.py)."""
 
     def refusal(self) -> str: ...
     def offer(self) -> tuple[str, list[dict], list[int]]: ...
@@ -140,7 +140,7 @@ def _try_send(conn: socket.socket, message: dict) -> None:
 # ---- the side that takes over ---------------------------------------------------------------
 
 class Taking(Protocol):
-    """What the new supervisor does at each step (supervisor.py)."""
+    """What the new supervisor does at each step (taking.py)."""
 
     def arm(self, table_path: str, received: list[tuple[dict, socket.socket]]) -> None: ...
     def proceed(self) -> None: ...

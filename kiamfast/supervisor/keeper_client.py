@@ -19,6 +19,8 @@ from kiamfast.supervisor.listeners import Listener
 
 log = logging.getLogger("kiamfast.supervisor")
 
+CHECK_EVERY = 2.0    # how often the keeper's socket is looked at (a restarted keeper is empty)
+
 
 @dataclass
 class Deposit:
@@ -63,6 +65,13 @@ class KeeperLink:
         self.inode: int | None = None      # of the keeper socket that holds our deposit
         self.note: dict = {}
         self.listeners: list[Listener] = []
+        self.checked = 0.0
+
+    def tick(self, now: float) -> None:
+        """:meth:`refresh`, at most every CHECK_EVERY seconds."""
+        if now - self.checked >= CHECK_EVERY:
+            self.checked = now
+            self.refresh()
 
     def deposit(self, note: dict, listeners: list[Listener]) -> bool:
         self.note, self.listeners = note, list(listeners)

@@ -159,5 +159,58 @@ def container_credentials_listeners(config: Config) -> list[socket.socket]:
     return [lst.sock for lst in _bind(config, todo, skip_taken=())]
 
 
+def take_for_start(config: Config, received: list[tuple[dict, socket.socket]]
+                   ) -> tuple[Listeners, bool]:
+    """The sockets to start on (:func:`take`) and whether on the second port: the keeper's
+    were (deposited before the move back), or --app-port is taken and --handover-port set
+    (a separate metrics port or container-credentials address taken too is left out)."""
+    kinds = {d.get("kind") for d, _ in received}
+    second = SECOND in kinds and APP not in kinds
+    try:
+        return Listeners(take(config, received, second_port=second)), second
+    except ListenError as e:
+        if e.errno != errno.EADDRINUSE or e.port != config.app_port \
+                or not config.handover_port or received:
+            raise
+    return Listeners(take(config, [], second_port=True, skip_taken=(METRICS, CONTAINER))), True
+
+
 def of_kind(held: list[Listener], *kinds: str) -> list[Listener]:
     return [lst for lst in held if lst.kind in kinds]
+
+
+class Listeners:
+    """The listening sockets this agent holds now, whatever their source: what the workers
+    and the control process inherit, what is handed over or deposited with the keeper."""
+
+    def __init__(self, held: list[Listener] | None = None) -> None:
+        self.held = list(held or [])
+
+    def __iter__(self):
+        return iter(self.held)
+
+    def of_kind(self, *kinds: str) -> list[Listener]:
+        return of_kind(self.held, *kinds)
+
+    @property
+    def app(self) -> Listener:
+        """The one the app protocol listens on: --app-port, else the second port."""
+        return (self.of_kind(APP) or self.of_kind(SECOND))[0]
+
+    def descriptions(self) -> list[dict]:
+        return [lst.description() for lst in self.held]
+
+    def fds(self) -> list[int]:
+        return [lst.sock.fileno() for lst in self.held]
+
+    def add(self, lst: Listener) -> None:
+        self.held.append(lst)
+
+    def drop(self, gone: list[Listener]) -> None:
+        """No longer held here (the caller closes them once no child listens on them)."""
+        self.held = [lst for lst in self.held if lst not in gone]
+
+    def close(self) -> None:
+        for lst in self.held:
+            lst.close()
+        self.held = []

@@ -6,12 +6,18 @@ supervisor knows: its file exists exactly while the table is marked ready by a w
 is this supervisor's own control process (the table header names the pid of its writer).
 It lives in the container's own file system (never the hostPath another pod shares), and
 ``test -f`` is a shell builtin: the probe starts no Python.
+
+The supervisor also waits here for its own children: a worker that answers HTTP, and its
+control process's word that it took the table lock and, in runtime mode, its first poll.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
+
+from kiamfast.supervisor.children import Child
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -64,3 +70,53 @@ def own_control_ready(view, control_pid: int | None, since_ns: int) -> bool:
         return view.ready
     except Exception:   # a closed table: not ready
         return False
+
+
+def answers_http(host: str, port: int, *, workers: list[Child], timeout: float) -> bool:
+    """Whether a worker answers HTTP on ``port``.  The socket is bound by the supervisor, so
+    a connection alone proves nothing (the kernel queues it): wait for an answer."""
+    if host in ("::", "0.0.0.0"):
+        host = "127.0.0.1"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(c.proc and c.proc.poll() is not None for c in workers):
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=0.5) as s:
+                s.sendall(b"GET /readyz HTTP/1.1\r\nHost: kiamfast\r\n"
+                          b"Connection: close\r\n\r\n")
+                if s.recv(16).startswith(b"HTTP/1."):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.02)
+    return False
+
+
+def lock_taken_at(control: Child, deadline: float) -> int | None:
+    """When the control process took the table lock (CLOCK_MONOTONIC ns), from its ready
+    pipe (writer_lock.hold: ``L`` and 8 bytes), which is closed then; None if it has not
+    said so by ``deadline``."""
+    said = b""
+    while len(said) < 9 and time.monotonic() < deadline:
+        more = control.read_ready(9 - len(said), deadline - time.monotonic())
+        if not more:
+            break
+        said += more
+    control.close_ready_pipe()
+    if len(said) == 9 and said[:1] == b"L":
+        return int.from_bytes(said[1:], "little")
+    return None
+
+
+def await_first_poll(view, control: Child, locked_at: int | None, *, deadline: float) -> None:
+    """Until ``deadline``, wait for the first runtime poll (or failed attempt) in the table
+    ``view`` that began after the control process took the lock at ``locked_at``."""
+    while locked_at is None or max(view.verified_ns, view.failed_ns) < locked_at:
+        if time.monotonic() > deadline or not control.alive():
+            log.warning("our control process has not polled the runtime yet; accepting "
+                        "anyway")
+            return
+        time.sleep(0.002)
+    log.info("our control process polled the runtime %.0f ms after it took the lock",
+             (time.monotonic_ns() - locked_at) / 1e6)

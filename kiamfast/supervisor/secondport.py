@@ -30,17 +30,15 @@ from typing import Any, Protocol
 
 from kiamfast.control import iptables, iptables_rules
 from kiamfast.sockets import ListenError, listen_socket
-from kiamfast.supervisor.listeners import APP, SECOND, Listener, of_kind
+from kiamfast.supervisor.listeners import APP, SECOND, Listener, Listeners
 
 
 class Owner(Protocol):
     """The supervisor, as the second port uses it."""
     config: Any
-    held: list[Listener]
+    listeners: Listeners
 
     def own_control_ready(self) -> bool: ...
-    def add_listener(self, listener: Listener) -> None: ...
-    def drop_listeners(self, listeners: list[Listener]) -> None: ...
     def swap_workers(self) -> None: ...
     def deposit(self) -> None: ...
 
@@ -119,8 +117,8 @@ class SecondPort:
         except ListenError:
             return
         log.info("--app-port %d is free: moving back to it", self.config.app_port)
-        self.sup.add_listener(Listener(APP, self.config.listen_host, self.config.app_port,
-                                       sock))
+        self.sup.listeners.add(Listener(APP, self.config.listen_host, self.config.app_port,
+                                        sock))
         self.sup.swap_workers()
         if self.rules:
             for rule in iptables_rules.rules_for_config(self.config):
@@ -131,8 +129,8 @@ class SecondPort:
 
     def _close_second_port(self) -> None:
         """Step 4: the steady state, the app port only."""
-        second = of_kind(self.sup.held, SECOND)
-        self.sup.drop_listeners(second)
+        second = self.sup.listeners.of_kind(SECOND)
+        self.sup.listeners.drop(second)
         self.sup.swap_workers()
         for lst in second:
             lst.close()

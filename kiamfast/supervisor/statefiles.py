@@ -153,6 +153,24 @@ def alternate_table_path(path: str) -> str:
     return f"{path}-2"
 
 
+def table_path_to_start(config: Config, *, note_path: str | None, second_port: bool) -> str:
+    """The table to start on: the one the keeper's note names (either path of this
+    configuration), else --table-path; on the second port with no note, the alternate one
+    if a process that cannot hand over holds the lock of --table-path."""
+    path = note_path if note_path in (config.table_path,
+                                      alternate_table_path(config.table_path)) \
+        else config.table_path
+    if second_port and not note_path:
+        fd = try_lock_table(path)
+        if fd is None:
+            path = alternate_table_path(path)
+            log.warning("the table lock of %s is held (a kiamfast that cannot hand "
+                        "over): this agent writes %s", config.table_path, path)
+        else:
+            os.close(fd)
+    return path
+
+
 def table_to_continue(path: str, layout: dict[str, int], *,
                       max_age: float) -> tuple[Table | None, str]:
     """The table at ``path``, attached read-only, if it can be served on as it is: ours
