@@ -62,7 +62,7 @@ def test_control_side_never_imports_grpc_or_protobuf():
 
 _LOAD_CONTROL = """
 import importlib, pkgutil, sys
-import kiamfast.control.process
+import kiamfast.control.start
 for package in ("kiamfast.control", "kiamfast.container_credentials"):
     for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
         if not info.name.endswith(".__main__"):   # that one runs the process
@@ -201,6 +201,13 @@ def test_the_supervisor_loads_no_asyncio():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == []
+
+
+def test_only_the_control_entry_imports_the_control_start():
+    # control/start.py is the process's entry (python -m kiamfast.control): the rooms of
+    # control/ are wired by process.py and never reach back for the entry's arguments.
+    assert set(_offenders(["kiamfast"], ("kiamfast.control.start",))) == {
+        "kiamfast/control/__main__.py"}
 
 
 # No module of kiamfast imports, however indirectly, a module that imports it back: not at

@@ -1,3 +1,3 @@
-from kiamfast.control.process import main
+from kiamfast.control.start import main
 
 raise SystemExit(main())

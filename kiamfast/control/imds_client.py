@@ -9,10 +9,13 @@ http.client calls with short timeouts: run them in an executor.
 from __future__ import annotations
 
 import http.client
+import logging
 
 import orjson
 
-from kiamfast.config import split_host_port
+from kiamfast.config import Config, split_host_port
+
+log = logging.getLogger("kiamfast.control")
 
 TIMEOUT = 1.0
 
@@ -76,3 +79,15 @@ def instance_role_arn(addr: str) -> str:
     if not prefix.startswith("arn:") or not name:
         raise ImdsError(f"cannot derive the instance role from {profile!r}")
     return f"{prefix}:role/{name}"
+
+
+def discover_roles(config: Config) -> Config:
+    """kube2iam's --auto-discover-base-arn / --auto-discover-default-role: read the node's
+    own instance role from the metadata service.  Fatal if it cannot be read, as in kube2iam."""
+    role_arn = instance_role_arn(config.metadata_addr)
+    base = role_arn.split(":role/")[0] + ":role/"
+    if config.auto_discover_default_role:
+        log.info("using the instance role %s as default role", role_arn)
+        return config.replace(base_role_arn=base, default_role=role_arn)
+    log.info("discovered base role ARN %s", base)
+    return config.replace(base_role_arn=base)

@@ -10,11 +10,13 @@ this module wires them, in one start sequence written as the list it is, each st
    (no STS call), the addresses a runtime decided are kept; workers answer none of them
    before a runtime poll newer than their connection.
 2. **The runtime first**: its first poll confirms the adopted owners still hold their
-   addresses, so those pods are answered within a few hundred milliseconds of the start,
-   before the API client or botocore is even imported.
-3. **The API**: its configuration (an unusable one is a one-line error and exit 78, never a
-   retry loop), the pods' list (namespaces first when the policy reads them); STS calls
-   start as pods with roles arrive (the STS client builds on its own thread meanwhile).
+   addresses.  When the table held such owners (a restart), that poll runs alone: the API
+   client and botocore are imported after it, so those pods are answered within a few
+   hundred milliseconds of the start.  On a fresh node the STS client starts building (on
+   its own thread) first: it is the longest step before the first credentials.
+3. **The API**: the client (its configuration was checked by ``start.py``: an unusable one
+   is a one-line error and exit 78, never a retry loop), the pods' list (namespaces first
+   when the policy reads them); STS calls start as pods with roles arrive.
 4. **The DNAT rule** (the supervisor bound the sockets before starting anything: a pod's
    connection waits in the backlog, never refused).
 5. **Ready** once synced and every key seen is fetched (bounded), then **the startup taint**
@@ -27,22 +29,21 @@ connection, never the node's role.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import socket
-import sys
 import time
 from collections import Counter
 from typing import Any
 
-from kiamfast import __version__, channel, logs, metrics_text, milestones
+from kiamfast import __version__, channel, metrics_text, milestones
 from kiamfast import table as tbl
-from kiamfast.config import EXIT_CONFIG, Config, config_from_json
+from kiamfast.config import Config
 from kiamfast.control import imds_client, iptables, writer_lock
 from kiamfast.control.rule_keeper import RuleKeeper
 from kiamfast.control.health import Health
+from kiamfast.control.cri import known as known_sandboxes
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.policy import RolePolicy
@@ -50,14 +51,13 @@ from kiamfast.control.mappings import report
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.publish import metrics as control_metrics
 from kiamfast.control.publish.aux import AuxPublisher
-from kiamfast.control.iam.sts import StsClient
-from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.control")
 
 PUBLISH_INTERVAL = 2.0
 HEARTBEAT_INTERVAL = 1.0
 NODE_COUNT_INTERVAL = 60.0      # --sts-account-qps without --sts-fleet-nodes (jittered)
+FIRST_POLL_ALONE = 1.0          # a restart: at most this long before the API and STS start
 
 
 class ControlTaskFailed(Exception):
@@ -67,9 +67,10 @@ class ControlTaskFailed(Exception):
 class ControlProcess:
     def __init__(self, config: Config, table: tbl.Table, channels: list[socket.socket],
                  container_socks: list[socket.socket] | None = None, *,
-                 prepared: "Prepared | None" = None) -> None:
+                 sts: Any, api_config: Any) -> None:
         self.config = config
-        self.prepared = prepared or Prepared.load(config)
+        self.sts = sts                         # iam.sts.StsClient, its build not begun
+        self.api_config = api_config           # kube.config: checked by start.py
         self.table = table
         self.channels = channels
         self.container_socks = container_socks or []   # --container-credentials-addr, bound
@@ -122,13 +123,19 @@ class ControlProcess:
             loop.add_reader(sock.fileno(), self._on_channel, sock)
         self.table.set_status(ready=False, synced=False)
         if self.config.auto_discover_base_arn or self.config.auto_discover_default_role:
-            self.config = await loop.run_in_executor(None, discover_roles, self.config)
-        self._adopt()                                           # 1.
+            self.config = await loop.run_in_executor(None, imds_client.discover_roles,
+                                                     self.config)
+        restarted = self._adopt()                               # 1.
+        if not restarted:
+            self.sts.prepare()
         tasks = [asyncio.create_task(self.manager.run(), name="credentials")]
         if self.runtime.poller is not None:                    # 2.
             self.runtime.start_routes(loop)
             self.model.merge.evidence.routes = self.runtime.routes
             tasks.append(asyncio.create_task(self.runtime.poller.run(), name="runtime"))
+            if restarted:
+                await self._first_poll_alone(tasks)
+        self.sts.prepare()
         self._connect_api()                                     # 3.
         tasks.append(asyncio.create_task(self.source.run(), name="api-watch"))
         tasks += [asyncio.create_task(self._expire(), name="expire"),
@@ -155,11 +162,11 @@ class ControlProcess:
         if failed:
             raise ControlTaskFailed(", ".join(t.get_name() for t in failed))
 
-    def _adopt(self) -> None:
+    def _adopt(self) -> bool:
         """Step 1: the credentials and addresses a previous control process left (a restart
-        of this one, or of the whole agent with the same table)."""
+        of this one, or of the whole agent with the same table).  True if a runtime is to
+        confirm adopted owners."""
         refs: Counter = Counter()     # addresses naming each credential slot (the model counts)
-        self.sts = self.prepared.sts
         self.manager = CredentialManager.from_config(self.config, table=self.table,
                                                      sts=self.sts, notify=self.notify,
                                                      slot_refs=refs)
@@ -169,24 +176,34 @@ class ControlProcess:
                         "container runtime (--cri-endpoint) knows a pod's address first")
         self.runtime = RuntimeSource(endpoint=self.config.cri_endpoint, model=None,
                                      commit=self._commit, on_change=self._publish_health,
-                                     table_runtime_mode=self.table.runtime_mode)
+                                     table_runtime_mode=self.table.runtime_mode,
+                                     known_file=known_sandboxes.path_for(self.table.path))
         self.health.runtime = self.runtime
         if self.table.runtime_mode and not self.runtime.expected:
             # Addresses a runtime decided, kept for its poll to confirm: none will come now
             # (--cri-endpoint=none), and workers would serve them as they are.
             for slot in self.table.snapshot():
                 self.table.release_ip(slot["ip"], slot["pod_uid"])
+        adopted = {ip["ip"]: (ip["pod_uid"], ip["pod_state"], ip["cred_slot"])
+                   for ip in self.table.snapshot()}
         self.model = NodeModel(
             policy=RolePolicy.from_config(self.config), table=self.table, sink=self.manager,
             notify=self.notify, slot_refs=refs, token_only=self._token_only(),
-            adopted={ip["ip"]: (ip["pod_uid"], ip["pod_state"], ip["cred_slot"])
-                     for ip in self.table.snapshot()},
-            expect_runtime=self.runtime.expected, routes=None)
+            adopted=adopted, expect_runtime=self.runtime.expected, routes=None)
         self.runtime.model = self.model
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
         self.table.set_status(runtime_mode=self.model.runtime_mode)
         milestones.mark("credentials adopted")
+        return self.runtime.expected and bool(adopted)
+
+    async def _first_poll_alone(self, tasks: list[asyncio.Task]) -> None:
+        """Step 2 of a restart: the runtime's first answer before anything else imports or
+        runs (bounded: an outage is the fallback's to answer, and the API's list may help)."""
+        try:
+            await asyncio.wait_for(self.runtime.settled.wait(), FIRST_POLL_ALONE)
+        except asyncio.TimeoutError:
+            pass
 
     def _connect_api(self) -> None:
         """Step 3: the API client (its configuration checked now: ConfigError ends the
@@ -195,7 +212,7 @@ class ControlProcess:
         from kiamfast.control.k8s.source import ApiSource
         from kiamfast.kube.client import Client
         cfg = self.config
-        self.api = Client(self.prepared.api_config)
+        self.api = Client(self.api_config)
         self.source = ApiSource(client=self.api, model=self.model, node=cfg.node or None,
                                 watch_namespaces=self.model.policy.uses_namespaces)
         self.source.timings.resync = cfg.cache_resync_period
@@ -373,108 +390,3 @@ class ControlProcess:
             except iptables.IptablesError as e:
                 log.error("could not remove the DNAT rule: %s", e)
         log.info("control process stopped")
-
-
-class Prepared:
-    """What the control process builds before it may write the table: a process taking the
-    node over from another agent does this in standby, while the other still writes (a
-    configuration error ends it here, with one line, before it ever holds the lock)."""
-
-    def __init__(self, *, api_config: Any, sts: StsClient) -> None:
-        self.api_config = api_config
-        self.sts = sts
-
-    @classmethod
-    def load(cls, config: Config) -> "Prepared":
-        from kiamfast.kube.config import load_config   # ConfigError: exit 78 (main)
-        api_config = load_config(kubeconfig=config.kubeconfig, api_server=config.api_server,
-                                 api_token=config.api_token, insecure=config.insecure)
-        return cls(api_config=api_config, sts=StsClient.from_config(config))
-
-
-def discover_roles(config: Config) -> Config:
-    """kube2iam's --auto-discover-base-arn / --auto-discover-default-role: read the node's
-    own instance role from the metadata service.  Fatal if it cannot be read, as in kube2iam."""
-    role_arn = imds_client.instance_role_arn(config.metadata_addr)
-    base = role_arn.split(":role/")[0] + ":role/"
-    if config.auto_discover_default_role:
-        log.info("using the instance role %s as default role", role_arn)
-        return config.replace(base_role_arn=base, default_role=role_arn)
-    log.info("discovered base role ARN %s", base)
-    return config.replace(base_role_arn=base)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiamfast-control")
-    parser.add_argument("--table", required=True)
-    parser.add_argument("--channel-fds", default="")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--container-credentials-fds", default="")
-    parser.add_argument("--table-lock-fd", type=int, default=-1,
-                        help="inherited descriptor of the table's lock file: held before "
-                             "the table is written (control/writer_lock.py)")
-    parser.add_argument("--ready-fd", type=int, default=-1,
-                        help="inherited pipe: one byte once in standby for the lock")
-    args = parser.parse_args(argv)
-    config = config_from_json(args.config_json)
-    logs.setup(log_format=config.log_format, level=config.effective_log_level,
-               process="control")
-    raise_fd_limit()
-    from kiamfast.kube.errors import ConfigError
-    try:
-        prepared = Prepared.load(config)      # before the lock: standby does this meanwhile
-    except ConfigError as e:
-        log.error("cannot start: %s", e)
-        return EXIT_CONFIG
-    if args.table_lock_fd >= 0:
-        writer_lock.hold(args.table_lock_fd, ready_fd=args.ready_fd)
-    try:
-        return _serve(config, args, prepared)
-    finally:
-        if args.table_lock_fd >= 0:
-            writer_lock.release(args.table_lock_fd)
-
-
-def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
-    table = tbl.Table.attach(args.table, writer=True)
-    if table.repaired:
-        log.warning("repaired %d slots a previous control process left half-written or "
-                    "unreachable (a compaction it did not finish)", table.repaired)
-    channels = [socket.socket(fileno=int(fd)) for fd in args.channel_fds.split(",") if fd]
-    container_socks = [socket.socket(fileno=int(fd))
-                       for fd in args.container_credentials_fds.split(",") if fd]
-    for sock in [*channels, *container_socks]:
-        sock.setblocking(False)
-    try:
-        import uvloop
-        uvloop.run(ControlProcess(config, table, channels, container_socks,
-                                  prepared=prepared).run())
-    except writer_lock.NotSoleWriter as e:
-        log.error("control process exiting: %s", e)
-        return 1
-    except iptables.IptablesNotFound as e:
-        log.error("cannot start: --iptables: %s: install iptables (kiamfast's image has it), or "
-                  "run with --iptables=false", e)
-        return EXIT_CONFIG
-    except iptables.IptablesNotPermitted as e:
-        log.error("cannot start: --iptables: the kernel refused the DNAT rule (%s): the agent "
-                  "needs the NET_ADMIN capability in the host's network namespace "
-                  "(hostNetwork: true), or run with --iptables=false", e)
-        return EXIT_CONFIG
-    except iptables.IptablesError as e:
-        log.error("--iptables: cannot install the DNAT rule: %s", e)
-        return 1
-    except imds_client.ImdsError as e:
-        which = "--auto-discover-default-role" if config.auto_discover_default_role else \
-            "--auto-discover-base-arn"
-        log.error("%s: cannot read the node's instance role from the metadata service at "
-                  "--metadata-addr=%s: %s", which, config.metadata_addr, e)
-        return 1
-    except ControlTaskFailed as e:
-        log.error("control process exiting: %s", e)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

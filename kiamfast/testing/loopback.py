@@ -238,7 +238,7 @@ class LoopbackNode:
             table_path = str(_tmpfs() / f"kiamfast-{self.node}-{os.getpid()}-"
                                         f"{secrets.token_hex(4)}")
             token_key_file = token_key_file or table_path + ".key"
-            files = (table_path, token_key_file, table_path + ".lock")
+            files = (table_path, token_key_file, table_path + ".lock", table_path + ".sandboxes")
         argv = self.agent_argv(port=port, table_path=table_path, token_key_file=token_key_file,
                                metrics_port=metrics_port, command=command, extra=extra)
         agent = (process or AgentProcess)(

@@ -175,7 +175,7 @@ def test_from_config(proxy):
 
 _IMPORTS_AND_BUILDS = r"""
 import sys, threading
-import kiamfast.control.process, kiamfast.control.iam.manager, kiamfast.control.iam.sts as sts
+import kiamfast.control.start, kiamfast.control.iam.manager, kiamfast.control.iam.sts as sts
 print(sorted(m for m in sys.modules if m.startswith("botocore")))
 builders = []
 

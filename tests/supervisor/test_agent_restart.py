@@ -183,6 +183,7 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
         finally:
             kill_everything(agent)
 
+        statuses = runtime.calls["PodSandboxStatus"]
         runtime.remove(old.id)                     # the pod goes, another takes its address
         arriving = fake_sandbox(name="arriving", namespace="team", ip=REUSED_IP,
                                 annotations={"iam.amazonaws.com/role": "arriving-role"})
@@ -199,6 +200,9 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
             role, after = credentials(again.port, POD_IP)
             assert (role, after) == (ROLE, before), new_log()
             assert "start: pods listed" not in new_log()   # served before the API listed
+            # the app's sandbox came from the file the previous process kept: one status,
+            # the newcomer's (control/cri/known.py)
+            assert runtime.calls["PodSandboxStatus"] == statuses + 1
             status, body = http(again.port, f"GET {LISTING}", source=REUSED_IP)
             assert status != 200 or body == b"arriving-role", (status, body)
             fakes.api.slow_list(0)

@@ -45,7 +45,7 @@ import ipaddress
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -174,13 +174,16 @@ class RuntimeClient:
     """Synchronous CRI client; call `poll()` from one thread (the poller's)."""
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0,
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock_ns: Callable[[], int] = time.monotonic_ns,
+                 known: Iterable[Sandbox] = ()) -> None:
+        """``known``: entries a previous process saw (``known.py``), taken for the status
+        answers they were made from while their ids are listed READY."""
         self.endpoint = endpoint
         self.timeout = timeout
         self._clock_ns = clock_ns
         self._channel = UnixChannel(endpoint)
         self._status_pool: ThreadPoolExecutor | None = None
-        self._cache: dict[str, Sandbox] = {}        # listed READY sandboxes' entries, by id
+        self._cache: dict[str, Sandbox] = {s.id: s for s in known}   # READY entries, by id
         self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
         self._failing: set[str] = set()             # ids whose status failed (logged)
         self._conflicts_logged: set[str] = set()

@@ -21,6 +21,7 @@ from typing import Any
 from kiamfast import milestones
 from kiamfast.control.cri import link as runtime_link
 from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri import known
 from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.control.cri import routes as host_routes
 
@@ -36,7 +37,10 @@ class RuntimeSource:
     """The poller, its link's health and the route witness, feeding ``model``."""
 
     def __init__(self, *, endpoint: str, model: Any, commit: Callable[[], None],
-                 table_runtime_mode: bool, on_change: Callable[[], None]) -> None:
+                 table_runtime_mode: bool, on_change: Callable[[], None],
+                 known_file: str | None = None) -> None:
+        """``known_file``: where the views' sandboxes are kept for the next process
+        (``known.py``), read when the runtime's client is made."""
         self.model = model
         self.commit = commit               # the model's commit, then the workers' wake
         self.on_change = on_change         # /healthz follows the state
@@ -45,6 +49,9 @@ class RuntimeSource:
         self.settled = asyncio.Event()     # the runtime answered, or failed, once
         self.routes: host_routes.RouteWatch | None = None
         self._routes_fd = -1
+        self.known_file = known_file
+        self._keeping: asyncio.Future | None = None     # a save in flight
+        self._to_keep: tuple[runtime.Sandbox, ...] | None = None
         # Whether addresses follow the runtime: an endpoint was given or found, or the table
         # a previous control process left was decided by one (never drop its freshness
         # checks because an 'auto' socket is briefly absent).
@@ -53,7 +60,7 @@ class RuntimeSource:
 
     def _poller(self, endpoint: str) -> RuntimePoller | None:
         if endpoint.strip() == "auto":
-            client: Any = runtime_link.AutoEndpointClient()
+            client: Any = runtime_link.AutoEndpointClient(make_client=self._client)
             if runtime.resolve_endpoint("auto") is not None:
                 self.expected = True
             elif not self.expected:
@@ -66,7 +73,7 @@ class RuntimeSource:
                          "follow the API server", endpoint or '""')
                 self.expected = False   # the operator turned it off: no poll comes
                 return None
-            client = runtime.RuntimeClient(resolved)
+            client = self._client(resolved)
             self.expected = True
         self.state = "connecting"
         # backoff_max: a local socket costs nothing to retry, and an 'auto' socket that
@@ -74,6 +81,27 @@ class RuntimeSource:
         return RuntimePoller(client, on_view=self._on_view,
                                      on_state=self._on_state,
                                      on_failure=self._on_failure, backoff_max=5.0)
+
+    def _client(self, endpoint: str) -> runtime.RuntimeClient:
+        saved = known.load(self.known_file, endpoint) if self.known_file else ()
+        return runtime.RuntimeClient(endpoint, known=saved)
+
+    def _keep(self, sandboxes: tuple[runtime.Sandbox, ...]) -> None:
+        """Save the view's sandboxes on a thread, the latest once the save in flight ends
+        (an unchanged view shares the previous one's tuple: nothing to do)."""
+        if self.known_file is None or sandboxes is self._to_keep:
+            return
+        self._to_keep = sandboxes
+        if self._keeping is None:
+            self._keeping = asyncio.get_running_loop().run_in_executor(
+                None, known.save, self.known_file, self.poller.client.endpoint, sandboxes)
+            self._keeping.add_done_callback(lambda _: self._kept(sandboxes))
+
+    def _kept(self, sandboxes: tuple[runtime.Sandbox, ...]) -> None:
+        self._keeping = None
+        if self._to_keep is not sandboxes:
+            latest, self._to_keep = self._to_keep, None
+            self._keep(latest)
 
     # ---- running ------------------------------------------------------------------------------
 
@@ -144,6 +172,7 @@ class RuntimeSource:
         self.commit()
         milestones.mark("runtime answered")    # the first view only
         self.settled.set()
+        self._keep(view.sandboxes)
 
     def _on_failure(self, started_ns: int) -> None:
         if self.expected:     # else: an 'auto' socket not found yet (API mode)

@@ -6,7 +6,9 @@ small thread pool so the asyncio control loop never blocks on the network.
 
 Cheap to import and to build (issue 32): importing this module imports no botocore;
 ``StsClient.from_config`` builds the client on the pool's thread and returns (the control
-process lists pods meanwhile; the first call waits for it). The client is botocore's own
+process lists pods meanwhile; the first call waits for it), or, with ``start=False``, when
+``prepare()`` says so (a restarted control process first lets the runtime's poll confirm the
+adopted owners: botocore's imports would take the interpreter from it). The client is botocore's own
 (signer, parser, error model, retries, credential chain, proxies, TLS) without what STS does
 not need: the 1.2 MB legacy ``endpoints.json`` (8 MiB, ~40 ms) and the loader's walk of
 every service directory (~35 ms). STS's endpoint rule set decides URL and signing region;
@@ -170,9 +172,9 @@ class StsClient:
                  max_attempts: int = 1, connect_timeout: float = 2.0,
                  read_timeout: float = 5.0, max_pool_connections: int = 8,
                  session: Any = None, defer: bool = False):
-        """``defer``: build the botocore client on the pool's thread (started now) instead
-        of before returning; a failure to build is then raised by the calls (classified
-        StsTransient), each of which tries again."""
+        """``defer``: build the botocore client on the pool's thread (started by
+        ``prepare()`` or the first call) instead of before returning; a failure to build is
+        then raised by the calls (classified StsTransient), each of which tries again."""
         self.region = resolve_region(region)
         if not _REGION_NAME.match(self.region):
             raise ValueError(f"not a region name: {self.region!r} (--sts-region, "
@@ -190,21 +192,29 @@ class StsClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.max_workers, thread_name_prefix="kiamfast-sts")
         self._background: concurrent.futures.Future | None = None
-        if defer:
-            self._background = self._pool.submit(self._load_quietly)
-        else:
+        if not defer:
             self.load()
 
     @classmethod
-    def from_config(cls, config, **overrides) -> "StsClient":
+    def from_config(cls, config, *, start: bool = True, **overrides) -> "StsClient":
         """From a ``kiamfast.config.Config`` (``--sts-region``, ``--sts-endpoint``); the
-        botocore client is built in the background (``defer``)."""
+        botocore client is built in the background (``defer``), from now on, or with
+        ``start=False`` from ``prepare()``."""
         kwargs = dict(region=config.sts_region or None,
                       endpoint_url=config.sts_endpoint or None, defer=True)
         kwargs.update(overrides)
-        return cls(**kwargs)
+        client = cls(**kwargs)
+        if start:
+            client.prepare()
+        return client
 
     # ---- building the botocore client -------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Start building the botocore client on the pool's thread, unless that has begun
+        (or a call built it)."""
+        if self._background is None and self._client is None and not self._closed:
+            self._background = self._pool.submit(self._load_quietly)
 
     def load(self) -> Any:
         """The botocore client, built now if it is not yet (blocking; safe from any thread).
