@@ -86,6 +86,7 @@ class Options:
     # kiamfast's addresses: "fault", a container runtime (the CRI double) holding a READY
     # sandbox per pod, as on a real node; "none", the API alone (--cri-endpoint=none)
     runtime: str = "fault"
+    sts_latency: float = 0.0       # added to every STS call (a regional STS: ~0.02-0.05 s)
 
 
 QUICK = Options(scenarios=((12, 4),), runs=1, imports=1, timeout=45.0)
@@ -595,7 +596,8 @@ def node_runtime(kind: str, c, pods: dict[str, str]):
 def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
     import bench_agent as ba
     pods = {ip: ba.role_name(i % roles) for i, ip in enumerate(pod_addresses(pods_n))}
-    with ba.cluster() as c, node_runtime(opts.runtime, c, pods) as endpoint:
+    with ba.cluster(sts_latency=opts.sts_latency) as c, \
+            node_runtime(opts.runtime, c, pods) as endpoint:
         warm_sts(c.proxy.url)
         for index in range(opts.runs):
             for name in AGENTS if index % 2 == 0 else AGENTS[::-1]:   # neither always first
@@ -755,8 +757,9 @@ def markdown(res: Result) -> str:
     o = res.options
     lines = [f"The node holds N pods over R roles, every pod asking (token, listing, document; "
              f"1 s timeout; again 100 ms after each attempt began) before the agent starts; "
-             f"{o['runs']} start(s) per agent and scenario, alternating; STS is moto with no "
-             "added latency (a local STS); kiamfast " + (
+             f"{o['runs']} start(s) per agent and scenario, alternating; STS is moto with " + (
+                 f"{o['sts_latency'] * 1000:.0f} ms added to every call" if o.get("sts_latency")
+                 else "no added latency (a local STS)") + "; kiamfast " + (
                  "API-only (`--cri-endpoint=none`), " if o.get("runtime") == "none" else
                  "with a container runtime holding a READY sandbox per pod (the CRI double, "
                  "over gRPC, as containerd on a node), ") +
@@ -920,6 +923,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", choices=("fault", "none"), default="fault",
                     help="kiamfast's addresses from a container runtime (the CRI double, "
                          "default) or from the API alone")
+    ap.add_argument("--sts-latency", type=float, default=0.0,
+                    help="seconds added to every STS call (default 0: a local STS)")
     ap.add_argument("--json", help="also write the runs here")
     args = ap.parse_args(argv)
     opts = QUICK if args.quick else Options()
@@ -930,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.restart = not args.no_restart
     opts.kiamfast_flags = tuple(args.kiamfast_flag)
     opts.runtime = args.runtime
+    opts.sts_latency = args.sts_latency
     res = run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(markdown(res))
     if args.json:

@@ -21,6 +21,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 import pytest
 
 from kiamfast.control.cri.transport import (WINDOW, GrpcError, StatusCode, UnixChannel,
@@ -331,7 +332,7 @@ class H2Server:
                             if self.answer(number, conn, event.stream_id) == "close":
                                 return
                     sock.sendall(conn.data_to_send())
-            except OSError:
+            except (OSError, h2.exceptions.ProtocolError):   # the client hung up, or we closed
                 return
 
     def close(self) -> None:
