@@ -139,7 +139,8 @@ class CredentialManager:
             qps=config.sts_qps, burst=config.sts_burst,
             account_qps=config.sts_account_qps,
             fleet_nodes=config.sts_fleet_nodes if fleet_nodes is None else fleet_nodes,
-            error_ttl=config.iam_role_error_ttl)
+            error_ttl=config.iam_role_error_ttl,
+            max_inflight=getattr(sts, "max_workers", 8))   # one call per thread of its pool
         kwargs.update(overrides)
         return cls(**kwargs)
 
