@@ -370,7 +370,7 @@ FLAGS: tuple[Flag, ...] = (
     _f("min-credential-lifetime", "duration", 900.0, "Never serve credentials with less than "
        "this left; they are refreshed before (SDKs misbehave below 15m)."),
     _f("session-name-policy", "choice", "node-role", "RoleSessionName: node-role = "
-       "<node>-<role name> (one session per role and node); pod = <namespace>-<pod> (one "
+       "<node>-<role name> (one session per role and node); pod = <namespace>.<pod> (one "
        "session per pod, best CloudTrail attribution, more STS calls); kube2iam = "
        "<fnv32a of pod IP>-<role name> as kube2iam does.",
        choices=("node-role", "pod", "kube2iam")),
