@@ -66,8 +66,8 @@ PERIOD = 0.1                 # a pod asks again 100 ms after its previous attemp
 CLIENT_TIMEOUT = 1.0         # botocore's IMDS timeout (DEFAULT_METADATA_SERVICE_TIMEOUT)
 STARTUP_TAINT = "kiamfast.io/agent-not-ready"
 MILESTONES = ("table created", "table adopted", "worker listening", "runtime answered",
-              "pods listed",
-              "first STS answer", "all roles fetched", "ready", "taint removed")
+              "pods listed", "STS client built", "first STS answer", "all roles fetched",
+              "ready", "taint removed")
 _MARK = re.compile(r'start: ([^"\n]+?) after ([0-9.]+)s')
 
 for _p in (ROOT / "tests", ROOT / "tests" / "kube2iam"):

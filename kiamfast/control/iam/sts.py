@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from kiamfast import milestones
 from kiamfast.control.iam.sts_session import assume_role_url, sts_session
 
 log = logging.getLogger("kiamfast.sts")
@@ -277,6 +278,7 @@ class StsClient:
                 "STS client for %s at %s built in %.0f ms", self.region, self._endpoint,
                 (time.monotonic() - started) * 1000)
         self._built = True
+        milestones.mark("STS client built")
         if self._closed:
             client.close()
         return client
