@@ -595,6 +595,7 @@ def node_runtime(kind: str, c, pods: dict[str, str]):
 
 def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
     import bench_agent as ba
+    from kiamfast.table import files_beside
     pods = {ip: ba.role_name(i % roles) for i, ip in enumerate(pod_addresses(pods_n))}
     with ba.cluster(sts_latency=opts.sts_latency) as c, \
             node_runtime(opts.runtime, c, pods) as endpoint:
@@ -611,8 +612,8 @@ def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
                     res.runs += one_start(agent, c, pods, roles=roles, index=index, opts=opts,
                                           log=log)
                 finally:
-                    for path in (table, *(table + end for end in (".key", ".lock", ".sandboxes")
-                                          if table)):
+                    for path in (table, *((table + ".key", *files_beside(table)) if table
+                                          else ())):
                         if path:
                             with contextlib.suppress(OSError):
                                 os.unlink(path)

@@ -58,6 +58,13 @@ AUX_COUNT = 5
 
 DEFAULT_PATH = "/dev/shm/kiamfast-table"
 
+
+def files_beside(path: str) -> tuple[str, str]:
+    """The files an agent keeps beside its table at ``path``: the writers' lock (the
+    supervisor's, supervisor/statefiles.py) and the sandboxes the runtime last listed (the
+    control process's, control/cri/known.py).  Whoever removes a table removes them too."""
+    return f"{path}.lock", f"{path}.sandboxes"
+
 # Size of each aux blob: the largest is the control process's metrics text, whose size is
 # bounded by kiamfast.control.iam.metrics.METRICS_TEXT_MAX (tests/control/test_outside_input.py
 # checks that it fits).
@@ -111,5 +118,6 @@ __all__ = [
     "AUX_DENIALS",
     "AUX_COUNT",
     "DEFAULT_PATH",
+    "files_beside",
     "AUX_SIZE",
 ]

@@ -414,12 +414,15 @@ class DemoEnvironment:
             self.agent = None
 
     def close(self, *, keep_workdir: bool = False) -> None:
+        from kiamfast import table
+
         steps = [self.stop_pods, self.stop_agent]
         if self._table is not None:
             steps.append(self._table.close)
         errors = run_each([*steps, self.node.stop])
         self._table = None
-        for path in (self.table_path, self.table_path + ".token-key", self.table_path + ".lock"):
+        for path in (self.table_path, self.table_path + ".token-key",
+                     *table.files_beside(self.table_path)):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if not keep_workdir:

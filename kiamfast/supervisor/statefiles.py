@@ -24,7 +24,7 @@ import time
 
 from kiamfast import milestones
 from kiamfast.config import Config
-from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError
+from kiamfast.table import AUX_COUNT, AUX_SIZE, Table, TableLayoutError, files_beside
 
 log = logging.getLogger("kiamfast.supervisor")
 
@@ -115,7 +115,7 @@ def open_lock(path: str) -> int:
     """An fd of the table's lock file ``<path>.lock`` (created 0600 if missing, ours alone),
     not locked yet.  The file is never replaced or removed: a new inode would be a second,
     free lock."""
-    lock_path = f"{path}.lock"
+    lock_path = files_beside(path)[0]
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                  | os.O_CLOEXEC, 0o600)
     problem = _not_ours_alone(os.fstat(fd))
@@ -129,7 +129,7 @@ def lock_table(path: str) -> int:
     """An fd holding the exclusive flock of ``<path>.lock``, taken within LOCK_WAIT."""
     fd = open_lock(path)
     try:
-        _flock_within(fd, f"{path}.lock", LOCK_WAIT)
+        _flock_within(fd, files_beside(path)[0], LOCK_WAIT)
     except BaseException:
         os.close(fd)
         raise

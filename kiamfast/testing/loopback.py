@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from kiamfast.table import files_beside
 from kiamfast.testing import procs
 from kiamfast.testing.aws_env import offline_env
 from kiamfast.testing.net import (ExitedEarly, free_port, http_request, one_request,
@@ -238,7 +239,7 @@ class LoopbackNode:
             table_path = str(_tmpfs() / f"kiamfast-{self.node}-{os.getpid()}-"
                                         f"{secrets.token_hex(4)}")
             token_key_file = token_key_file or table_path + ".key"
-            files = (table_path, token_key_file, table_path + ".lock", table_path + ".sandboxes")
+            files = (table_path, token_key_file, *files_beside(table_path))
         argv = self.agent_argv(port=port, table_path=table_path, token_key_file=token_key_file,
                                metrics_port=metrics_port, command=command, extra=extra)
         agent = (process or AgentProcess)(

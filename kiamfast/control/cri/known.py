@@ -29,6 +29,7 @@ from types import MappingProxyType
 import orjson
 
 from kiamfast.control.cri.client import Sandbox
+from kiamfast.table import files_beside
 
 log = logging.getLogger("kiamfast.runtime")
 
@@ -38,7 +39,7 @@ MAX_FILE = 2 * 1024 * 1024
 
 
 def path_for(table_path: str) -> str:
-    return f"{table_path}.sandboxes"
+    return files_beside(table_path)[1]
 
 
 def load(path: str, endpoint: str) -> tuple[Sandbox, ...]:
