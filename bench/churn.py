@@ -181,7 +181,7 @@ class Churner:
     def begin(self, slot: int) -> None:
         role = self.rng.randrange(len(self.role_names))
         name, uid = new_api_pod(self.c, self.role_names[role])          # 1. scheduled
-        self.c.api.mark_pod_terminating(NAMESPACE, self.pods[slot].name)  # 2. deleted
+        self.c.api.pods.mark_terminating(NAMESPACE, self.pods[slot].name)  # 2. deleted
         self.sh.want[slot] = 0
         self.stages[slot] = _Replacement(name=name, uid=uid, role=role, since=time.monotonic())
 
@@ -240,15 +240,15 @@ class Churner:
     def publish_end(self, name: str) -> None:
         if name not in self.ended:
             self.ended.add(name)
-            self.c.api.set_pod_phase(NAMESPACE, name, "Failed")
+            self.c.api.pods.set_phase(NAMESPACE, name, "Failed")
             self.pub_end[name] = time.perf_counter()
-            self.c.api.delete_pod(NAMESPACE, name)
+            self.c.api.pods.delete(NAMESPACE, name)
 
     def publish_ip(self, name: str, ip: str) -> None:
         if name not in self.ended:   # a dead pod's address is not reported any more
-            self.c.api.set_pod_ips(NAMESPACE, name, [ip])
+            self.c.api.pods.set_ips(NAMESPACE, name, [ip])
             self.pub_ip[name] = time.perf_counter()
-            self.c.api.set_pod_phase(NAMESPACE, name, "Running")
+            self.c.api.pods.set_phase(NAMESPACE, name, "Running")
 
 
 def _listing(port: int, ip: str) -> bytes:
@@ -267,12 +267,12 @@ def _idle_lag(c: ba.Cluster, port: int, pods: list[Pod], sh: Shared,
         new_role = (sh.role[i] + 1 + rng.randrange(len(role_names) - 1)) % len(role_names)
         new = c.add_pod("", role_names[new_role].decode(), namespace=NAMESPACE,
                         phase="Pending")
-        c.api.mark_pod_terminating(NAMESPACE, pods[i].name)
-        c.api.set_pod_phase(NAMESPACE, pods[i].name, "Failed")
-        c.api.delete_pod(NAMESPACE, pods[i].name)
+        c.api.pods.mark_terminating(NAMESPACE, pods[i].name)
+        c.api.pods.set_phase(NAMESPACE, pods[i].name, "Failed")
+        c.api.pods.delete(NAMESPACE, pods[i].name)
         t0 = time.perf_counter()
-        c.api.set_pod_ips(NAMESPACE, new, [pods[i].sandbox.ip])
-        c.api.set_pod_phase(NAMESPACE, new, "Running")
+        c.api.pods.set_ips(NAMESPACE, new, [pods[i].sandbox.ip])
+        c.api.pods.set_phase(NAMESPACE, new, "Running")
         pods[i] = Pod(name=new, role=new_role, sandbox=pods[i].sandbox)
         sh.prev[i], sh.role[i] = sh.role[i], new_role
         deadline = t0 + 5
@@ -356,7 +356,7 @@ def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: 
                 if node is None:
                     idle = _idle_lag(c, a.port, pods, sh, role_names, rng, n=idle_samples)
                     witness = _Witness(c, sh)
-                    c.api.wait_watches(2, node=c.node, timeout=10)
+                    c.api.traffic.wait_watches(2, node=c.node, timeout=10)
                     clients = SharedClients(
                         port=a.port, addrs=[p.sandbox.ip for p in pods], role_names=role_names,
                         sh=sh, processes=processes or max(1, len(os.sched_getaffinity(0)) - 1))

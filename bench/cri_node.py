@@ -177,7 +177,7 @@ def new_api_pod(c, role: bytes) -> tuple[str, str]:
     """A pod scheduled on bench_agent's node ``c`` (Pending, no address yet): its name and
     UID."""
     name = c.add_pod("", role.decode(), namespace=NAMESPACE, phase="Pending")
-    return name, c.api.get_pod(NAMESPACE, name)["metadata"]["uid"]
+    return name, c.api.pods.get(NAMESPACE, name)["metadata"]["uid"]
 
 
 def sandbox_for(node, slot: int, *, name: str, uid: str, role: bytes) -> Sandbox:
@@ -194,8 +194,8 @@ def populate(c, node, *, role_names: list[bytes], slots: int) -> list[Pod]:
         role = i % len(role_names)
         name, uid = new_api_pod(c, role_names[role])
         sb = sandbox_for(node, i, name=name, uid=uid, role=role_names[role])
-        c.api.set_pod_ips(NAMESPACE, name, [sb.ip])
-        c.api.set_pod_phase(NAMESPACE, name, "Running")
+        c.api.pods.set_ips(NAMESPACE, name, [sb.ip])
+        c.api.pods.set_phase(NAMESPACE, name, "Running")
         pods.append(Pod(name=name, role=role, sandbox=sb))
     return pods
 

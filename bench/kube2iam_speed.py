@@ -268,8 +268,8 @@ def loopback_hot_path(res: Result, opts: Options, tmp: str, log) -> None:
     cluster = Cluster()
     agents: dict[str, Running] = {}
     try:
-        cluster.api.create_pod("bench", "wrk-pod", node=NODE, ips=["127.0.0.1"],
-                               annotations={ba.ROLE_KEY: "bench-role-0"}, phase="Running")
+        cluster.api.pods.create("bench", "wrk-pod", node=NODE, ips=["127.0.0.1"],
+                                annotations={ba.ROLE_KEY: "bench-role-0"}, phase="Running")
         for name in AGENTS:
             agents[name] = start(name, cluster, tmp, {SERVER_CPU})
             wait_port(agents[name].port, timeout=60)
@@ -319,8 +319,8 @@ def dnat_hot_path(res: Result, opts: Options, tmp: str, log) -> None:
     try:
         pod = node.add_pod(DNAT_POD_IP)
         cluster = netns.call_in_netns(node.ns, Cluster)
-        cluster.api.create_pod("bench", "wrk-pod", node=NODE, ips=[DNAT_POD_IP],
-                               annotations={ba.ROLE_KEY: "bench-role-0"}, phase="Running")
+        cluster.api.pods.create("bench", "wrk-pod", node=NODE, ips=[DNAT_POD_IP],
+                                annotations={ba.ROLE_KEY: "bench-role-0"}, phase="Running")
         for name in AGENTS:
             agents[name] = netns.call_in_netns(
                 node.ns, start, name, cluster, tmp, {SERVER_CPU},

@@ -371,7 +371,7 @@ class Kiamfast:
         self.log_path = ""
 
     def start(self, label: str) -> None:
-        self.c.api.add_node(self.c.node, taints=[{"key": STARTUP_TAINT,
+        self.c.api.nodes.add(self.c.node, taints=[{"key": STARTUP_TAINT,
                                                   "effect": "NoSchedule"}])
         self.log_path = os.path.join(self.c.tmp, f"kiamfast-{label}.log")
         with open(self.log_path, "wb") as log:

@@ -123,8 +123,8 @@ def first_calls(c: ba.Cluster, node, *, port: int, baseline_port: int, slot: int
             status, body, doc, t_listing, t_document = timed_call(node, sb, port=port)
         finally:
             node.remove_sandbox(sb)
-            c.api.set_pod_phase(cri_node.NAMESPACE, name, "Failed")
-            c.api.delete_pod(cri_node.NAMESPACE, name)
+            c.api.pods.set_phase(cri_node.NAMESPACE, name, "Failed")
+            c.api.pods.delete(cri_node.NAMESPACE, name)
         if status == 200:
             listing.append(t_listing)
             document.append(t_document)

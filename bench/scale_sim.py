@@ -212,7 +212,7 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
     with ApiServer(token=token, history_window=1_000_000, bookmark_interval=3600) as api:
         names = [f"node-{i:04d}" for i in range(nodes)]
         for n in names:
-            api.add_node(n)
+            api.nodes.add(n)
         live: dict[str, list[tuple[str, str]]] = {n: [] for n in names}  # node -> (pod, ip)
         seq = 0
         for ni, n in enumerate(names):
@@ -220,8 +220,8 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
                 seq += 1
                 ip = f"10.{ni // 200}.{ni % 200}.{j + 1}"
                 name = f"app-{seq}"
-                api.create_pod("default", name, node=n, ips=[ip], phase="Running",
-                               annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
+                api.pods.create("default", name, node=n, ips=[ip], phase="Running",
+                                annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
                 live[n].append((name, ip))
         # Initial lists: what an agent downloads at start (and on every relist).
         node_list = []
@@ -240,22 +240,22 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
                                      f"%3D{n}") for n in names]
         wide_streams = [readers.open(f"/api/v1/pods?watch=1&resourceVersion={rv}&"
                                      "allowWatchBookmarks=true") for _ in range(wide_sample)]
-        if not api.wait_watches(nodes + wide_sample, timeout=30):
+        if not api.traffic.wait_watches(nodes + wide_sample, timeout=30):
             raise RuntimeError("watches did not open")
-        api.reset_stats()
+        api.traffic.reset()
         # Churn: replace pods (the new pod reuses the old one's IP, as CNIs do).
         replacements = int(nodes * pods_per_node * replace_fraction)
         for _ in range(replacements):
             n = names[rng.randrange(nodes)]
             k = rng.randrange(len(live[n]))
             old, ip = live[n][k]
-            api.delete_pod("default", old)
+            api.pods.delete("default", old)
             seq += 1
             new = f"app-{seq}"
-            api.create_pod("default", new, node=n, phase="Pending",
-                           annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
-            api.set_pod_ips("default", new, [ip])
-            api.set_pod_phase("default", new, "Running")
+            api.pods.create("default", new, node=n, phase="Pending",
+                            annotations={"iam.amazonaws.com/role": f"role-{seq % 40}"})
+            api.pods.set_ips("default", new, [ip])
+            api.pods.set_phase("default", new, "Running")
             live[n][k] = (new, ip)
         cluster_events = replacements * 4  # DELETED, ADDED, MODIFIED (IP), MODIFIED (phase)
         deadline = time.monotonic() + 120
@@ -282,7 +282,7 @@ def watch_fanout(*, nodes: int = 100, pods_per_node: int = 110, replace_fraction
             node_events_total=sum(node_ev),
             seconds=time.monotonic() - t_start,
             extra={"node_events_min": min(node_ev), "node_events_max": max(node_ev),
-                   "emulator": api.stats()})
+                   "emulator": api.traffic.stats()})
 
 
 # ---- 2. STS calls per hour -------------------------------------------------------------------
@@ -391,7 +391,7 @@ def agent_footprint(pods: int, *, roles: int = 40, events: int = 3000,
                                      args=(c.api.port, "bench-token", c.node, rv, events,
                                            child), daemon=True)
             floor_proc.start()
-            c.api.wait_watches(2, node=c.node, timeout=10)
+            c.api.traffic.wait_watches(2, node=c.node, timeout=10)
             time.sleep(0.3)
             cpu0 = cpu_seconds(control)
             n = _drive_events(c, ips, roles=roles, events=events)
@@ -453,11 +453,11 @@ def _drive_events(c, ips: list[str], *, roles: int, events: int) -> int:
     while n < events:
         ip = ips[rng.randrange(len(ips))]
         old, _ = c.pods[ip]
-        c.api.delete_pod("bench", old)
+        c.api.pods.delete("bench", old)
         role = f"bench-role-{rng.randrange(roles)}"
         name = c.add_pod("", role, phase="Pending")
-        c.api.set_pod_ips("bench", name, [ip])
-        c.api.set_pod_phase("bench", name, "Running")
+        c.api.pods.set_ips("bench", name, [ip])
+        c.api.pods.set_phase("bench", name, "Running")
         c.pods[ip] = (name, role)
         n += 4
     return n

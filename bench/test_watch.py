@@ -147,7 +147,7 @@ def measure(n_pods: int, *, samples: int = 100) -> dict:
     from kiamfast.testing.apiserver import ApiServer
 
     srv = ApiServer(token="bench-token", bookmark_interval=1.0).start()
-    srv.add_node(NODE)
+    srv.nodes.add(NODE)
     fd, table_path = tempfile.mkstemp(prefix="kiamfast-bench-watch-",
                                       dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.close(fd)
@@ -156,11 +156,11 @@ def measure(n_pods: int, *, samples: int = 100) -> dict:
     proc = None
     try:
         for i in range(n_pods):
-            srv.create_pod("default", f"pod-{i}", node=NODE, phase="Running",
-                           ips=[f"10.50.{i // 250}.{i % 250}"],
-                           annotations={ROLE_KEY: f"role-{i % 40}"})
+            srv.pods.create("default", f"pod-{i}", node=NODE, phase="Running",
+                            ips=[f"10.50.{i // 250}.{i % 250}"],
+                            annotations={ROLE_KEY: f"role-{i % 40}"})
         for i in range(samples):
-            srv.create_pod("default", f"late-{i}", node=NODE, annotations={ROLE_KEY: "late"})
+            srv.pods.create("default", f"late-{i}", node=NODE, annotations={ROLE_KEY: "late"})
         list_s = raw_list_seconds(srv.url, srv.token)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         proc = subprocess.Popen(
@@ -169,14 +169,14 @@ def measure(n_pods: int, *, samples: int = 100) -> dict:
         first = json.loads(proc.stdout.readline())
         raw = RawWatch(srv.url, srv.token, srv.resource_version)
         raw.start()
-        srv.wait_watches(2, node=NODE, timeout=5)
+        srv.traffic.wait_watches(2, node=NODE, timeout=5)
         reader = tablemod.Table.attach(table_path, writer=False)
         table_lat, raw_lat = [], []
         for i in range(samples):
             ip = f"10.60.{i // 250}.{i % 250}"
             key = tablemod.ip_key(ip)
             t0 = time.perf_counter()
-            srv.set_pod_ips("default", f"late-{i}", [ip])
+            srv.pods.set_ips("default", f"late-{i}", [ip])
             deadline = t0 + 5
             while reader.lookup_pod(key) is None:
                 if time.perf_counter() > deadline:

@@ -43,8 +43,8 @@ class Fakes(LoopbackNode):
     def __init__(self, *, taints: list[dict] | None = None) -> None:
         super().__init__(taints=taints)
         self.start()
-        self.api.create_pod("team", "app", node=self.node, annotations={ROLE_KEY: ROLE},
-                            ips=[POD_IP], phase="Running")
+        self.api.pods.create("team", "app", node=self.node, annotations={ROLE_KEY: ROLE},
+                             ips=[POD_IP], phase="Running")
 
 
 class Agent(AgentProcess):

@@ -288,7 +288,7 @@ class DemoEnvironment:
             conn.close()
 
     def node_tainted(self) -> bool:
-        taints = (self.api.get_node(scenario.NODE).get("spec") or {}).get("taints") or []
+        taints = (self.api.nodes.get(scenario.NODE).get("spec") or {}).get("taints") or []
         return any(t.get("key") == scenario.STARTUP_TAINT for t in taints)
 
     def wait_ready(self, *, timeout: float = 30.0) -> float:

@@ -122,11 +122,11 @@ def _received_text(check: CheckResult) -> str:
 def _populate(env: DemoEnvironment, pods: tuple[sc.DemoPod, ...]) -> None:
     """Namespaces with their allowed roles, and the Running pods."""
     for ns in sc.NAMESPACES:
-        env.api.add_namespace(ns, annotations=sc.namespace_annotations(ns))
+        env.api.namespaces.add(ns, annotations=sc.namespace_annotations(ns))
     for pod in pods:
-        uid = env.api.create_pod(pod.namespace, pod.name, node=sc.NODE,
-                                 annotations=pod.annotations, ips=[pod.ip],
-                                 phase="Running")["metadata"]["uid"]
+        uid = env.api.pods.create(pod.namespace, pod.name, node=sc.NODE,
+                                  annotations=pod.annotations, ips=[pod.ip],
+                                  phase="Running")["metadata"]["uid"]
         env.run_sandbox(pod, uid)
 
 
@@ -156,7 +156,7 @@ def _race_line(ui: Ui, check: CheckResult, what: str) -> None:
 def _wait_events_sent(env: DemoEnvironment, before: int, *, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if env.api.stats()["watch_events_sent"] > before:
+        if env.api.traffic.stats()["watch_events_sent"] > before:
             return True
         time.sleep(0.005)
     return False
@@ -172,9 +172,9 @@ def _race_late_ip(env: DemoEnvironment, ui: Ui, pod: sc.DemoPod) -> list[CheckRe
     client.wait_ready()
     # The pod is scheduled (the API server has it, Pending, without an IP) and the agent
     # has seen it, as it would have during the seconds of image pull and sandbox set-up...
-    before = env.api.stats()["watch_events_sent"]
-    uid = env.api.create_pod(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
-                             ips=None, phase="Pending")["metadata"]["uid"]
+    before = env.api.traffic.stats()["watch_events_sent"]
+    uid = env.api.pods.create(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
+                              ips=None, phase="Pending")["metadata"]["uid"]
     _wait_events_sent(env, before)
     env.wait_pending_pods()
     # ...then the kubelet creates its sandbox (CNI gives it its IP) and starts the container,
@@ -187,8 +187,8 @@ def _race_late_ip(env: DemoEnvironment, ui: Ui, pod: sc.DemoPod) -> list[CheckRe
                   if agent_knew else "the agent's table had no entry for the address when "
                                      "the pod asked; it asked the container runtime")
     # The API server catches up; the pod runs on.
-    env.api.set_pod_ips(pod.namespace, pod.name, [pod.ip])
-    env.api.set_pod_phase(pod.namespace, pod.name, "Running")
+    env.api.pods.set_ips(pod.namespace, pod.name, [pod.ip])
+    env.api.pods.set_phase(pod.namespace, pod.name, "Running")
     _race_line(ui, check, "before the API server had its IP")
     ui.write(f"      ↳ {check.note}", "dim")
     return [check]
@@ -206,9 +206,9 @@ def _race_ip_reuse(env: DemoEnvironment, ui: Ui, old: sc.DemoPod, new: sc.DemoPo
     checks.append(c)
 
     env.stop_sandbox(old)                       # the old pod's sandbox is gone...
-    new_uid = env.api.create_pod(new.namespace, new.name, node=sc.NODE,
-                                 annotations=new.annotations, ips=[new.ip],
-                                 phase="Running")["metadata"]["uid"]
+    new_uid = env.api.pods.create(new.namespace, new.name, node=sc.NODE,
+                                  annotations=new.annotations, ips=[new.ip],
+                                  phase="Running")["metadata"]["uid"]
     env.run_sandbox(new, new_uid)               # ...and its address is the new one's
     if not env.wait_owner(new.ip, new_uid):
         checks.append(CheckResult("race-ip-reuse", "agent saw the new pod's add", False,
@@ -222,8 +222,8 @@ def _race_ip_reuse(env: DemoEnvironment, ui: Ui, old: sc.DemoPod, new: sc.DemoPo
     _race_line(ui, c, f"{old.name} not deleted yet")
     checks.append(c)
 
-    before = env.api.stats()["watch_events_sent"]
-    env.api.delete_pod(old.namespace, old.name)
+    before = env.api.traffic.stats()["watch_events_sent"]
+    env.api.pods.delete(old.namespace, old.name)
     delivered = _wait_events_sent(env, before)
     time.sleep(0.2)  # let the agent apply it (its effect, by design, is invisible: a no-op)
     c = _pod_check("race-ip-reuse", new, env.run_pod(new.ip),

@@ -1,14 +1,15 @@
 """HTTP front end of the API server emulator: routing, lists, gets, patches and watch
 streams.
 
-Split from ``kiamfast.testing.apiserver`` (which owns the state-changing Python API, the
-fault switches and the lifecycle); ``HttpFrontend`` is mixed into ``ApiServer`` and reads
-its store, counters and fault switches.
+Split from ``kiamfast.testing.apiserver`` (which owns the lifecycle and, by job, the
+cluster's objects, the faults and the traffic counters); ``HttpFrontend`` is mixed into
+``ApiServer`` and reads its store, records in its ``traffic`` and obeys its ``faults``.
 
 The watch writer runs on the connection's own thread and only drains its watcher's queue:
 it never holds the store lock while writing to a socket, so a slow or stuck client can
 delay nobody but itself. A watch ends cleanly (final zero-length chunk) only on
-``timeoutSeconds``; ``drop_watches``/``stop`` end it abruptly, as a lost connection would.
+``timeoutSeconds``; ``faults.drop_watches``/``stop`` end it abruptly, as a lost connection
+would.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from kiamfast.testing.apiserver_objects import (
     FieldSelector,
     drop_empty,
 )
+from kiamfast.testing.apiserver_faults import Faults
 from kiamfast.testing.apiserver_patch import apply_patch
-from kiamfast.testing.apiserver_store import Expired, Watcher, bookmark_line, error_line
+from kiamfast.testing.apiserver_store import Expired, Store, Watcher, bookmark_line, error_line
+from kiamfast.testing.apiserver_traffic import Traffic
 
 __all__ = ["Handler", "HttpFrontend", "Listener"]
 
@@ -125,8 +128,12 @@ class Handler(BaseHTTPRequestHandler):
 
 class HttpFrontend:
     """Request handling for ``ApiServer``: a mixin that uses the server's ``_store``,
-    counters (``_count``), fault switches (``_take_fault``, ``_slow_list``, ...), ``token``,
-    ``bookmark_interval`` and connection registry (``_conns``)."""
+    ``traffic`` (counters), ``faults`` (switches), ``token``, ``bookmark_interval`` and
+    connection registry (``_conns``)."""
+
+    _store: Store
+    traffic: Traffic
+    faults: Faults
 
     # ------------------------------------------------------------------ HTTP plumbing
 
@@ -156,8 +163,8 @@ class HttpFrontend:
             h.close_connection = True
             return
         if code >= 400:
-            self._count(errors=1)
-        self._count(bytes_sent=len(data))
+            self.traffic.record(errors=1)
+        self.traffic.record(bytes_sent=len(data))
 
     def _send_error(self, h: Handler, err: ApiError) -> None:
         headers: tuple = ()
@@ -181,7 +188,7 @@ class HttpFrontend:
         return h.rfile.read(length) if length > 0 else b""
 
     def _fault_error(self, status: int) -> ApiError:
-        self._count(faults_injected=1)
+        self.traffic.record(faults_injected=1)
         if status == 429:
             return ApiError(429, "Too many requests, please try again later.",
                             details={"causes": [{"reason": "InjectedFault"}],
@@ -193,11 +200,11 @@ class HttpFrontend:
     # ------------------------------------------------------------------ API requests
 
     def _serve_api(self, h: Handler) -> None:
-        self._count(requests=1)
+        self.traffic.record(requests=1)
         body = self._read_body(h)     # always drained, so keep-alive framing stays intact
         parts = urlsplit(h.path)
         path = parts.path.rstrip("/") or "/"
-        fault = self._take_fault(path)
+        fault = self.faults.take_failure(path)
         if fault is not None:
             self._send_error(h, self._fault_error(fault))
             return
@@ -271,7 +278,7 @@ class HttpFrontend:
             self._list(h, kind, selector, params)
 
     def _get(self, h: Handler, kind: str, key: tuple[str, str]) -> None:
-        self._count(gets=1)
+        self.traffic.record(gets=1)
         st = self._store.get(kind, key)
         if st is None:
             plural = KINDS[kind][0]
@@ -297,14 +304,14 @@ class HttpFrontend:
         elif rv_param:
             _parse_rv(rv_param)
         rv, items = self._store.list(kind, selector if selector else None, exact_rv=exact)
-        self._count(lists=1)     # counted once the snapshot is taken
-        self._count_node("lists_by_node", selector.node if kind == "Pod" else None)
-        if self._slow_list:
-            time.sleep(self._slow_list)
+        self.traffic.record(lists=1)     # counted once the snapshot is taken
+        self.traffic.record_node("lists_by_node", selector.node if kind == "Pod" else None)
+        if self.faults.list_delay:
+            time.sleep(self.faults.list_delay)
         self._send(h, 200, _list_body(kind, rv=rv, items=items))
 
     def _patch(self, h: Handler, kind: str, key: tuple[str, str], body: bytes) -> None:
-        self._count(patches=1)
+        self.traffic.record(patches=1)
         ctype = h.headers.get("Content-Type") or ""
         st = self._store
         with st.lock:
@@ -354,20 +361,20 @@ class HttpFrontend:
             initial_end = False
         # RV unset or "0" without initial events: start at the most recent state.
         start_rv = None if rv_param in ("", "0") else _parse_rv(rv_param)
-        self._count(watches=1)
-        self._count_node("watches_by_node", selector.node if kind == "Pod" else None)
+        self.traffic.record(watches=1)
+        self.traffic.record_node("watches_by_node", selector.node if kind == "Pod" else None)
         head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                 b"Cache-Control: no-cache, private\r\nTransfer-Encoding: chunked\r\n\r\n")
-        fault = self._watch_fault
-        if fault is not None:   # answer_watches_with: not a stream at all
-            self._count(faults_injected=1)
+        fault = self.faults.watch_answer
+        if fault is not None:   # faults.answer_watches_with: not a stream at all
+            self.traffic.record(faults_injected=1)
             if fault == "list":
                 rv, items = self._store.list(kind, selector if selector else None)
                 self._send(h, 200, _list_body(kind, rv=rv, items=items))
             else:
                 try:
                     h.connection.sendall(head + _CHUNK_END)
-                    self._count(bytes_sent=len(head) + len(_CHUNK_END))
+                    self.traffic.record(bytes_sent=len(head) + len(_CHUNK_END))
                 except OSError:
                     h.close_connection = True
             return
@@ -377,30 +384,30 @@ class HttpFrontend:
                                            initial_end_bookmark=initial_end and allow_bm)
         except Expired as err:
             data = head + _chunk(error_line(err)) + _CHUNK_END
-            self._count(watch_errors_sent=1, bytes_sent=len(data))
+            self.traffic.record(watch_errors_sent=1, bytes_sent=len(data))
             try:
                 h.connection.sendall(data)
             except OSError:
                 h.close_connection = True
             return
         w.sock = h.connection
-        self._count(watches_open=1)
+        self.traffic.record(watches_open=1)
         try:
             if self._stopping:
                 w.dropped = True
             h.connection.sendall(head)
-            self._count(bytes_sent=len(head))
+            self.traffic.record(bytes_sent=len(head))
             clean = self._stream(h, w, kind, allow_bm, timeout)
             if clean:
                 h.connection.sendall(_CHUNK_END)
-                self._count(bytes_sent=len(_CHUNK_END))
+                self.traffic.record(bytes_sent=len(_CHUNK_END))
             else:
                 h.close_connection = True
         except OSError:
             h.close_connection = True
         finally:
             self._store.unregister(w)
-            self._count(watches_open=-1)
+            self.traffic.record(watches_open=-1)
 
     def _stream(self, h: Handler, w: Watcher, kind: str, allow_bm: bool,
                 timeout: float | None) -> bool:
@@ -446,8 +453,8 @@ class HttpFrontend:
             if lines:
                 data = b"".join(lines)
                 sock.sendall(data)
-                self._count(bytes_sent=len(data), watch_events_sent=events,
-                            bookmarks_sent=bookmarks)
+                self.traffic.record(bytes_sent=len(data), watch_events_sent=events,
+                                    bookmarks_sent=bookmarks)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 if allow_bm:
@@ -465,7 +472,7 @@ class HttpFrontend:
             return
         data = _chunk(bookmark_line(kind, rv))
         sock.sendall(data)
-        self._count(bytes_sent=len(data), bookmarks_sent=1)
+        self.traffic.record(bytes_sent=len(data), bookmarks_sent=1)
 
 
 def _list_body(kind: str, *, rv: int, items: list[bytes]) -> bytes:

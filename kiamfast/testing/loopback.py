@@ -132,7 +132,7 @@ class LoopbackNode:
             return
         from kiamfast.testing.apiserver import ApiServer
         self.api = ApiServer("127.0.0.1", 0, **self._api_options).start()
-        self.api.add_node(self.node, **self._node_options)
+        self.api.nodes.add(self.node, **self._node_options)
         self.kubeconfig = Path(self.api.write_kubeconfig(self.workdir / "kubeconfig"))
 
     def start_runtime(self) -> None:
@@ -182,10 +182,10 @@ class LoopbackNode:
         (None: no role); its name."""
         self._seq += 1
         name = name or f"pod-{self._seq}"
-        self.api.create_pod(namespace, name, node=self.node,
-                            annotations={**({ROLE_KEY: role} if role else {}),
-                                         **(annotations or {})} or None,
-                            ips=[ip] if ip else None, phase=phase, uid=uid)
+        self.api.pods.create(namespace, name, node=self.node,
+                             annotations={**({ROLE_KEY: role} if role else {}),
+                                          **(annotations or {})} or None,
+                             ips=[ip] if ip else None, phase=phase, uid=uid)
         if ip:
             self.pods[ip] = (name, role or "")
         return name

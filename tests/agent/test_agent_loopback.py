@@ -40,7 +40,7 @@ def test_ready_agent_serves_the_pod_and_has_removed_the_startup_taint(agent):
     assert status == 200 and orjson.loads(body)["Code"] == "Success"
     # The taint goes right after ready (/readyz 200 first, then the PATCH): allow it a moment.
     deadline = time.monotonic() + 10
-    while any(t["key"] == TAINT for t in agent["api"].get_node("n1")["spec"].get("taints") or []):
+    while any(t["key"] == TAINT for t in agent["api"].nodes.get("n1")["spec"].get("taints") or []):
         assert time.monotonic() < deadline, "the startup taint is still on the node"
         time.sleep(0.05)
 

@@ -57,9 +57,9 @@ def role_of(node, ip: str) -> tuple[int, str]:
 
 
 def pod(node, name: str, *, role: str, ips=(), phase="Pending") -> str:
-    node["api"].create_pod("default", name, node="n1", annotations={ROLE_KEY: role},
-                           ips=list(ips), phase=phase)
-    return node["api"].get_pod("default", name)["metadata"]["uid"]
+    node["api"].pods.create("default", name, node="n1", annotations={ROLE_KEY: role},
+                            ips=list(ips), phase=phase)
+    return node["api"].pods.get("default", name)["metadata"]["uid"]
 
 
 def until(pred, timeout=10.0):
@@ -76,7 +76,7 @@ def test_first_call_of_a_pod_the_api_has_no_address_for(node):
     uid = pod(node, "early", role="role-early")
     node["cri"].put(fake_sandbox(name="early", uid=uid, ip="127.0.0.21",
                                  annotations={ROLE_KEY: "role-early"}))
-    assert node["api"].get_pod("default", "early")["status"].get("podIP") is None
+    assert node["api"].pods.get("default", "early")["status"].get("podIP") is None
     assert role_of(node, "127.0.0.21") == (200, "role-early")
 
 
@@ -89,7 +89,7 @@ def test_reused_address_while_the_api_shows_the_old_pod_running(node):
     new = pod(node, "new", role="role-new")            # ... and a new one gets its address
     node["cri"].put(fake_sandbox(name="new", uid=new, ip="127.0.0.22",
                                  annotations={ROLE_KEY: "role-new"}))
-    assert node["api"].get_pod("default", "old")["status"]["podIP"] == "127.0.0.22"
+    assert node["api"].pods.get("default", "old")["status"]["podIP"] == "127.0.0.22"
     for _ in range(20):                                 # never the old pod's role
         assert role_of(node, "127.0.0.22") == (200, "role-new")
 

@@ -24,8 +24,8 @@ ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DE
 def cluster():
     srv = ApiServer(host="127.0.0.1", port=0, history_window=10_000, bookmark_interval=0.5,
                     token="test-token").start()
-    srv.add_node(NODE)
-    srv.add_node("node-2")
+    srv.nodes.add(NODE)
+    srv.nodes.add("node-2")
     yield srv
     srv.stop()
 
@@ -78,30 +78,30 @@ class Harness:
 
 
 def uid_of(srv, ns, name):
-    return srv.get_pod(ns, name)["metadata"]["uid"]
+    return srv.pods.get(ns, name)["metadata"]["uid"]
 
 
 # ---- basics ----------------------------------------------------------------------------------
 
 def test_sync_then_watch_keeps_the_table_current(cluster, table):
-    cluster.create_pod("default", "before", node=NODE, ips=["10.1.0.1"], phase="Running",
-                       annotations={ROLE_KEY: "app"})
-    cluster.create_pod("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running",
-                       annotations={ROLE_KEY: "app"})
+    cluster.pods.create("default", "before", node=NODE, ips=["10.1.0.1"], phase="Running",
+                        annotations={ROLE_KEY: "app"})
+    cluster.pods.create("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running",
+                        annotations={ROLE_KEY: "app"})
 
     async def body():
         async with Harness(cluster, table) as h:
             assert table.synced
             assert h.at("10.1.0.1") == (uid_of(cluster, "default", "before"), ROLE, h.slot("app"))
             assert h.at("10.2.0.1") is None          # another node's pod
-            cluster.create_pod("default", "after", node=NODE, annotations={ROLE_KEY: "b"})
+            cluster.pods.create("default", "after", node=NODE, annotations={ROLE_KEY: "b"})
             await h.until(lambda: table.pending_pods == 1, what="pending pod")
-            cluster.set_pod_ips("default", "after", ["10.1.0.2"])
-            cluster.set_pod_phase("default", "after", "Running")
+            cluster.pods.set_ips("default", "after", ["10.1.0.2"])
+            cluster.pods.set_phase("default", "after", "Running")
             await h.until(lambda: h.at("10.1.0.2") is not None, what="new pod's address")
             assert h.at("10.1.0.2")[:2] == (uid_of(cluster, "default", "after"), ROLE)
             assert table.pending_pods == 0
-            cluster.set_pod_phase("default", "before", "Succeeded")
+            cluster.pods.set_phase("default", "before", "Succeeded")
             await h.until(lambda: h.at("10.1.0.1") is None, what="terminal pod released")
             stats = h.watcher.stats()
             assert stats["lists"] >= 1 and stats["events"] >= 3
@@ -109,7 +109,7 @@ def test_sync_then_watch_keeps_the_table_current(cluster, table):
 
 
 def test_without_node_all_pods_are_watched(cluster, table):
-    cluster.create_pod("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running")
+    cluster.pods.create("default", "elsewhere", node="node-2", ips=["10.2.0.1"], phase="Running")
 
     async def body():
         async with Harness(cluster, table, node=None) as h:
@@ -131,7 +131,7 @@ def test_runtime_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table
     """Seed race 1: the pod asks before its IP reaches the API server."""
     async def body():
         async with Harness(cluster, table, policy={"default_role": "fallback"}) as h:
-            cluster.create_pod("default", "early", node=NODE, annotations={ROLE_KEY: "own"})
+            cluster.pods.create("default", "early", node=NODE, annotations={ROLE_KEY: "own"})
             uid = uid_of(cluster, "default", "early")
             await h.until(lambda: uid in h.model.pods, what="pod seen")
             h.model.apply_runtime(runtime_view((uid, "default", "early", "10.1.0.9",
@@ -140,8 +140,8 @@ def test_runtime_knows_the_ip_first_and_the_pod_gets_its_own_role(cluster, table
             assert h.at("10.1.0.9") == (uid, ROLE, h.slot("own"))
             assert table.runtime_mode and table.verified_ns > 0
             # The API catches up: nothing changes.
-            cluster.set_pod_ips("default", "early", ["10.1.0.9"])
-            cluster.set_pod_phase("default", "early", "Running")
+            cluster.pods.set_ips("default", "early", ["10.1.0.9"])
+            cluster.pods.set_phase("default", "early", "Running")
             await asyncio.sleep(0.2)
             assert h.at("10.1.0.9") == (uid, ROLE, h.slot("own"))
     run(body())
@@ -151,16 +151,16 @@ def test_runtime_wins_over_a_dead_pod_the_api_still_shows_running(cluster, table
     """Seed race 2 with the API late: the new sandbox holds the address, not the old pod."""
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.create_pod("default", "old", node=NODE, ips=["10.1.0.5"], phase="Running",
-                               annotations={ROLE_KEY: "old-role"})
-            cluster.create_pod("default", "new", node=NODE, annotations={ROLE_KEY: "new-role"})
+            cluster.pods.create("default", "old", node=NODE, ips=["10.1.0.5"], phase="Running",
+                                annotations={ROLE_KEY: "old-role"})
+            cluster.pods.create("default", "new", node=NODE, annotations={ROLE_KEY: "new-role"})
             old, new = uid_of(cluster, "default", "old"), uid_of(cluster, "default", "new")
             await h.until(lambda: h.at("10.1.0.5") is not None, what="old pod")
             h.model.apply_runtime(runtime_view((new, "default", "new", "10.1.0.5",
                                                 {ROLE_KEY: "new-role"})))
             h.model.commit()
             assert h.at("10.1.0.5") == (new, ROLE, h.slot("new-role"))
-            cluster.set_pod_phase("default", "old", "Running")   # a late event of the old pod
+            cluster.pods.set_phase("default", "old", "Running")   # a late event of the old pod
             await asyncio.sleep(0.2)
             assert h.at("10.1.0.5") == (new, ROLE, h.slot("new-role"))
             # Its sandbox stopped too: nobody owns the address, whatever the API says.
@@ -174,10 +174,10 @@ def test_runtime_wins_over_a_dead_pod_the_api_still_shows_running(cluster, table
 def test_runtime_outage_answers_only_where_the_last_view_and_the_api_agree(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.create_pod("default", "p", node=NODE, ips=["10.1.0.6"], phase="Running",
-                               annotations={ROLE_KEY: "r"})
-            cluster.create_pod("default", "q", node=NODE, ips=["10.1.0.7"], phase="Running",
-                               annotations={ROLE_KEY: "r"})
+            cluster.pods.create("default", "p", node=NODE, ips=["10.1.0.6"], phase="Running",
+                                annotations={ROLE_KEY: "r"})
+            cluster.pods.create("default", "q", node=NODE, ips=["10.1.0.7"], phase="Running",
+                                annotations={ROLE_KEY: "r"})
             uid_p, uid_q = uid_of(cluster, "default", "p"), uid_of(cluster, "default", "q")
             await h.until(lambda: h.at("10.1.0.7") is not None, what="pods")
             h.model.apply_runtime(runtime_view((uid_q, "default", "q", "10.1.0.7", {})))   # not .6
@@ -198,17 +198,17 @@ def test_runtime_outage_answers_only_where_the_last_view_and_the_api_agree(clust
 def test_ip_reuse_late_delete_of_old_pod_changes_nothing(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.create_pod("default", "old", node=NODE, ips=["10.1.0.7"], phase="Running",
-                               annotations={ROLE_KEY: "old-role"})
+            cluster.pods.create("default", "old", node=NODE, ips=["10.1.0.7"], phase="Running",
+                                annotations={ROLE_KEY: "old-role"})
             await h.until(lambda: h.at("10.1.0.7") is not None, what="old pod")
-            cluster.mark_pod_terminating("default", "old")
-            cluster.create_pod("default", "new", node=NODE, ips=["10.1.0.7"], phase="Running",
-                               annotations={ROLE_KEY: "new-role"})
+            cluster.pods.mark_terminating("default", "old")
+            cluster.pods.create("default", "new", node=NODE, ips=["10.1.0.7"], phase="Running",
+                                annotations={ROLE_KEY: "new-role"})
             new_uid = uid_of(cluster, "default", "new")
             await h.until(lambda: (h.at("10.1.0.7") or ("",))[0] == new_uid, what="new owner")
             seen = []
-            cluster.set_pod_annotations("default", "old", {ROLE_KEY: "old-role", "x": "1"})
-            cluster.delete_pod("default", "old")
+            cluster.pods.set_annotations("default", "old", {ROLE_KEY: "old-role", "x": "1"})
+            cluster.pods.delete("default", "old")
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:
                 seen.append(h.at("10.1.0.7"))
@@ -252,8 +252,8 @@ def test_churn_with_drops_and_410_converges_without_a_wrong_owner(cluster, table
                     n += 1
                     name = f"p{n}"
                     ip = free.pop(rng.randrange(len(free)))
-                    cluster.create_pod("default", name, node=NODE, phase="Running", ips=[ip],
-                                       annotations={ROLE_KEY: rng.choice(["a", "b"])})
+                    cluster.pods.create("default", name, node=NODE, phase="Running", ips=[ip],
+                                        annotations={ROLE_KEY: rng.choice(["a", "b"])})
                     owners[ip].append(uid_of(cluster, "default", name))
                     live[name] = ip
                 elif live:
@@ -261,18 +261,18 @@ def test_churn_with_drops_and_410_converges_without_a_wrong_owner(cluster, table
                     ip = live.pop(name)
                     how = rng.random()
                     if how < 0.4:
-                        cluster.set_pod_phase("default", name, "Succeeded")
+                        cluster.pods.set_phase("default", name, "Succeeded")
                     elif how < 0.7:
-                        cluster.mark_pod_terminating("default", name)
-                        cluster.delete_pod("default", name)
+                        cluster.pods.mark_terminating("default", name)
+                        cluster.pods.delete("default", name)
                     else:
-                        cluster.delete_pod("default", name)
+                        cluster.pods.delete("default", name)
                     free.append(ip)
                 if step % 60 == 30:
-                    cluster.drop_watches()
+                    cluster.faults.drop_watches()
                 if step % 60 == 50:
-                    cluster.compact()
-                    cluster.drop_watches()
+                    cluster.faults.compact()
+                    cluster.faults.drop_watches()
                 if step % 10 == 0:
                     await asyncio.sleep(0.01)
             expected = {}
@@ -299,10 +299,10 @@ def test_churn_with_drops_and_410_converges_without_a_wrong_owner(cluster, table
 def test_watch_survives_api_errors(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.fail_next(4, status=500, path_prefix="/api/v1/pods")
-            cluster.fail_next(2, status=429, path_prefix="/api/v1/pods")
-            cluster.drop_watches()
-            cluster.create_pod("default", "x", node=NODE, ips=["10.1.0.5"], phase="Running")
+            cluster.faults.fail_next(4, status=500, path_prefix="/api/v1/pods")
+            cluster.faults.fail_next(2, status=429, path_prefix="/api/v1/pods")
+            cluster.faults.drop_watches()
+            cluster.pods.create("default", "x", node=NODE, ips=["10.1.0.5"], phase="Running")
             await h.until(lambda: h.at("10.1.0.5") is not None, timeout=20, what="recovery")
             assert h.watcher.stats()["errors"] >= 1
     run(body())
@@ -311,13 +311,13 @@ def test_watch_survives_api_errors(cluster, table):
 def test_relist_after_410_while_disconnected(cluster, table):
     async def body():
         async with Harness(cluster, table) as h:
-            cluster.create_pod("default", "a", node=NODE, ips=["10.1.0.1"], phase="Running")
+            cluster.pods.create("default", "a", node=NODE, ips=["10.1.0.1"], phase="Running")
             await h.until(lambda: h.at("10.1.0.1") is not None, what="a")
-            cluster.fail_next(3, status=503, path_prefix="/api/v1/pods")
-            cluster.drop_watches()
-            cluster.delete_pod("default", "a")
-            cluster.create_pod("default", "b", node=NODE, ips=["10.1.0.1"], phase="Running")
-            cluster.compact()
+            cluster.faults.fail_next(3, status=503, path_prefix="/api/v1/pods")
+            cluster.faults.drop_watches()
+            cluster.pods.delete("default", "a")
+            cluster.pods.create("default", "b", node=NODE, ips=["10.1.0.1"], phase="Running")
+            cluster.faults.compact()
             b = uid_of(cluster, "default", "b")
             await h.until(lambda: (h.at("10.1.0.1") or ("",))[0] == b, timeout=20, what="relist")
             assert h.watcher.stats()["gone"] >= 1
@@ -327,23 +327,23 @@ def test_relist_after_410_while_disconnected(cluster, table):
 # ---- seed race 4: namespace restrictions -----------------------------------------------------------
 
 def test_namespace_restriction_changes_apply(cluster, table):
-    cluster.add_namespace("team", annotations={NS_KEY: "[]"})
-    cluster.create_pod("team", "app", node=NODE, ips=["10.1.0.4"], phase="Running",
-                       annotations={ROLE_KEY: "app"})
+    cluster.namespaces.add("team", annotations={NS_KEY: "[]"})
+    cluster.pods.create("team", "app", node=NODE, ips=["10.1.0.4"], phase="Running",
+                        annotations={ROLE_KEY: "app"})
 
     async def body():
         async with Harness(cluster, table, policy={"namespace_restrictions": True}) as h:
             uid = uid_of(cluster, "team", "app")
             assert h.at("10.1.0.4") == (uid, DENIED, -1)
-            cluster.set_namespace_annotations("team", {NS_KEY: '["app"]'})
+            cluster.namespaces.set_annotations("team", {NS_KEY: '["app"]'})
             await h.until(lambda: h.at("10.1.0.4")[1] == ROLE, what="allowed")
             assert h.at("10.1.0.4") == (uid, ROLE, h.slot("app"))
-            cluster.set_namespace_annotations("team", {NS_KEY: '["other-*"]'})
+            cluster.namespaces.set_annotations("team", {NS_KEY: '["other-*"]'})
             await h.until(lambda: h.at("10.1.0.4")[1] == DENIED, what="denied again")
             # A pod in a namespace created after the agent synced.
-            cluster.add_namespace("late", annotations={NS_KEY: '["app"]'})
-            cluster.create_pod("late", "p", node=NODE, ips=["10.1.0.8"], phase="Running",
-                               annotations={ROLE_KEY: "app"})
+            cluster.namespaces.add("late", annotations={NS_KEY: '["app"]'})
+            cluster.pods.create("late", "p", node=NODE, ips=["10.1.0.8"], phase="Running",
+                                annotations={ROLE_KEY: "app"})
             await h.until(lambda: h.at("10.1.0.8") is not None, what="late namespace pod")
             assert h.at("10.1.0.8")[1] == ROLE
     run(body())

@@ -29,7 +29,7 @@ COUNTER = {"list": "bad_watch_bodies", "empty": "empty_watches"}
 @pytest.fixture
 def cluster():
     srv = ApiServer(host="127.0.0.1", port=0, bookmark_interval=0.5, token="test-token").start()
-    srv.add_node(NODE)
+    srv.nodes.add(NODE)
     yield srv
     srv.stop()
 
@@ -46,8 +46,8 @@ async def until(pred, *, timeout: float, what: str) -> None:
 @pytest.mark.parametrize("fault", ["list", "empty"])
 def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, caplog, fault):
     caplog.set_level(logging.INFO, logger="kiamfast.watch")
-    cluster.create_pod("default", "early", node=NODE, ips=["10.1.0.1"], phase="Running",
-                       annotations={"iam.amazonaws.com/role": "early"})
+    cluster.pods.create("default", "early", node=NODE, ips=["10.1.0.1"], phase="Running",
+                        annotations={"iam.amazonaws.com/role": "early"})
     model = NodeModel(policy=RolePolicy(base_role_arn=BASE), table=table, sink=SlotSink(),
                       notify=lambda: None)
     # The production defaults: no test-sized backoff.
@@ -58,12 +58,13 @@ def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, cap
         task = asyncio.create_task(watcher.run())
         try:
             assert await watcher.wait_synced(10), "watcher did not sync"
-            assert await asyncio.to_thread(cluster.wait_watches, 1, node=NODE), "no watch opened"
-            cluster.answer_watches_with(fault)
-            cluster.reset_stats()
-            cluster.drop_watches()          # the open watch ends; every new one gets the fault
+            assert await asyncio.to_thread(cluster.traffic.wait_watches, 1, node=NODE), \
+                "no watch opened"
+            cluster.faults.answer_watches_with(fault)
+            cluster.traffic.reset()
+            cluster.faults.drop_watches()   # the open watch ends; every new one gets the fault
             await asyncio.sleep(3.0)
-            watches = cluster.stats()["watches"]
+            watches = cluster.traffic.stats()["watches"]
             # It keeps trying, politely: an immediate retry would be ~70 in 3 s.
             assert 2 <= watches <= 8, watches
             assert watcher.stats()[COUNTER[fault]] >= watches - 1, watcher.stats()
@@ -72,9 +73,9 @@ def test_a_watch_that_is_not_a_stream_backs_off_and_recovers(cluster, table, cap
             assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
 
             # What happens meanwhile arrives once watches stream again.
-            cluster.create_pod("default", "late", node=NODE, ips=["10.1.0.9"],
-                               phase="Running", annotations={"iam.amazonaws.com/role": "late"})
-            cluster.answer_watches_with(None)
+            cluster.pods.create("default", "late", node=NODE, ips=["10.1.0.9"],
+                                phase="Running", annotations={"iam.amazonaws.com/role": "late"})
+            cluster.faults.answer_watches_with(None)
             await until(lambda: lookup(table, "10.1.0.9") is not None, timeout=15,
                         what="the pod created during the fault")
             assert lookup(table, "10.1.0.1") is not None

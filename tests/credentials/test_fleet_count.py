@@ -29,7 +29,7 @@ async def _until(condition, timeout: float = 20.0) -> None:
 def test_the_share_follows_nodes_joining(tmp_path):
     with ApiServer(token=None) as srv:
         for i in range(3):
-            srv.add_node(f"node-{i}")
+            srv.nodes.add(f"node-{i}")
         kubeconfig = srv.write_kubeconfig(tmp_path / "kubeconfig")
 
         async def main():
@@ -43,7 +43,7 @@ def test_the_share_follows_nodes_joining(tmp_path):
                 await _until(lambda: mgr.bucket.min_rate == pytest.approx(2.0))
                 seen.append(mgr.bucket.min_rate)
                 for i in range(3, 12):               # nine more join
-                    srv.add_node(f"node-{i}")
+                    srv.nodes.add(f"node-{i}")
                 await _until(lambda: mgr.bucket.min_rate == pytest.approx(0.5))
                 seen.append(mgr.bucket.min_rate)
             finally:
@@ -56,7 +56,7 @@ def test_the_share_follows_nodes_joining(tmp_path):
 def test_a_count_the_api_cannot_give_changes_nothing(tmp_path):
     """The API failing keeps the share it had (the follower never ends)."""
     with ApiServer(token=None) as srv:
-        srv.add_node("node-0")
+        srv.nodes.add("node-0")
         kubeconfig = srv.write_kubeconfig(tmp_path / "kubeconfig")
 
         async def main():
@@ -66,9 +66,9 @@ def test_a_count_the_api_cannot_give_changes_nothing(tmp_path):
             follower = asyncio.create_task(follow_node_count(api, mgr, interval=0.05))
             try:
                 await _until(lambda: mgr.bucket.min_rate == pytest.approx(2.0))
-                srv.fail_next(1000, status=500, path_prefix="/api/v1/nodes")
-                srv.add_node("node-1")
-                await _until(lambda: srv.stats()["faults_injected"] >= 3)  # three lists
+                srv.faults.fail_next(1000, status=500, path_prefix="/api/v1/nodes")
+                srv.nodes.add("node-1")
+                await _until(lambda: srv.traffic.stats()["faults_injected"] >= 3)  # three lists
                 return mgr.bucket.min_rate, follower.done()
             finally:
                 follower.cancel()

@@ -499,7 +499,7 @@ class Node:
         self.api = call_in_netns(ns, lambda: ApiServer("127.0.0.1", 0).start())
         self.kubeconfig = self.api.write_kubeconfig(self.workdir / "kubeconfig")
         taints = [{"key": STARTUP_TAINT, "effect": "NoSchedule"}] if taint else None
-        self.api.add_node(self.name, taints=taints, address=self.host_ip)
+        self.api.nodes.add(self.name, taints=taints, address=self.host_ip)
 
     def __enter__(self) -> "Node":
         return self
@@ -553,7 +553,7 @@ class Node:
 
     def taints(self) -> list[str]:
         assert self.api is not None
-        return [t["key"] for t in self.api.get_node(self.name).get("spec", {}).get("taints", [])]
+        return [t["key"] for t in self.api.nodes.get(self.name).get("spec", {}).get("taints", [])]
 
     # -- pods ----------------------------------------------------------------------------
 
@@ -581,11 +581,11 @@ class Node:
         if pod.role is not None:
             ann[ROLE_KEY] = pod.role
         if ip_in_api:
-            self.api.create_pod(pod.namespace, pod.name, node=self.name, annotations=ann,
-                                ips=[pod.ip], phase=phase)
+            self.api.pods.create(pod.namespace, pod.name, node=self.name, annotations=ann,
+                                 ips=[pod.ip], phase=phase)
         else:
-            self.api.create_pod(pod.namespace, pod.name, node=self.name, annotations=ann,
-                                phase="Pending")
+            self.api.pods.create(pod.namespace, pod.name, node=self.name, annotations=ann,
+                                 phase="Pending")
 
     def remove_pod_net(self, pod: Pod) -> None:
         """The pod's sandbox is gone (its namespace deleted); the API object is untouched."""

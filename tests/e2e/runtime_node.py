@@ -165,8 +165,8 @@ class RuntimeNode(Node):
             ann[ROLE_KEY] = role
         uid = str(uuid.uuid4())
         if in_api:
-            self.api.create_pod(namespace, name, node=self.name, annotations=ann, uid=uid,
-                                phase="Pending", host_network=host_network)
+            self.api.pods.create(namespace, name, node=self.name, annotations=ann, uid=uid,
+                                 phase="Pending", host_network=host_network)
         sandbox = self.containerd.run_sandbox(name, uid=uid, namespace=namespace,
                                               annotations=ann, host_network=host_network)
         if host_network:
@@ -180,8 +180,8 @@ class RuntimeNode(Node):
     def publish_ip(self, pod: SandboxPod) -> None:
         """The kubelet's next status sync reaches the API: the pod Running with its IPs."""
         assert self.api is not None
-        self.api.set_pod_ips(pod.namespace, pod.name, pod.ips)
-        self.api.set_pod_phase(pod.namespace, pod.name, "Running")
+        self.api.pods.set_ips(pod.namespace, pod.name, pod.ips)
+        self.api.pods.set_phase(pod.namespace, pod.name, "Running")
 
     def remove_sandbox(self, pod: SandboxPod) -> None:
         """Stop and remove the sandbox (its address is free again); the API is not told."""

@@ -60,8 +60,8 @@ def test_a_stuck_pending_pod_leaves_the_others_served_and_a_reused_address_waits
     wait_until(lambda: runtime_health(node).startswith("unreachable"), timeout=15,
                what="/healthz runtime unreachable through the dead mount")
     # A pod scheduled here waits for its volume: in the API, Pending, no sandbox, no address.
-    node.api.create_pod("default", "stuck", node=node.name, uid=str(uuid.uuid4()),
-                        annotations={ROLE_KEY: "role-stuck"}, phase="Pending")
+    node.api.pods.create("default", "stuck", node=node.name, uid=str(uuid.uuid4()),
+                         annotations={ROLE_KEY: "role-stuck"}, phase="Pending")
     wait_until(lambda: node.metric("kiamfast_pending_pods") == 1, timeout=15,
                what="the agent knows the stuck pod")
     for pod in (old, steady):
@@ -80,7 +80,7 @@ def test_a_stuck_pending_pod_leaves_the_others_served_and_a_reused_address_waits
     samples = probe(new, 3.0)
     assert samples and wrong_answers(new, samples) == [], wrong_answers(new, samples)[:5]
     # The stuck pod goes away: the old rule alone would now trust the stale agreement.
-    node.api.delete_pod("default", "stuck")
+    node.api.pods.delete("default", "stuck")
     wait_until(lambda: node.metric("kiamfast_pending_pods") == 0, timeout=15,
                what="the agent saw the stuck pod go")
     samples = probe(new, 3.0)

@@ -34,7 +34,7 @@ def test_first_sdk_call_before_the_api_server_knows_the_pod_ip(runtime_node):
     node = runtime_node
     agent = node.start_agent()
     pod = node.add_pod("early", role="role-early")
-    assert node.api.get_pod("default", "early")["status"].get("podIP") is None
+    assert node.api.pods.get("default", "early")["status"].get("podIP") is None
 
     creds = pod.botocore_credentials()
     assert "AccessKeyId" in creds, f"first SDK call failed: {creds}\n" + agent.log()
@@ -62,8 +62,8 @@ def test_reused_ip_with_a_late_delete_of_the_old_pod(runtime_node):
     node.remove_sandbox(old)
     new = node.add_pod("new", role="role-new")
     assert new.ip == reused, new.sandbox
-    assert node.api.get_pod("default", "old")["status"]["podIP"] == reused
-    assert node.api.get_pod("default", "new")["status"].get("podIP") is None
+    assert node.api.pods.get("default", "old")["status"]["podIP"] == reused
+    assert node.api.pods.get("default", "new")["status"].get("podIP") is None
 
     early = new.prober(interval=0.02).start()
     creds = new.botocore_credentials()
@@ -74,7 +74,7 @@ def test_reused_ip_with_a_late_delete_of_the_old_pod(runtime_node):
 
     # The late delete of the old pod arrives, then the new pod's address.
     late = new.prober(interval=0.03).start()
-    node.api.delete_pod("default", "old")
+    node.api.pods.delete("default", "old")
     node.publish_ip(new)
     time.sleep(1.0)
     during = late.stop()

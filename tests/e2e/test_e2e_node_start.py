@@ -96,10 +96,10 @@ def test_pods_starting_with_the_agent_get_their_own_role_or_an_error(node):
     # A pod scheduled now (bound without an IP, then its sandbox gets one) gets its
     # credentials on its first SDK call.
     late = node.add_pod("late", "10.77.0.44", role="role-late", in_api=False)
-    node.api.create_pod("default", "late", node=node.name,
-                        annotations={ROLE_KEY: "role-late"})
-    node.api.set_pod_ips("default", "late", [late.ip])
-    node.api.set_pod_phase("default", "late", "Running")
+    node.api.pods.create("default", "late", node=node.name,
+                         annotations={ROLE_KEY: "role-late"})
+    node.api.pods.set_ips("default", "late", [late.ip])
+    node.api.pods.set_phase("default", "late", "Running")
     creds = late.botocore_credentials()
     assert "AccessKeyId" in creds, f"first SDK call failed: {creds}\n" + agent.log()
     assert node.sts.role_of(creds["AccessKeyId"]) == "role-late", creds

@@ -94,7 +94,7 @@ def test_api_server_outage_keeps_serving(node):
     outage = ["INPUT", "-p", "tcp", "--dport", str(node.api.port), "-j", "REJECT",
               "--reject-with", "tcp-reset"]
     node.net.ns.run(["iptables", "-I", *outage], check=True)
-    node.api.drop_watches()
+    node.api.faults.drop_watches()
     try:
         probers = [p.prober(interval=0.03).start() for p in pods]
         time.sleep(2.0)

@@ -46,7 +46,7 @@ def test_restart_after_an_outage_with_a_reused_address(node):
     try:
         # The outage: old is gone, its address is newcomer's, STS is down, others come.
         for pod in (old, gone):
-            node.api.delete_pod("default", pod.name)
+            node.api.pods.delete("default", pod.name)
             node.remove_pod_net(pod)
         newcomer = node.add_pod("newcomer", "10.77.0.70", role="role-new")
         extra = node.add_pod("extra", "10.77.0.72", role="role-extra")
@@ -110,10 +110,11 @@ def test_whole_agent_killed_and_restarted_without_a_runtime(node):
     issued = node.sts.issued()
 
     agent.kill()
-    node.api.delete_pod("default", leaving.name)
+    node.api.pods.delete("default", leaving.name)
     node.remove_pod_net(leaving)
     successor = node.add_pod("successor", "10.77.0.70", role="role-successor")
-    node.api.slow_list(3.0)    # the new agent syncs late: early answers could only be the table's
+    # The new agent syncs late: early answers could only be the table's.
+    node.api.faults.slow_list(3.0)
     prober = successor.prober(interval=0.02).start()
     agent.start()
     deadline = time.monotonic() + 20
@@ -121,7 +122,7 @@ def test_whole_agent_killed_and_restarted_without_a_runtime(node):
         assert time.monotonic() < deadline and agent.running(), agent.log()
         time.sleep(0.02)
     early = successor.fetch(timeout=1.0)
-    node.api.slow_list(0)
+    node.api.faults.slow_list(0)
     agent.wait_ready()
     samples = prober.stop()
 

@@ -63,12 +63,12 @@ def test_early_caller_gets_its_own_role_on_its_first_sdk_call(runtime_node, sdk)
     node = runtime_node
     node.start_agent()
     pod = node.add_pod("early", role="role-early")
-    assert node.api.get_pod("default", "early")["status"].get("podIP") is None
+    assert node.api.pods.get("default", "early")["status"].get("podIP") is None
 
     role = sdk(pod)          # the first requests this sandbox ever sends
 
     assert role == "role-early", node.agent_logs()
-    assert node.api.get_pod("default", "early")["status"].get("podIP") is None, \
+    assert node.api.pods.get("default", "early")["status"].get("podIP") is None, \
         "the API caught up before the call: this would not test the runtime path"
     assert node.imds_credential_requests() == []
 
@@ -79,7 +79,7 @@ def test_pod_the_watch_has_not_delivered_is_decided_from_its_sandbox(runtime_nod
     node = runtime_node
     node.start_agent()
     pod = node.add_pod("unseen", role="role-unseen", in_api=False)
-    assert node.api.get_pod("default", "unseen") is None
+    assert node.api.pods.get("default", "unseen") is None
 
     assert_own_role(pod, pod.botocore_credentials())
 
@@ -100,7 +100,7 @@ def test_reused_address_never_yields_the_previous_pods_role(runtime_node):
         node.remove_sandbox(previous)
         pod = node.add_pod(f"gen-{gen}", role="role-b" if gen % 2 else "role-a")
         assert pod.ip == reused, pod.sandbox
-        assert node.api.get_pod("default", previous.name)["status"]["podIP"] == reused
+        assert node.api.pods.get("default", previous.name)["status"]["podIP"] == reused
         prober = pod.prober(interval=0.02).start()
         creds = pod.botocore_credentials()
         time.sleep(0.2)
@@ -137,7 +137,7 @@ def test_dead_or_stopped_sandbox_gets_no_credentials_while_its_client_keeps_aski
     attempts = prober.stop()
     creds = reborn.botocore_credentials()
 
-    api = node.api.get_pod("default", "dying")["status"]
+    api = node.api.pods.get("default", "dying")["status"]
     assert (api["phase"], api["podIP"]) == ("Running", pod.ip), api
     late = [a for a in attempts if a.started > notready_at]
     assert refused is not None, \
@@ -206,7 +206,7 @@ def test_reused_address_right_after_containerd_restarts(runtime_node):
     node.containerd.start()
     node.remove_sandbox(old)
     new = node.add_pod("new", role="role-new")
-    assert new.ip == reused and node.api.get_pod("default", "old")["status"]["podIP"] == reused
+    assert new.ip == reused and node.api.pods.get("default", "old")["status"]["podIP"] == reused
     prober = new.prober(interval=0.02).start()
     creds = new.botocore_credentials()
     wait_until(lambda: runtime_health(node) == "ok", timeout=40, what="/healthz runtime ok")
@@ -276,7 +276,7 @@ def test_host_network_pod_never_gets_pod_credentials(runtime_node):
     other = node.add_pod("ordinary", role="role-ordinary", ip_in_api=True)
     assert other.wait_credentials().ok, agent.log()
     host = node.add_pod("hostnet", role="role-host", ip_in_api=True, host_network=True)
-    assert node.api.get_pod("default", "hostnet")["spec"].get("hostNetwork") is True
+    assert node.api.pods.get("default", "hostnet")["spec"].get("hostNetwork") is True
 
     for source in (node.host_ip, node.containerd.gateway, "127.0.0.1"):
         url = f"http://{source}:{APP_PORT}/latest/meta-data/iam/security-credentials/"

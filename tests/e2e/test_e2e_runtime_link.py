@@ -51,7 +51,7 @@ def test_dead_socket_file_mount_never_hands_a_reused_address_the_old_pods_role(r
     # The node goes on: the kubelet stops the old pod, the API deletes it, a new pod gets
     # its address and the API shows it Running there.
     node.remove_sandbox(old)
-    node.api.delete_pod(old.namespace, old.name)
+    node.api.pods.delete(old.namespace, old.name)
     new = node.add_pod("new", role="role-new", ip_in_api=True)
     assert new.ip == reused
     prober = new.prober(interval=0.02).start()
@@ -87,7 +87,7 @@ def test_runtime_down_for_the_whole_node_never_fails_the_liveness_probe(runtime_
     wait_until(lambda: runtime_health(node).startswith("unreachable"), timeout=15,
                what="/healthz runtime unreachable")
     time.sleep(max(0.0, down_at + 35 - time.monotonic()))   # the kubelet's 30 s + a status sync
-    node.api.set_node_ready(node.name, "False", message="container runtime is down")
+    node.api.nodes.set_ready(node.name, "False", message="container runtime is down")
     wait_until(lambda: node.http("GET", "/readyz")[0] == 503, timeout=30, what="/readyz 503")
     statuses = []
     while time.monotonic() < down_at + 80:                  # past the agent's 60 s grace

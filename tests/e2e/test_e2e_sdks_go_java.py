@@ -206,8 +206,8 @@ class PublishIpWhenAsked:
                 seen = time.monotonic()
                 time.sleep(self.delay)
                 api, pod = self.pod.node.api, self.pod
-                api.set_pod_ips(pod.namespace, pod.name, [pod.ip])
-                api.set_pod_phase(pod.namespace, pod.name, "Running")
+                api.pods.set_ips(pod.namespace, pod.name, [pod.ip])
+                api.pods.set_phase(pod.namespace, pod.name, "Running")
                 self.published_after = time.monotonic() - seen
                 return
             time.sleep(0.01)
@@ -225,11 +225,11 @@ def test_reused_address_gets_the_new_pods_role(node_v1_allowed, client):
     # the API server still lists the old pod, Running, with that address (late delete).
     node.remove_pod_net(old)
     new = node.add_pod(f"reuse-new-{client}", ip, role=f"role-new-{client}")
-    assert node.api.get_pod("default", old.name)["status"]["podIP"] == ip
+    assert node.api.pods.get("default", old.name)["status"]["podIP"] == ip
 
     assert_own_role(node, new, client, run_client(new, client))
 
-    node.api.delete_pod("default", old.name)  # the late delete changes nothing for the new pod
+    node.api.pods.delete("default", old.name)  # the late delete changes nothing for the new pod
     assert_own_role(node, new, client, run_client(new, client))
 
 

@@ -27,11 +27,11 @@ def _names(pod_list) -> list[str]:
 
 
 def test_list_pods_with_field_selectors(srv, api):
-    srv.add_node("node-a")
-    srv.add_node("node-b")
-    srv.create_pod("default", "a1", node="node-a", ips=["10.0.0.1"], phase="Running")
-    srv.create_pod("apps", "a2", node="node-a", ips=["10.0.0.2"], phase="Running")
-    srv.create_pod("default", "b1", node="node-b", ips=["10.0.1.1"], phase="Running")
+    srv.nodes.add("node-a")
+    srv.nodes.add("node-b")
+    srv.pods.create("default", "a1", node="node-a", ips=["10.0.0.1"], phase="Running")
+    srv.pods.create("apps", "a2", node="node-a", ips=["10.0.0.2"], phase="Running")
+    srv.pods.create("default", "b1", node="node-b", ips=["10.0.1.1"], phase="Running")
 
     assert _names(api.list_pod_for_all_namespaces(field_selector="spec.nodeName=node-a")) == \
         ["apps/a2", "default/a1"]
@@ -55,11 +55,11 @@ def test_list_pods_with_field_selectors(srv, api):
 
 
 def test_objects_are_complete_and_typed(srv, api):
-    srv.add_node("node-a")
-    created = srv.create_pod("team", "web", node="node-a", ips=["10.0.0.7", "fd00::7"],
-                             phase="Running", annotations={ROLE: "arn:aws:iam::1:role/web"},
-                             uid="uid-web")
-    hostnet = srv.create_pod("kube-system", "proxy", node="node-a", host_network=True)
+    srv.nodes.add("node-a")
+    created = srv.pods.create("team", "web", node="node-a", ips=["10.0.0.7", "fd00::7"],
+                              phase="Running", annotations={ROLE: "arn:aws:iam::1:role/web"},
+                              uid="uid-web")
+    hostnet = srv.pods.create("kube-system", "proxy", node="node-a", host_network=True)
 
     pod = api.read_namespaced_pod("web", "team")
     assert pod.metadata.uid == "uid-web" == created["metadata"]["uid"]
@@ -72,13 +72,13 @@ def test_objects_are_complete_and_typed(srv, api):
     assert pod.status.phase == "Running"
     assert pod.status.pod_ip == "10.0.0.7"
     assert [i.ip for i in pod.status.pod_ips] == ["10.0.0.7", "fd00::7"]
-    node_ip = srv.get_node("node-a")["status"]["addresses"][0]["address"]
+    node_ip = srv.nodes.get("node-a")["status"]["addresses"][0]["address"]
     assert pod.status.host_ip == node_ip
 
     assert api.read_namespaced_pod("proxy", "kube-system").spec.host_network is True
     assert hostnet["spec"]["hostNetwork"] is True
 
-    srv.mark_pod_terminating("team", "web")
+    srv.pods.mark_terminating("team", "web")
     assert api.read_namespaced_pod("web", "team").metadata.deletion_timestamp is not None
 
     with pytest.raises(ApiException) as exc:
@@ -94,39 +94,39 @@ def test_objects_are_complete_and_typed(srv, api):
 
 
 def test_python_state_api(srv):
-    srv.add_node("n")
-    assert srv.get_pod("default", "p") is None
-    srv.create_pod("default", "p", node="n")
-    pod = srv.get_pod("default", "p")
+    srv.nodes.add("n")
+    assert srv.pods.get("default", "p") is None
+    srv.pods.create("default", "p", node="n")
+    pod = srv.pods.get("default", "p")
     assert pod["status"]["phase"] == "Pending"
     assert "podIP" not in pod["status"]
     pod["status"]["phase"] = "mutated"          # a copy: the server's state is unaffected
-    assert srv.get_pod("default", "p")["status"]["phase"] == "Pending"
-    srv.set_pod_phase("default", "p", "Running")
-    srv.set_pod_annotations("default", "p", {ROLE: "r"})
-    pod = srv.get_pod("default", "p")
+    assert srv.pods.get("default", "p")["status"]["phase"] == "Pending"
+    srv.pods.set_phase("default", "p", "Running")
+    srv.pods.set_annotations("default", "p", {ROLE: "r"})
+    pod = srv.pods.get("default", "p")
     assert (pod["status"]["phase"], pod["metadata"]["annotations"]) == ("Running", {ROLE: "r"})
-    srv.set_pod_annotations("default", "p", None)
-    assert "annotations" not in srv.get_pod("default", "p")["metadata"]
+    srv.pods.set_annotations("default", "p", None)
+    assert "annotations" not in srv.pods.get("default", "p")["metadata"]
     with pytest.raises(NotFoundError):
-        srv.set_pod_phase("default", "missing", "Running")
+        srv.pods.set_phase("default", "missing", "Running")
     with pytest.raises(ValueError):
-        srv.create_pod("default", "p", node="n")
-    srv.delete_pod("default", "p")
-    assert srv.get_pod("default", "p") is None
+        srv.pods.create("default", "p", node="n")
+    srv.pods.delete("default", "p")
+    assert srv.pods.get("default", "p") is None
     with pytest.raises(KeyError):
-        srv.delete_pod("default", "p")
-    ns = srv.add_namespace("ns1", annotations={"iam.amazonaws.com/permitted": ".*"})
+        srv.pods.delete("default", "p")
+    ns = srv.namespaces.add("ns1", annotations={"iam.amazonaws.com/permitted": ".*"})
     assert ns["metadata"]["annotations"] == {"iam.amazonaws.com/permitted": ".*"}
-    ns2 = srv.set_namespace_annotations("ns1", {"iam.amazonaws.com/permitted": "x"})
+    ns2 = srv.namespaces.set_annotations("ns1", {"iam.amazonaws.com/permitted": "x"})
     assert int(ns2["metadata"]["resourceVersion"]) > int(ns["metadata"]["resourceVersion"])
 
 
 def test_patch_node_taints_merge_strategic_and_json_patch(srv, api):
     taint = {"key": "kiamfast.io/agent-not-ready", "value": "true", "effect": "NoSchedule"}
     other = {"key": "dedicated", "value": "gpu", "effect": "NoExecute"}
-    srv.add_node("node-a", taints=[taint, other])
-    rv0 = int(srv.get_node("node-a")["metadata"]["resourceVersion"])
+    srv.nodes.add("node-a", taints=[taint, other])
+    rv0 = int(srv.nodes.get("node-a")["metadata"]["resourceVersion"])
 
     # JSON patch (RFC 6902) guarded by a test op, as a careful client removes a taint.
     node = api.patch_node("node-a", [
@@ -136,7 +136,7 @@ def test_patch_node_taints_merge_strategic_and_json_patch(srv, api):
     assert [t.key for t in node.spec.taints] == ["dedicated"]
     rv1 = int(node.metadata.resource_version)
     assert rv1 > rv0
-    assert srv.get_node("node-a")["spec"]["taints"] == [other]
+    assert srv.nodes.get("node-a")["spec"]["taints"] == [other]
 
     # A failing test op changes nothing (422) and keeps the resourceVersion.
     with pytest.raises(ApiException) as exc:
@@ -144,7 +144,7 @@ def test_patch_node_taints_merge_strategic_and_json_patch(srv, api):
                                    "value": taint["key"]},
                                   {"op": "remove", "path": "/spec/taints/0"}])
     assert exc.value.status == 422
-    assert int(srv.get_node("node-a")["metadata"]["resourceVersion"]) == rv1
+    assert int(srv.nodes.get("node-a")["metadata"]["resourceVersion"]) == rv1
 
     # Strategic merge patch: spec.taints is atomic, the list is replaced.
     node = api.patch_node("node-a", {"spec": {"taints": [taint]}})
@@ -161,10 +161,10 @@ def test_patch_node_taints_merge_strategic_and_json_patch(srv, api):
     node = api.patch_node("node-a", {"spec": {"taints": None}},
                           _content_type="application/merge-patch+json")
     assert node.spec.taints is None
-    assert "taints" not in srv.get_node("node-a")["spec"]
+    assert "taints" not in srv.nodes.get("node-a")["spec"]
 
     # A no-op patch does not bump the resourceVersion.
-    rv = srv.get_node("node-a")["metadata"]["resourceVersion"]
+    rv = srv.nodes.get("node-a")["metadata"]["resourceVersion"]
     node = api.patch_node("node-a", {"spec": {"taints": None}},
                           _content_type="application/merge-patch+json")
     assert node.metadata.resource_version == rv
@@ -206,32 +206,32 @@ def test_discovery_and_version(srv, api, kubeconfig):
 
 
 def test_set_pod_ips_as_the_client_sees_it(srv, api):
-    srv.add_node("node-a")
-    srv.create_pod("default", "p", node="node-a")
+    srv.nodes.add("node-a")
+    srv.pods.create("default", "p", node="node-a")
     assert api.read_namespaced_pod("p", "default").status.pod_ip is None
-    srv.set_pod_ips("default", "p", ["10.0.0.9", "fd00::9"])
+    srv.pods.set_ips("default", "p", ["10.0.0.9", "fd00::9"])
     status = api.read_namespaced_pod("p", "default").status
     assert status.pod_ip == "10.0.0.9"
     assert [i.ip for i in status.pod_ips] == ["10.0.0.9", "fd00::9"]
-    srv.set_pod_ips("default", "p", None)
+    srv.pods.set_ips("default", "p", None)
     assert api.read_namespaced_pod("p", "default").status.pod_ip is None
     with pytest.raises(NotFoundError):
-        srv.set_pod_ips("default", "missing", ["10.0.0.10"])
+        srv.pods.set_ips("default", "missing", ["10.0.0.10"])
 
 
 def test_fail_next_500_then_recovers(srv, api):
-    srv.fail_next(2, status=500)
+    srv.faults.fail_next(2, status=500)
     for _ in range(2):
         with pytest.raises(ApiException) as exc:
             api.list_pod_for_all_namespaces()
         assert exc.value.status == 500
         assert json.loads(exc.value.body)["reason"] == "InternalError"
     assert api.list_pod_for_all_namespaces().items == []
-    assert srv.stats()["faults_injected"] == 2
+    assert srv.traffic.stats()["faults_injected"] == 2
 
 
 def test_fail_next_429_has_retry_after_and_client_retries(srv, api):
-    srv.fail_next(1, status=429, path_prefix="/api/v1/nodes")
+    srv.faults.fail_next(1, status=429, path_prefix="/api/v1/nodes")
     # Other paths are not affected.
     api.list_namespace()
     conn = http.client.HTTPConnection("127.0.0.1", srv.port)
@@ -244,18 +244,18 @@ def test_fail_next_429_has_retry_after_and_client_retries(srv, api):
     conn.close()
 
     # urllib3 under the kubernetes client honours Retry-After on 429 and retries.
-    srv.fail_next(1, status=429, path_prefix="/api/v1/nodes")
-    before = srv.stats()["requests"]
+    srv.faults.fail_next(1, status=429, path_prefix="/api/v1/nodes")
+    before = srv.traffic.stats()["requests"]
     assert api.list_node().items == []
-    stats = srv.stats()
+    stats = srv.traffic.stats()
     assert stats["requests"] - before == 2
     assert stats["faults_injected"] == 2
 
 
 def test_slow_list_serves_the_snapshot_taken_at_request_time(srv, api, caught_up):
-    srv.add_node("n")
-    srv.create_pod("default", "before", node="n")
-    srv.slow_list(0.5)
+    srv.nodes.add("n")
+    srv.pods.create("default", "before", node="n")
+    srv.faults.slow_list(0.5)
     result = {}
 
     def do_list():
@@ -264,11 +264,11 @@ def test_slow_list_serves_the_snapshot_taken_at_request_time(srv, api, caught_up
     t = threading.Thread(target=do_list)
     t.start()
     deadline = time.monotonic() + 5
-    while srv.stats()["lists"] < 1 and time.monotonic() < deadline:
+    while srv.traffic.stats()["lists"] < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    srv.create_pod("default", "during", node="n")
+    srv.pods.create("default", "during", node="n")
     t.join(10)
-    srv.slow_list(0)
+    srv.faults.slow_list(0)
     listed = result["list"]
     assert [p.metadata.name for p in listed.items] == ["before"]
     # The change made during the slow list is exactly what a watch from its RV replays.
@@ -278,12 +278,12 @@ def test_slow_list_serves_the_snapshot_taken_at_request_time(srv, api, caught_up
 
 
 def test_list_exact_resource_version(srv, api):
-    srv.add_node("n")
-    srv.create_pod("default", "p1", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "p1", node="n")
     rv = api.list_pod_for_all_namespaces().metadata.resource_version
-    srv.create_pod("default", "p2", node="n")
-    srv.set_pod_phase("default", "p1", "Running")
-    srv.delete_pod("default", "p1")
+    srv.pods.create("default", "p2", node="n")
+    srv.pods.set_phase("default", "p1", "Running")
+    srv.pods.delete("default", "p1")
 
     old = api.list_pod_for_all_namespaces(resource_version=rv, resource_version_match="Exact")
     assert old.metadata.resource_version == rv
@@ -292,7 +292,7 @@ def test_list_exact_resource_version(srv, api):
                                           resource_version_match="NotOlderThan")
     assert [p.metadata.name for p in now.items] == ["p2"]
 
-    srv.compact()
+    srv.faults.compact()
     with pytest.raises(ApiException) as exc:
         api.list_pod_for_all_namespaces(resource_version=rv, resource_version_match="Exact")
     assert exc.value.status == 410

@@ -34,19 +34,19 @@ def _later(delay: float, fn) -> threading.Thread:
 
 
 def test_watch_sees_added_modified_deleted_in_order(srv, api):
-    srv.add_node("node-a")
-    srv.add_node("node-b")
+    srv.nodes.add("node-a")
+    srv.nodes.add("node-b")
     rv = api.list_pod_for_all_namespaces(field_selector="spec.nodeName=node-a") \
         .metadata.resource_version
 
     def mutate():
-        assert srv.wait_watches(1, node="node-a")
-        srv.create_pod("default", "other-node", node="node-b")      # not for this watch
-        srv.create_pod("default", "p", node="node-a", annotations={"a": "1"})
-        srv.set_pod_ips("default", "p", ["10.0.0.5"])
-        srv.set_pod_phase("default", "p", "Running")
-        srv.mark_pod_terminating("default", "p")
-        srv.delete_pod("default", "p")
+        assert srv.traffic.wait_watches(1, node="node-a")
+        srv.pods.create("default", "other-node", node="node-b")      # not for this watch
+        srv.pods.create("default", "p", node="node-a", annotations={"a": "1"})
+        srv.pods.set_ips("default", "p", ["10.0.0.5"])
+        srv.pods.set_phase("default", "p", "Running")
+        srv.pods.mark_terminating("default", "p")
+        srv.pods.delete("default", "p")
 
     t = _later(0, mutate)
     w = watch.Watch()
@@ -72,13 +72,13 @@ def test_watch_sees_added_modified_deleted_in_order(srv, api):
     rvs = [s[5] for s in seen]
     assert rvs == sorted(rvs) and len(set(rvs)) == len(rvs)
     assert w.resource_version == str(rvs[-1])
-    assert srv.stats()["watches_by_node"] == {"node-a": 1}
+    assert srv.traffic.stats()["watches_by_node"] == {"node-a": 1}
 
 
 def test_watch_without_resource_version_starts_with_current_state(srv, api):
-    srv.add_node("n")
-    srv.create_pod("default", "b", node="n")
-    srv.create_pod("default", "a", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "b", node="n")
+    srv.pods.create("default", "a", node="n")
     w = watch.Watch()
     events = []
     for ev in w.stream(api.list_pod_for_all_namespaces, allow_watch_bookmarks=True):
@@ -91,8 +91,8 @@ def test_watch_without_resource_version_starts_with_current_state(srv, api):
 
 
 def test_send_initial_events_ends_with_annotated_bookmark(srv, api, read_events):
-    srv.add_node("n")
-    srv.create_pod("default", "a", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "a", node="n")
     resp = _raw_watch(api, send_initial_events=True, resource_version_match="NotOlderThan",
                       allow_watch_bookmarks=True)
     events = []
@@ -109,13 +109,13 @@ def test_send_initial_events_ends_with_annotated_bookmark(srv, api, read_events)
 
 
 def test_resume_from_resource_version_replays_only_later_events(srv, api, caught_up):
-    srv.add_node("n")
-    srv.create_pod("default", "p1", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "p1", node="n")
     rv1 = srv.resource_version
-    srv.create_pod("default", "p2", node="n")
+    srv.pods.create("default", "p2", node="n")
     rv2 = srv.resource_version
-    srv.set_pod_phase("default", "p1", "Running")
-    srv.delete_pod("default", "p2")
+    srv.pods.set_phase("default", "p1", "Running")
+    srv.pods.delete("default", "p2")
 
     def replay(rv):
         events = caught_up(api.list_pod_for_all_namespaces, resource_version=rv)
@@ -127,12 +127,12 @@ def test_resume_from_resource_version_replays_only_later_events(srv, api, caught
 
 
 def test_field_selector_transitions_are_added_and_deleted(srv, api, caught_up):
-    srv.add_node("n")
-    srv.create_pod("default", "p", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "p", node="n")
     rv = srv.resource_version
-    srv.set_pod_ips("default", "p", ["10.1.1.1"])     # starts matching -> ADDED
-    srv.set_pod_phase("default", "p", "Running")      # still matching -> MODIFIED
-    srv.set_pod_ips("default", "p", ["10.1.1.2"])     # stops matching -> DELETED
+    srv.pods.set_ips("default", "p", ["10.1.1.1"])     # starts matching -> ADDED
+    srv.pods.set_phase("default", "p", "Running")      # still matching -> MODIFIED
+    srv.pods.set_ips("default", "p", ["10.1.1.2"])     # stops matching -> DELETED
     last = srv.resource_version
     events = caught_up(api.list_pod_for_all_namespaces, field_selector="status.podIP=10.1.1.1",
                        resource_version=rv)
@@ -144,11 +144,11 @@ def test_field_selector_transitions_are_added_and_deleted(srv, api, caught_up):
 
 
 def test_too_old_resource_version_after_compact(srv, api, read_events, caught_up):
-    srv.add_node("n")
-    srv.create_pod("default", "p", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "p", node="n")
     old_rv = srv.resource_version
-    srv.set_pod_phase("default", "p", "Running")
-    srv.compact()
+    srv.pods.set_phase("default", "p", "Running")
+    srv.faults.compact()
 
     # Raw: HTTP 200, then one ERROR event carrying a 410 Status, then the stream ends.
     resp = _raw_watch(api, resource_version=old_rv)
@@ -172,10 +172,10 @@ def test_too_old_resource_version_after_compact(srv, api, read_events, caught_up
 def test_history_window_bounds_resume(api_factory, tmp_path, read_events):
     with ApiServer(history_window=3, bookmark_interval=0.2) as server:
         api = api_factory(server.write_kubeconfig(tmp_path / "kc"))
-        server.add_node("n")
+        server.nodes.add("n")
         start = server.resource_version
         for i in range(4):
-            server.create_pod("default", f"p{i}", node="n")
+            server.pods.create("default", f"p{i}", node="n")
         events = list(read_events(_raw_watch(api, resource_version=start)))
         assert events[0]["type"] == "ERROR" and events[0]["object"]["code"] == 410
         recent = str(int(server.resource_version) - 3)
@@ -188,15 +188,15 @@ def test_history_window_bounds_resume(api_factory, tmp_path, read_events):
 
 
 def test_bookmarks_arrive_and_never_pass_undelivered_events(srv, api, read_events):
-    srv.add_node("n")
+    srv.nodes.add("n")
     rv = srv.resource_version
-    srv.delay_events(0.6)
+    srv.faults.delay_events(0.6)
     resp = _raw_watch(api, resource_version=rv, allow_watch_bookmarks=True,
                       field_selector="spec.nodeName=n", timeout_seconds=10)
-    assert srv.wait_watches(1, node="n")
-    srv.create_pod("default", "late", node="n")
+    assert srv.traffic.wait_watches(1, node="n")
+    srv.pods.create("default", "late", node="n")
     added_rv = int(srv.resource_version)
-    srv.delay_events(0)
+    srv.faults.delay_events(0)
     seen = []
     for ev in read_events(resp):
         seen.append((ev["type"], _rv(ev)))
@@ -208,25 +208,25 @@ def test_bookmarks_arrive_and_never_pass_undelivered_events(srv, api, read_event
     added_at = types.index("ADDED")
     assert all(r < added_rv for t, r in seen[:added_at]), seen
     assert all(t == "BOOKMARK" for t in types[:added_at] + types[added_at + 1:]), seen
-    assert srv.stats()["bookmarks_sent"] >= 1
+    assert srv.traffic.stats()["bookmarks_sent"] >= 1
 
 
 def test_timeout_seconds_ends_stream_cleanly_with_a_final_bookmark(srv, api, read_events):
-    srv.add_node("n")
-    srv.create_pod("default", "p", node="n")
+    srv.nodes.add("n")
+    srv.pods.create("default", "p", node="n")
     rv = srv.resource_version
     resp = _raw_watch(api, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=1)
     events = list(read_events(resp))          # returns: the server ended the chunked body
     assert events and events[-1]["type"] == "BOOKMARK"
     assert _rv(events[-1]) == int(rv)
-    assert srv.watch_count() == 0
+    assert srv.traffic.watch_count() == 0
     # The kubernetes client's stream with timeout_seconds ends too (no retry).
     assert list(watch.Watch().stream(api.list_pod_for_all_namespaces, resource_version=rv,
                                      timeout_seconds=1)) == []
 
 
 def test_drop_watches_closes_streams_abruptly(srv, api, read_events, caught_up):
-    srv.add_node("n")
+    srv.nodes.add("n")
     resp = _raw_watch(api, resource_version=srv.resource_version)
     errors = []
 
@@ -240,39 +240,39 @@ def test_drop_watches_closes_streams_abruptly(srv, api, read_events, caught_up):
 
     t = threading.Thread(target=client_watch, daemon=True)
     t.start()
-    assert srv.wait_watches(2)
-    assert srv.drop_watches() == 2
+    assert srv.traffic.wait_watches(2)
+    assert srv.faults.drop_watches() == 2
     with pytest.raises(urllib3.exceptions.ProtocolError):
         list(read_events(resp))
     t.join(10)
     assert not t.is_alive()
     assert errors and isinstance(errors[0], urllib3.exceptions.ProtocolError)
     deadline = time.monotonic() + 5
-    while srv.watch_count() and time.monotonic() < deadline:
+    while srv.traffic.watch_count() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert srv.watch_count() == 0
+    assert srv.traffic.watch_count() == 0
     # New watches work after a drop.
-    srv.create_pod("default", "after", node="n")
+    srv.pods.create("default", "after", node="n")
     assert [e["object"]["metadata"]["name"] for e in caught_up(
         api.list_pod_for_all_namespaces, resource_version="0")] == ["after"]
 
 
 def test_client_hangup_unregisters_the_watch(srv, api):
     resp = _raw_watch(api, resource_version=srv.resource_version)
-    assert srv.wait_watches(1)
+    assert srv.traffic.wait_watches(1)
     resp.close()          # closes the client's socket: the server sees EOF
     deadline = time.monotonic() + 5
-    while srv.watch_count() and time.monotonic() < deadline:
+    while srv.traffic.watch_count() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert srv.watch_count() == 0
+    assert srv.traffic.watch_count() == 0
 
 
 def test_node_and_namespace_watches(srv, api, caught_up):
-    srv.add_node("node-a", taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}])
+    srv.nodes.add("node-a", taints=[{"key": "k", "value": "v", "effect": "NoSchedule"}])
     rv = srv.resource_version
     api.patch_node("node-a", [{"op": "remove", "path": "/spec/taints/0"}])
-    srv.add_namespace("team", annotations={"iam.amazonaws.com/permitted": "a"})
-    srv.set_namespace_annotations("team", {"iam.amazonaws.com/permitted": "b"})
+    srv.namespaces.add("team", annotations={"iam.amazonaws.com/permitted": "a"})
+    srv.namespaces.set_annotations("team", {"iam.amazonaws.com/permitted": "b"})
 
     nodes = caught_up(api.list_node, resource_version=rv)
     assert [(e["type"], "taints" in e["object"]["spec"]) for e in nodes] == [("MODIFIED", False)]
@@ -287,10 +287,10 @@ def test_node_and_namespace_watches(srv, api, caught_up):
 
 
 def test_namespaced_watch_only_sees_its_namespace(srv, api, caught_up):
-    srv.add_node("n")
+    srv.nodes.add("n")
     rv = srv.resource_version
-    srv.create_pod("a", "p", node="n")
-    srv.create_pod("b", "p", node="n")
+    srv.pods.create("a", "p", node="n")
+    srv.pods.create("b", "p", node="n")
     events = caught_up(lambda **kw: api.list_namespaced_pod("b", **kw), resource_version=rv)
     assert [(e["object"]["metadata"]["namespace"]) for e in events] == ["b"]
 
@@ -298,7 +298,7 @@ def test_namespaced_watch_only_sees_its_namespace(srv, api, caught_up):
 def test_concurrent_mutations_keep_every_watch_consistent(srv, api, read_events):
     nodes = ["n0", "n1", "n2"]
     for n in nodes:
-        srv.add_node(n)
+        srv.nodes.add(n)
     start = srv.resource_version
     selectors = ["spec.nodeName=n0", "spec.nodeName=n1", "", "status.phase=Running"]
     results: dict[str, dict] = {}
@@ -336,21 +336,21 @@ def test_concurrent_mutations_keep_every_watch_consistent(srv, api, read_events)
         rnd = random.Random(seed)
         for i in range(60):
             name = f"m{seed}-{i % 12}"
-            if srv.get_pod("default", name) is None:
-                srv.create_pod("default", name, node=rnd.choice(nodes))
+            if srv.pods.get("default", name) is None:
+                srv.pods.create("default", name, node=rnd.choice(nodes))
             else:
                 op = rnd.random()
                 if op < 0.4:
-                    srv.set_pod_phase("default", name, rnd.choice(["Pending", "Running"]))
+                    srv.pods.set_phase("default", name, rnd.choice(["Pending", "Running"]))
                 elif op < 0.7:
-                    srv.set_pod_ips("default", name, [f"10.{seed}.0.{i}"])
+                    srv.pods.set_ips("default", name, [f"10.{seed}.0.{i}"])
                 else:
-                    srv.delete_pod("default", name)
+                    srv.pods.delete("default", name)
 
     watchers = [threading.Thread(target=watcher, args=(s,), daemon=True) for s in selectors]
     for t in watchers:
         t.start()
-    assert srv.wait_watches(len(selectors))
+    assert srv.traffic.wait_watches(len(selectors))
     mutators = [threading.Thread(target=mutator, args=(s,)) for s in range(4)]
     for t in mutators:
         t.start()
@@ -370,10 +370,10 @@ def test_concurrent_mutations_keep_every_watch_consistent(srv, api, read_events)
 def test_per_node_lists_at_scale(srv, api):
     n_nodes, per_node = 20, 110
     for n in range(n_nodes):
-        srv.add_node(f"node-{n}")
+        srv.nodes.add(f"node-{n}")
         for i in range(per_node):
-            srv.create_pod(f"ns{i % 7}", f"pod-{n}-{i}", node=f"node-{n}",
-                           ips=[f"10.{n}.{i // 250}.{i % 250}"], phase="Running")
+            srv.pods.create(f"ns{i % 7}", f"pod-{n}-{i}", node=f"node-{n}",
+                            ips=[f"10.{n}.{i // 250}.{i % 250}"], phase="Running")
     for n in (0, n_nodes - 1):
         items = api.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName=node-{n}", _preload_content=False)
@@ -381,6 +381,6 @@ def test_per_node_lists_at_scale(srv, api):
         doc = json.loads(items.data)
         assert len(doc["items"]) == per_node
         assert {p["spec"]["nodeName"] for p in doc["items"]} == {f"node-{n}"}
-    stats = srv.stats()
+    stats = srv.traffic.stats()
     assert stats["lists_by_node"] == {"node-0": 1, f"node-{n_nodes - 1}": 1}
     assert stats["resource_version"] >= n_nodes * (per_node + 1)

@@ -98,7 +98,7 @@ def raw():
 # ---- requests ---------------------------------------------------------------------------------
 
 def test_requests_reuse_one_connection_and_send_who_we_are(emulator, tmp_path):
-    emulator.add_node("n1")
+    emulator.nodes.add("n1")
 
     async def body():
         client = client_for(emulator, tmp_path)
@@ -111,7 +111,7 @@ def test_requests_reuse_one_connection_and_send_who_we_are(emulator, tmp_path):
 
 
 def test_a_429_carries_retry_after_and_is_not_retried(emulator, tmp_path):
-    emulator.fail_next(1, status=429)
+    emulator.faults.fail_next(1, status=429)
 
     async def body():
         client = client_for(emulator, tmp_path)
@@ -119,7 +119,7 @@ def test_a_429_carries_retry_after_and_is_not_retried(emulator, tmp_path):
             await client.request("GET", "/api/v1/pods")
         assert (e.value.status, e.value.retry_after) == (429, 1.0)
         assert e.value.reason == "TooManyRequests"
-        assert emulator.stats()["requests"] == 1            # the client did not retry
+        assert emulator.traffic.stats()["requests"] == 1            # the client did not retry
         assert (await client.request("GET", "/api/v1/pods")).status == 200
         await client.close()
     run(body())
@@ -179,7 +179,7 @@ def test_a_kept_alive_connection_closed_while_idle_is_replaced_once(raw):
 
 
 def test_blocking_requests(emulator, tmp_path):
-    emulator.add_node("n1")
+    emulator.nodes.add("n1")
     client = client_for(emulator, tmp_path)
     assert client.request_sync("GET", "/api/v1/nodes/n1").json()["metadata"]["name"] == "n1"
     assert client.request_sync("GET", "/api/v1/nodes/n1").status == 200
@@ -189,7 +189,7 @@ def test_blocking_requests(emulator, tmp_path):
     patched = client.request_sync("PATCH", "/api/v1/nodes/n1", body={
         "metadata": {"labels": {"a": "b"}}}, content_type="application/merge-patch+json")
     assert patched.json()["metadata"]["labels"]["a"] == "b"
-    assert emulator.stats()["requests"] == 4
+    assert emulator.traffic.stats()["requests"] == 4
     run(client.close())
 
 
@@ -244,16 +244,16 @@ WATCH = {"watch": True, "allowWatchBookmarks": True}
 
 
 def test_watch_stream_delivers_events_in_order(emulator, tmp_path):
-    emulator.add_node("n1")
+    emulator.nodes.add("n1")
     rv = emulator.resource_version
 
     async def body():
         client = client_for(emulator, tmp_path)
         async with client.stream("/api/v1/pods", params={
                 **WATCH, "resourceVersion": rv, "fieldSelector": "spec.nodeName=n1"}) as s:
-            emulator.create_pod("default", "a", node="n1")
-            emulator.set_pod_phase("default", "a", "Running")
-            emulator.delete_pod("default", "a")
+            emulator.pods.create("default", "a", node="n1")
+            emulator.pods.set_phase("default", "a", "Running")
+            emulator.pods.delete("default", "a")
             seen = []
             async for line in s.lines():
                 event = orjson.loads(line)
@@ -266,15 +266,15 @@ def test_watch_stream_delivers_events_in_order(emulator, tmp_path):
 
 
 def test_watch_answered_with_a_list_yields_its_body_for_the_caller_to_judge(emulator, tmp_path):
-    emulator.create_pod("default", "a", node="n1")
-    emulator.answer_watches_with("list")
+    emulator.pods.create("default", "a", node="n1")
+    emulator.faults.answer_watches_with("list")
 
     async def body():
         client = client_for(emulator, tmp_path)
         async with client.stream("/api/v1/pods", params=WATCH) as s:
             lines = [line async for line in s.lines()]
         assert len(lines) == 1 and orjson.loads(lines[0])["kind"] == "PodList"
-        emulator.answer_watches_with("empty")
+        emulator.faults.answer_watches_with("empty")
         async with client.stream("/api/v1/pods", params=WATCH) as s:
             assert [line async for line in s.lines()] == []
     run(body())
@@ -284,8 +284,8 @@ def test_watch_dropped_by_the_server_is_unavailable(emulator, tmp_path):
     async def body():
         client = client_for(emulator, tmp_path)
         async with client.stream("/api/v1/pods", params=WATCH) as s:
-            assert emulator.wait_watches(1)
-            emulator.drop_watches()
+            assert emulator.traffic.wait_watches(1)
+            emulator.faults.drop_watches()
             with pytest.raises(ApiUnavailable) as e:
                 async for _ in s.lines():
                     pass
@@ -305,7 +305,7 @@ def test_stalled_watch_hits_the_inactivity_timeout(emulator, tmp_path):
 
 
 def test_watch_refused_raises_the_api_error(emulator, tmp_path):
-    emulator.fail_next(1, status=429, path_prefix="/api/v1/pods")
+    emulator.faults.fail_next(1, status=429, path_prefix="/api/v1/pods")
 
     async def body():
         client = client_for(emulator, tmp_path)

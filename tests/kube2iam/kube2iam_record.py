@@ -205,10 +205,10 @@ def case_id(config: str, case: Case) -> str:
 
 def populate(cluster: Cluster) -> None:
     for name, namespace_annotations in NAMESPACES.items():
-        cluster.api.add_namespace(name, annotations=namespace_annotations or None)
+        cluster.api.namespaces.add(name, annotations=namespace_annotations or None)
     for name, pod in PODS.items():
-        cluster.api.create_pod(pod.namespace, name, node=NODE, annotations=pod.annotations,
-                               ips=[pod.address], phase="Running")
+        cluster.api.pods.create(pod.namespace, name, node=NODE, annotations=pod.annotations,
+                                ips=[pod.address], phase="Running")
     cluster.sts.add_fault("deny", roles=[DENIED_ROLE])
 
 

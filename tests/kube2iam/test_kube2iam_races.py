@@ -71,7 +71,7 @@ def logs(node) -> str:
 def test_a_early_pod_asks_before_the_api_has_its_address(runtime_node):
     node, agent = runtime_node
     pod = node.add_pod("early", role="role-early")
-    assert node.api.get_pod("default", "early")["status"].get("podIP") is None
+    assert node.api.pods.get("default", "early")["status"].get("podIP") is None
     kubelet = threading.Timer(PUBLISH_AFTER, node.publish_ip, args=(pod,))
     start = time.monotonic()
     kubelet.start()
@@ -101,7 +101,7 @@ def replace_on_reused_address(node, old, name: str, role: str):
     finally:
         node.containerd.set_range(None, None)
     assert new.ip == old.ip, new.sandbox
-    assert node.api.get_pod("default", old.name)["status"]["podIP"] == old.ip
+    assert node.api.pods.get("default", old.name)["status"]["podIP"] == old.ip
     return new
 
 
@@ -123,7 +123,7 @@ def reuse_once(node, old, name: str, role: str) -> dict:
     new = replace_on_reused_address(node, old, name, role)
     stale = [fetch(new) for _ in range(STALE_FETCHES)]
     caught_up = time.monotonic()
-    node.api.delete_pod("default", old.name)
+    node.api.pods.delete("default", old.name)
     node.publish_ip(new)
     after, first_own = fetch_until_own(new, since=caught_up)
     return {"new": new, "stale": stale, "after": after, "first_own": first_own,

@@ -351,8 +351,8 @@ def test_no_aws_credentials_is_one_line_and_what_was_fetched_is_still_served(tmp
     finally:
         assert first.stop() == 0, first.log()
     # ... the next one has no credentials of its own and a new pod to fetch for.
-    fakes.api.create_pod("team", "other", node="n1", phase="Running", ips=["127.0.0.6"],
-                         annotations={"iam.amazonaws.com/role": "other-role"})
+    fakes.api.pods.create("team", "other", node="n1", phase="Running", ips=["127.0.0.6"],
+                          annotations={"iam.amazonaws.com/role": "other-role"})
     try:
         second = Running(agent_argv(tmp_path, fakes, port=first.port), tmp_path,
                          env=clean_env(AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None,
@@ -370,4 +370,4 @@ def test_no_aws_credentials_is_one_line_and_what_was_fetched_is_still_served(tmp
         finally:
             assert second.stop() == 0, second.log()
     finally:
-        fakes.api.delete_pod("team", "other")
+        fakes.api.pods.delete("team", "other")

@@ -77,7 +77,7 @@ def kill_everything(agent: Agent) -> None:
 
 
 def test_a_killed_agent_restarts_with_the_same_credentials_and_no_sts_call(fakes, tmp_path):
-    fakes.api.create_pod("team", "leaving", node="n1", annotations={
+    fakes.api.pods.create("team", "leaving", node="n1", annotations={
         "iam.amazonaws.com/role": "leaving-role"}, ips=[REUSED_IP], phase="Running")
     agent = start(fakes, tmp_path)
     try:
@@ -91,10 +91,11 @@ def test_a_killed_agent_restarts_with_the_same_credentials_and_no_sts_call(fakes
         kill_everything(agent)
 
     # While the agent is down, a pod goes and another one takes its address.
-    fakes.api.delete_pod("team", "leaving")
-    fakes.api.create_pod("team", "arriving", node="n1", annotations={
+    fakes.api.pods.delete("team", "leaving")
+    fakes.api.pods.create("team", "arriving", node="n1", annotations={
         "iam.amazonaws.com/role": "arriving-role"}, ips=[REUSED_IP], phase="Running")
-    fakes.api.slow_list(3.0)   # the new agent syncs late: its first answers come from the table
+    # The new agent syncs late: its first answers come from the table.
+    fakes.api.faults.slow_list(3.0)
 
     again = start(fakes, tmp_path, port=agent.port)
     try:
@@ -102,7 +103,7 @@ def test_a_killed_agent_restarts_with_the_same_credentials_and_no_sts_call(fakes
                    "the restarted agent's workers never answered")
         status, body = http(again.port, f"GET {LISTING}", source=REUSED_IP)
         assert status == 503, (status, body)   # never the leaving pod's role from the table
-        fakes.api.slow_list(0)
+        fakes.api.faults.slow_list(0)
         again.wait_ready()
 
         role, after = credentials(again.port, POD_IP)
@@ -164,8 +165,8 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
     sandbox took meanwhile is never answered with the old pod's role."""
     from kiamfast.testing.cri_fault import CriFault, fake_sandbox
 
-    app = fakes.api.get_pod("team", "app")
-    leaving = fakes.api.create_pod("team", "leaving", node="n1", annotations={
+    app = fakes.api.pods.get("team", "app")
+    leaving = fakes.api.pods.create("team", "leaving", node="n1", annotations={
         "iam.amazonaws.com/role": "leaving-role"}, ips=[REUSED_IP], phase="Running")
     with CriFault() as runtime:
         def sandbox(pod: dict, ip: str):
@@ -188,7 +189,7 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
         arriving = fake_sandbox(name="arriving", namespace="team", ip=REUSED_IP,
                                 annotations={"iam.amazonaws.com/role": "arriving-role"})
         runtime.put(arriving)
-        fakes.api.slow_list(8.0)                   # the API answers no list meanwhile
+        fakes.api.faults.slow_list(8.0)                   # the API answers no list meanwhile
 
         earlier = len(agent.log())
         again = Agent(fakes, tmp_path, port=agent.port,
@@ -205,9 +206,9 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
             assert runtime.calls["PodSandboxStatus"] == statuses + 1
             status, body = http(again.port, f"GET {LISTING}", source=REUSED_IP)
             assert status != 200 or body == b"arriving-role", (status, body)
-            fakes.api.slow_list(0)
+            fakes.api.faults.slow_list(0)
             again.wait_ready()
             assert "start: pods listed" in new_log()
         finally:
-            fakes.api.slow_list(0)
+            fakes.api.faults.slow_list(0)
             again.stop()

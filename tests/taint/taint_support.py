@@ -18,7 +18,7 @@ def api_client(srv, tmp_path, cls=Client) -> Client:
 
 
 def taints(srv, node: str) -> list[dict]:
-    return srv.get_node(node).get("spec", {}).get("taints") or []
+    return srv.nodes.get(node).get("spec", {}).get("taints") or []
 
 
 async def until(condition, timeout: float = 30.0) -> None:

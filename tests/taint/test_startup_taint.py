@@ -68,17 +68,17 @@ def assert_backoff(delays: list[float]) -> None:
 def settled_requests(srv) -> int:
     """The server's request count once the last client's requests have all arrived."""
     import time
-    count = srv.stats()["requests"]
+    count = srv.traffic.stats()["requests"]
     while True:
         time.sleep(0.2)
-        now = srv.stats()["requests"]
+        now = srv.traffic.stats()["requests"]
         if now == count:
             return count
         count = now
 
 
 def test_removes_only_our_taint_with_every_effect(srv, tmp_path):
-    srv.add_node("node-a", taints=[OURS_NOSCHED, OTHER, OURS, UNREACHABLE])
+    srv.nodes.add("node-a", taints=[OURS_NOSCHED, OTHER, OURS, UNREACHABLE])
     taint, sleep = startup_taint("node-a")
     assert taint.state == "pending"
     remove(taint, api_client(srv, tmp_path))
@@ -87,19 +87,19 @@ def test_removes_only_our_taint_with_every_effect(srv, tmp_path):
 
 
 def test_an_absent_taint_is_done_at_once_and_disabled_does_nothing(srv, tmp_path):
-    srv.add_node("node-d", taints=[OTHER])
+    srv.nodes.add("node-d", taints=[OTHER])
     taint, sleep = startup_taint("node-d")
     remove(taint, api_client(srv, tmp_path))
     assert taint.state == "removed" and taint.attempts == 1 and sleep.delays == []
     assert taints(srv, "node-d") == [OTHER]
 
-    srv.add_node("node-e", taints=[OURS])
+    srv.nodes.add("node-e", taints=[OURS])
     requests_before = settled_requests(srv)
     for disabled in (StartupTaint("node-e", ""), StartupTaint("", KEY)):
         assert disabled.state == "disabled"
         asyncio.run(disabled.run(api_client(srv, tmp_path)))   # returns at once
         assert disabled.state == "disabled"
-    assert srv.stats()["requests"] == requests_before
+    assert srv.traffic.stats()["requests"] == requests_before
     assert taints(srv, "node-e") == [OURS]
 
 
@@ -119,13 +119,13 @@ class Racing(Client):
 def test_a_change_between_read_and_patch_is_kept(srv, tmp_path):
     """Another controller adds a taint right after our read: our JSON patch's test fails,
     we read again, and both its taint survives and ours goes."""
-    srv.add_node("node-f", taints=[OURS])
+    srv.nodes.add("node-f", taints=[OURS])
     reads = []
 
     def race(name):
         reads.append(name)
         if len(reads) == 1:   # the node lifecycle controller strikes
-            srv.set_node_taints(name, [UNREACHABLE, OURS])
+            srv.nodes.set_taints(name, [UNREACHABLE, OURS])
 
     client = api_client(srv, tmp_path, Racing)
     client.race = race
@@ -136,19 +136,19 @@ def test_a_change_between_read_and_patch_is_kept(srv, tmp_path):
 
 
 def test_someone_else_removing_it_first_is_not_an_error(srv, tmp_path):
-    srv.add_node("node-g", taints=[OTHER, OURS])
+    srv.nodes.add("node-g", taints=[OTHER, OURS])
     client = api_client(srv, tmp_path, Racing)
-    client.race = lambda name: srv.set_node_taints(name, [OTHER])
+    client.race = lambda name: srv.nodes.set_taints(name, [OTHER])
     taint, sleep = startup_taint("node-g")
     remove(taint, client)
     assert taints(srv, "node-g") == [OTHER] and taint.state == "removed"
 
 
 def test_losing_the_race_every_time_keeps_trying_and_never_takes_another_taint(srv, tmp_path):
-    srv.add_node("node-h", taints=[OURS, OTHER])
+    srv.nodes.add("node-h", taints=[OURS, OTHER])
     client = api_client(srv, tmp_path, Racing)
     # Right after every read, someone reorders the list: our entry moves.
-    client.race = lambda name: srv.set_node_taints(name, list(reversed(taints(srv, name))))
+    client.race = lambda name: srv.nodes.set_taints(name, list(reversed(taints(srv, name))))
     taint, sleep = startup_taint("node-h")
 
     async def scenario():
@@ -164,17 +164,17 @@ def test_losing_the_race_every_time_keeps_trying_and_never_takes_another_taint(s
 
 
 def test_changes_elsewhere_in_the_list_do_not_matter(srv, tmp_path):
-    srv.add_node("node-k", taints=[OTHER, OURS])
+    srv.nodes.add("node-k", taints=[OTHER, OURS])
     client = api_client(srv, tmp_path, Racing)
-    client.race = lambda name: srv.set_node_taints(name, [UNREACHABLE, OURS])  # 1 is ours
+    client.race = lambda name: srv.nodes.set_taints(name, [UNREACHABLE, OURS])  # 1 is ours
     taint, _ = startup_taint("node-k")
     remove(taint, client)
     assert taints(srv, "node-k") == [UNREACHABLE]
 
 
 def test_refusals_are_retried_with_backoff_and_logged_once(srv, tmp_path, caplog):
-    srv.add_node("node-a", taints=[OTHER, OURS])
-    srv.fail_next(10, status=500, path_prefix="/api/v1/nodes/node-a")
+    srv.nodes.add("node-a", taints=[OTHER, OURS])
+    srv.faults.fail_next(10, status=500, path_prefix="/api/v1/nodes/node-a")
     taint, sleep = startup_taint("node-a")
     with caplog.at_level(logging.INFO, logger="kiamfast.taint"):
         remove(taint, api_client(srv, tmp_path))
@@ -189,8 +189,8 @@ def test_refusals_are_retried_with_backoff_and_logged_once(srv, tmp_path, caplog
 
 
 def test_missing_rbac_is_named_and_waited_out_with_a_capped_backoff(srv, tmp_path):
-    srv.add_node("node-b", taints=[OURS])
-    srv.fail_next(12, status=403, path_prefix="/api/v1/nodes/node-b")
+    srv.nodes.add("node-b", taints=[OURS])
+    srv.faults.fail_next(12, status=403, path_prefix="/api/v1/nodes/node-b")
     taint, sleep = startup_taint("node-b")
     remove(taint, api_client(srv, tmp_path))
     assert taints(srv, "node-b") == [] and taint.state == "removed"
@@ -228,7 +228,7 @@ def test_an_api_server_that_is_down_is_waited_for(tmp_path):
         await until(lambda: len(sleep.delays) >= 3)
         srv = apiserver.ApiServer(port=port).start()   # ...and comes back
         back.append(srv)
-        srv.add_node("node-c", taints=[OURS])
+        srv.nodes.add("node-c", taints=[OURS])
         await until(lambda: taint.state == "removed")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -247,13 +247,13 @@ def test_a_taint_put_back_is_removed_again(srv, tmp_path, caplog):
     """karpenter#1772 and the CSI drivers' bugs: another controller re-applies the node's
     registered taints after the agent removed ours.  The agent watches its node and
     removes it again, each time, and says so in its state."""
-    srv.add_node("node-r", taints=[OURS, OTHER])
+    srv.nodes.add("node-r", taints=[OURS, OTHER])
     taint, _ = startup_taint("node-r")
 
     async def put_back_twice():
         for n in (1, 2):
             await asyncio.sleep(0.2)                   # the node watch is running
-            srv.set_node_taints("node-r", [OTHER, OURS])
+            srv.nodes.set_taints("node-r", [OTHER, OURS])
             await until(lambda: taints(srv, "node-r") == [OTHER])
             await until(lambda: taint.state == f"removed (again {n} times)")
 
