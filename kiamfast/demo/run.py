@@ -42,7 +42,9 @@ from typing import Any
 
 from kiamfast.demo import scenario as sc
 from kiamfast.demo.check import Verdict, judge
-from kiamfast.demo.env import DemoEnvironment, DemoError, MissingExtra, check_extra
+from kiamfast.demo.cluster import DemoCluster
+from kiamfast.demo.env import DemoEnvironment, check_extra
+from kiamfast.demo.errors import DemoError, MissingExtra
 from kiamfast.demo.ui import Ui, fmt_ms
 
 __all__ = ["main"]
@@ -119,15 +121,15 @@ def _received_text(check: CheckResult) -> str:
     return text
 
 
-def _populate(env: DemoEnvironment, pods: tuple[sc.DemoPod, ...]) -> None:
+def _populate(cluster: DemoCluster, pods: tuple[sc.DemoPod, ...]) -> None:
     """Namespaces with their allowed roles, and the Running pods."""
     for ns in sc.NAMESPACES:
-        env.api.namespaces.add(ns, annotations=sc.namespace_annotations(ns))
+        cluster.api.namespaces.add(ns, annotations=sc.namespace_annotations(ns))
     for pod in pods:
-        uid = env.api.pods.create(pod.namespace, pod.name, node=sc.NODE,
-                                  annotations=pod.annotations, ips=[pod.ip],
-                                  phase="Running")["metadata"]["uid"]
-        env.run_sandbox(pod, uid)
+        uid = cluster.api.pods.create(pod.namespace, pod.name, node=sc.NODE,
+                                     annotations=pod.annotations, ips=[pod.ip],
+                                     phase="Running")["metadata"]["uid"]
+        cluster.run_sandbox(pod, uid)
 
 
 def _pod_table(ui: Ui, checks: list[CheckResult]) -> None:
@@ -153,10 +155,10 @@ def _race_line(ui: Ui, check: CheckResult, what: str) -> None:
     ui.check_line(check.ok, text, problem=check.problem, indent="    ")
 
 
-def _wait_events_sent(env: DemoEnvironment, before: int, *, timeout: float = 5.0) -> bool:
+def _wait_events_sent(cluster: DemoCluster, before: int, *, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if env.api.traffic.stats()["watch_events_sent"] > before:
+        if cluster.api.traffic.stats()["watch_events_sent"] > before:
             return True
         time.sleep(0.005)
     return False
@@ -168,27 +170,29 @@ def _race_late_ip(env: DemoEnvironment, ui: Ui, pod: sc.DemoPod) -> list[CheckRe
             f"node's container runtime (CNI gave it to the sandbox), not yet to the API "
             f"server. kube2iam serves the default role ({sc.DEFAULT_ROLE}) here; kiam retries "
             f"for 5 s, past the SDK's 1 s timeout.")
-    client = env.spawn_pod(pod.ip)   # the container's process, started and waiting
+    client = env.pods.spawn(pod.ip)   # the container's process, started and waiting
     client.wait_ready()
     # The pod is scheduled (the API server has it, Pending, without an IP) and the agent
     # has seen it, as it would have during the seconds of image pull and sandbox set-up...
-    before = env.api.traffic.stats()["watch_events_sent"]
-    uid = env.api.pods.create(pod.namespace, pod.name, node=sc.NODE, annotations=pod.annotations,
-                              ips=None, phase="Pending")["metadata"]["uid"]
-    _wait_events_sent(env, before)
-    env.wait_pending_pods()
+    cluster = env.cluster
+    before = cluster.api.traffic.stats()["watch_events_sent"]
+    uid = cluster.api.pods.create(pod.namespace, pod.name, node=sc.NODE,
+                                 annotations=pod.annotations, ips=None,
+                                 phase="Pending")["metadata"]["uid"]
+    _wait_events_sent(cluster, before)
+    env.agent.wait_pending_pods()
     # ...then the kubelet creates its sandbox (CNI gives it its IP) and starts the container,
     # which calls at once, before the pod's status update reaches the API server.
-    env.run_sandbox(pod, uid)
-    agent_knew = env.owner_of(pod.ip) is not None
+    cluster.run_sandbox(pod, uid)
+    agent_knew = env.agent.owner_of(pod.ip) is not None
     observed = client.go()
     check = _pod_check("race-late-ip", pod, observed, name="asks before the API knows its IP")
     check.note = ("the agent's table already had the address before the pod asked"
                   if agent_knew else "the agent's table had no entry for the address when "
                                      "the pod asked; it asked the container runtime")
     # The API server catches up; the pod runs on.
-    env.api.pods.set_ips(pod.namespace, pod.name, [pod.ip])
-    env.api.pods.set_phase(pod.namespace, pod.name, "Running")
+    cluster.api.pods.set_ips(pod.namespace, pod.name, [pod.ip])
+    cluster.api.pods.set_phase(pod.namespace, pod.name, "Running")
     _race_line(ui, check, "before the API server had its IP")
     ui.write(f"      ↳ {check.note}", "dim")
     return [check]
@@ -200,33 +204,34 @@ def _race_ip_reuse(env: DemoEnvironment, ui: Ui, old: sc.DemoPod, new: sc.DemoPo
     ui.para(f"{old.ref} dies and its address {old.ip} goes to {new.ref}'s sandbox; the API "
             f"server still lists {old.name} Running with it, and its delete arrives later. "
             f"kube2iam then serves {old.name}'s role, or fails on \"2 pods with the IP\".")
+    cluster = env.cluster
     checks = []
-    c = _pod_check("race-ip-reuse", old, env.run_pod(old.ip), name="old pod, before the reuse")
+    c = _pod_check("race-ip-reuse", old, env.pods.run(old.ip), name="old pod, before the reuse")
     _race_line(ui, c, f"{old.name} alone on {old.ip}")
     checks.append(c)
 
-    env.stop_sandbox(old)                       # the old pod's sandbox is gone...
-    new_uid = env.api.pods.create(new.namespace, new.name, node=sc.NODE,
-                                  annotations=new.annotations, ips=[new.ip],
-                                  phase="Running")["metadata"]["uid"]
-    env.run_sandbox(new, new_uid)               # ...and its address is the new one's
-    if not env.wait_owner(new.ip, new_uid):
+    cluster.stop_sandbox(old)                   # the old pod's sandbox is gone...
+    new_uid = cluster.api.pods.create(new.namespace, new.name, node=sc.NODE,
+                                     annotations=new.annotations, ips=[new.ip],
+                                     phase="Running")["metadata"]["uid"]
+    cluster.run_sandbox(new, new_uid)           # ...and its address is the new one's
+    if not env.agent.wait_owner(new.ip, new_uid):
         checks.append(CheckResult("race-ip-reuse", "agent saw the new pod's add", False,
                                   problem=f"the agent never moved {new.ip} to {new.ref}",
                                   pod=new.ref, ip=new.ip))
         ui.check_line(False, f"the agent moved {new.ip} to {new.ref}",
                       problem=checks[-1].problem, indent="    ")
         return checks
-    c = _pod_check("race-ip-reuse", new, env.run_pod(new.ip),
+    c = _pod_check("race-ip-reuse", new, env.pods.run(new.ip),
                    name="new pod, old pod not deleted yet")
     _race_line(ui, c, f"{old.name} not deleted yet")
     checks.append(c)
 
-    before = env.api.traffic.stats()["watch_events_sent"]
-    env.api.pods.delete(old.namespace, old.name)
-    delivered = _wait_events_sent(env, before)
+    before = cluster.api.traffic.stats()["watch_events_sent"]
+    cluster.api.pods.delete(old.namespace, old.name)
+    delivered = _wait_events_sent(cluster, before)
     time.sleep(0.2)  # let the agent apply it (its effect, by design, is invisible: a no-op)
-    c = _pod_check("race-ip-reuse", new, env.run_pod(new.ip),
+    c = _pod_check("race-ip-reuse", new, env.pods.run(new.ip),
                    name="new pod, after the old pod's late delete")
     if not delivered:
         c.ok, c.problem = False, "the API server never delivered the delete to the agent"
@@ -235,17 +240,17 @@ def _race_ip_reuse(env: DemoEnvironment, ui: Ui, old: sc.DemoPod, new: sc.DemoPo
     return checks
 
 
-def _identity_checks(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]
+def _identity_checks(cluster: DemoCluster, ui: Ui, pods: tuple[sc.DemoPod, ...]
                      ) -> list[CheckResult]:
     ui.title("Never another identity")
     checks = []
-    leaked = env.node_secret_requests()
+    leaked = cluster.node_secret_requests()
     checks.append(CheckResult(
         "identity", "node metadata service never asked for secrets", not leaked,
         problem=f"it received {', '.join(sorted(set(leaked)))}" if leaked else None))
     ui.check_line(not leaked, "the node's metadata service never received a request for "
                               "credentials or user data", problem=checks[-1].problem)
-    calls = env.assume_role_calls()
+    calls = cluster.assume_role_calls()
     refused = sorted({sc.role_arn(p.role) for p in pods if p.expect is None and p.role})
     assumed = sorted({c.role_arn for c in calls} & set(refused))
     if refused:
@@ -258,8 +263,8 @@ def _identity_checks(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]
     return checks
 
 
-def _sts_summary(env: DemoEnvironment) -> dict[str, Any]:
-    calls = env.assume_role_calls()
+def _sts_summary(cluster: DemoCluster) -> dict[str, Any]:
+    calls = cluster.assume_role_calls()
     per_role: dict[str, int] = {}
     for c in calls:
         per_role[c.role_arn] = per_role.get(c.role_arn, 0) + 1
@@ -272,7 +277,7 @@ def _keep_running(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]) ->
     pod = next((p for p in pods if p.expect and p.role), pods[0])
     refused = next((p for p in pods if p.expect is None), None)
     role = pod.expect.rsplit("/", 1)[-1] if pod.expect else ""
-    base = f"http://127.0.0.1:{env.agent_port}/latest/meta-data/iam/security-credentials/"
+    base = f"http://127.0.0.1:{env.agent.port}/latest/meta-data/iam/security-credentials/"
     ui.title("Still running (Ctrl-C to stop). Be a pod by hand:")
     ui.write(f"  # {pod.ref}: its role's name, then its credentials", "dim")
     ui.write(f"  curl -s --interface {pod.ip} {base}; echo")
@@ -281,17 +286,17 @@ def _keep_running(env: DemoEnvironment, ui: Ui, pods: tuple[sc.DemoPod, ...]) ->
         ui.write(f"  # {refused.ref}: refused", "dim")
         ui.write(f"  curl -s -w ' %{{http_code}}\\n' --interface {refused.ip} {base}")
     ui.write(f"  # {pod.ref} as botocore, checked with STS GetCallerIdentity", "dim")
-    ui.write(f"  python -m kiamfast.demo.pod --ip {pod.ip} --imds {env.agent_url} "
-             f"--sts-endpoint {env.sts_url}")
+    ui.write(f"  python -m kiamfast.demo.pod --ip {pod.ip} --imds {env.agent.url} "
+             f"--sts-endpoint {env.cluster.sts_url}")
     ui.write("  # the cluster as kubectl sees it (the API server emulator)", "dim")
-    ui.write(f"  kubectl --kubeconfig {env.kubeconfig} get pods -A -o 'custom-columns="
+    ui.write(f"  kubectl --kubeconfig {env.cluster.kubeconfig} get pods -A -o 'custom-columns="
              "NAMESPACE:.metadata.namespace,POD:.metadata.name,IP:.status.podIP,"
              "ROLE:.metadata.annotations.iam\\.amazonaws\\.com/role'")
     ui.write()
     ui.para("Pods: " + ", ".join(f"{p.ref} {p.ip}" for p in pods))
-    ui.para(f"kubeconfig: {env.kubeconfig}   agent log: {env.agent_log}")
+    ui.para(f"kubeconfig: {env.cluster.kubeconfig}   agent log: {env.agent.log}")
     while True:
-        env.check_agent()
+        env.agent.check()
         time.sleep(0.5)
 
 
@@ -307,30 +312,30 @@ def _run(env: DemoEnvironment, ui: Ui, report: Report, *, overrides: dict[str, s
     ui.write("kiamfast demo — an emulated node on loopback: no cluster, no AWS, no root",
              "bold")
     with ui.step("starting the Kubernetes API server emulator") as s:
-        env.start_apiserver()
-        s.detail = env.api.url
+        env.cluster.start_apiserver()
+        s.detail = env.cluster.api.url
     with ui.step("starting the node's container runtime (a CRI v1 double)") as s:
-        env.start_runtime()
-        s.detail = env.runtime.endpoint
+        env.cluster.start_runtime()
+        s.detail = env.cluster.runtime.endpoint
     with ui.step("starting STS (moto, local)") as s:
-        env.start_sts()
-        s.detail = env.sts_url
+        env.cluster.start_sts()
+        s.detail = env.cluster.sts_url
     with ui.step("starting a fake EC2 metadata service (the node's own)") as s:
-        env.start_imds()
-        s.detail = env.imds.url
+        env.cluster.start_imds()
+        s.detail = env.cluster.imds.url
     with ui.step(f"creating {len(sc.NAMESPACES)} namespaces with allowed roles and "
                  f"{len(table_pods) + 1} pods") as s:
-        _populate(env, table_pods + (old,))
+        _populate(env.cluster, table_pods + (old,))
         s.detail = "; ".join(f"{ns}: {', '.join(r)}" for ns, r in sc.NAMESPACES.items())
     with ui.step("starting the kiamfast agent") as s:
-        env.start_agent()
-        report.agent = {"command": ["python", *env.agent_argv()[1:]], "url": env.agent_url,
-                        "log": str(env.agent_log)}
-        s.detail = f"listening on 127.0.0.1:{env.agent_port}"
+        env.agent.start()
+        report.agent = {"command": ["python", *env.agent.argv()[1:]], "url": env.agent.url,
+                        "log": str(env.agent.log)}
+        s.detail = f"listening on 127.0.0.1:{env.agent.port}"
     with ui.step("waiting for it: synced, credentials prefetched, node taint removed"):
-        env.wait_ready()
+        env.agent.wait_ready()
     with ui.step(f"running a botocore client as each of the {len(table_pods)} pods") as s:
-        observed = env.run_pods([p.ip for p in table_pods])
+        observed = env.pods.run_all([p.ip for p in table_pods])
         s.detail = "each from its own 127.0.10.x address"
     pod_checks = [_pod_check("pods", p, o) for p, o in zip(table_pods, observed)]
     report.checks.extend(pod_checks)
@@ -340,12 +345,12 @@ def _run(env: DemoEnvironment, ui: Ui, report: Report, *, overrides: dict[str, s
 
     report.checks.extend(_race_late_ip(env, ui, late))
     report.checks.extend(_race_ip_reuse(env, ui, old, new))
-    report.checks.extend(_identity_checks(env, ui, table_pods + (late, old, new)))
-    report.sts = _sts_summary(env)
+    report.checks.extend(_identity_checks(env.cluster, ui, table_pods + (late, old, new)))
+    report.sts = _sts_summary(env.cluster)
     ui.write(f"  (STS saw {report.sts['assume_role_calls']} AssumeRole calls for "
              f"{report.sts['roles']} roles: at most {report.sts['max_calls_per_role']} per role)",
              "dim")
-    env.check_agent()
+    env.agent.check()
     failed = report.failed()
     report.ok = not failed
     report.exit_code = EXIT_OK if report.ok else EXIT_WRONG
@@ -427,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, DemoError):
             for line in traceback.format_exc().rstrip().splitlines():
                 ui.write("  " + line, "dim")
-        tail = env.agent_log_tail()
+        tail = env.agent.log_tail()
         if tail:
-            ui.write(f"last lines of the agent's log ({env.agent_log}):", "dim")
+            ui.write(f"last lines of the agent's log ({env.agent.log}):", "dim")
             for line in tail:
                 ui.write("  " + line, "dim")
     finally:
