@@ -240,8 +240,11 @@ class Asking:
 
 
 class PodWatch(threading.Thread):
-    """The release's pods as the API shows them every 0.2 s while a rollout runs: whether
-    one was ever unschedulable, the most that ran at once, how long new ones were Pending."""
+    """The release's pods, followed by a watch while a rollout runs: whether one was ever
+    unschedulable, the most that ran at once, how long new ones were Pending.  A watch, not
+    a poll: its events come in the API server's order, so a new pod that is Running before
+    the old one is marked for deletion is seen so however short the overlap (a surge hands
+    the node over within a fraction of a second)."""
 
     def __init__(self, node: ChartNode, release: str) -> None:
         super().__init__(daemon=True)
@@ -252,27 +255,56 @@ class PodWatch(threading.Thread):
         self.pending_for: dict[str, float] = {}
         self._done = threading.Event()
 
-    def pods(self) -> list[dict[str, Any]]:
-        return self.node.admin.call(
-            "GET", f"/api/v1/namespaces/{NAMESPACE}/pods"
-                   f"?labelSelector=app.kubernetes.io/instance={self.release}")["items"]
-
     def run(self) -> None:
-        while not self._done.wait(0.2):
-            now = time.monotonic()
-            running = 0
-            for pod in self.pods():
-                name, phase = pod["metadata"]["name"], pod["status"].get("phase")
-                if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
-                       for c in pod["status"].get("conditions", [])):
-                    self.unschedulable.add(name)
-                if phase == "Pending":
-                    self.pending_since.setdefault(name, now)
-                elif name in self.pending_since and name not in self.pending_for:
-                    self.pending_for[name] = now - self.pending_since[name]
-                if phase == "Running" and "deletionTimestamp" not in pod["metadata"]:
-                    running += 1
-            self.most_running = max(self.most_running, running)
+        path = (f"/api/v1/namespaces/{NAMESPACE}/pods"
+                f"?labelSelector=app.kubernetes.io/instance={self.release}")
+        pods: dict[str, dict[str, Any]] = {}
+        version = ""
+        while not self._done.is_set():
+            if not version:                       # the start, or a watch the server ended
+                listed = self.node.admin.call("GET", path)
+                pods = {p["metadata"]["name"]: p for p in listed["items"]}
+                version = listed["metadata"]["resourceVersion"]
+                self._saw(pods)
+            for kind, pod in self._events(f"{path}&watch=1&timeoutSeconds=1"
+                                          f"&resourceVersion={version}"):
+                if kind == "ERROR":               # e.g. 410 Gone: list again
+                    version = ""
+                    break
+                version = pod["metadata"]["resourceVersion"]
+                if kind == "DELETED":
+                    pods.pop(pod["metadata"]["name"], None)
+                else:
+                    pods[pod["metadata"]["name"]] = pod
+                self._saw(pods)
+
+    def _events(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        admin = self.node.admin
+        r = admin.http.request("GET", admin.url + path, preload_content=False, retries=False,
+                               headers={"Authorization": f"Bearer {admin.token}"}, timeout=10.0)
+        try:
+            for line in r:
+                if line.strip():
+                    event = json.loads(line)
+                    yield event["type"], event["object"]
+        finally:
+            r.release_conn()
+
+    def _saw(self, pods: dict[str, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        running = 0
+        for name, pod in pods.items():
+            phase = pod["status"].get("phase")
+            if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+                   for c in pod["status"].get("conditions", [])):
+                self.unschedulable.add(name)
+            if phase == "Pending":
+                self.pending_since.setdefault(name, now)
+            elif name in self.pending_since and name not in self.pending_for:
+                self.pending_for[name] = now - self.pending_since[name]
+            if phase == "Running" and "deletionTimestamp" not in pod["metadata"]:
+                running += 1
+        self.most_running = max(self.most_running, running)
 
     def __enter__(self) -> "PodWatch":
         self.start()
