@@ -5,15 +5,9 @@ cannot work.
 The order is the start path's (docs/architecture.md, "Node start and stop"): the arguments
 the supervisor handed down, the API server's configuration (an unusable one is one line
 naming the flag and exit 78, before the lock: a process taking the node over finds out in
-standby, while the other agent still serves), the STS client, the lock, the table, then
+standby, while the other agent still serves), the STS client (built on its own thread: in
+standby at once, otherwise when ``ControlProcess.run`` says), the lock, the table, then
 ``ControlProcess.run``.
-
-The STS client builds on its own thread, and on a fresh node that begins first of all,
-before the rest of the control process is even imported: botocore's imports are the longest
-step before a fresh node's first credentials, and on a busy node every step here competes
-for one interpreter.  A restart (the table holds owners a runtime decided) builds it after
-the runtime's first poll instead, which is what those owners wait for; a process in
-standby builds it while the other agent still serves.
 """
 from __future__ import annotations
 
@@ -28,6 +22,7 @@ from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
 from kiamfast.control import imds_client, iptables, writer_lock
 from kiamfast.control.iam.sts import StsClient
+from kiamfast.control.process import ControlProcess, ControlTaskFailed
 from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.control")
@@ -43,24 +38,11 @@ class Prepared:
         self.sts = sts
 
     @classmethod
-    def load(cls, config: Config, sts: StsClient) -> "Prepared":
+    def load(cls, config: Config) -> "Prepared":
         from kiamfast.kube.config import load_config   # ConfigError: exit 78 (main)
         api_config = load_config(kubeconfig=config.kubeconfig, api_server=config.api_server,
                                  api_token=config.api_token, insecure=config.insecure)
-        return cls(api_config=api_config, sts=sts)
-
-
-def owners_to_confirm(table_path: str) -> bool:
-    """Whether the table holds addresses a runtime decided (a restart of the agent or of this
-    process), read without writing: their first poll comes before the STS client."""
-    try:
-        table = tbl.Table.attach(table_path)
-    except (OSError, tbl.TableError):
-        return False
-    try:
-        return table.runtime_mode and bool(table.snapshot())
-    finally:
-        table.close()
+        return cls(api_config=api_config, sts=StsClient.from_config(config, start=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,16 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(log_format=config.log_format, level=config.effective_log_level,
                process="control")
     raise_fd_limit()
-    standby = args.table_lock_fd >= 0 and args.ready_fd >= 0
-    sts = StsClient.from_config(config, start=standby or not owners_to_confirm(args.table))
     from kiamfast.kube.errors import ConfigError
     try:
-        prepared = Prepared.load(config, sts)   # before the lock: standby does this meanwhile
+        prepared = Prepared.load(config)      # before the lock: standby does this meanwhile
     except ConfigError as e:
         log.error("cannot start: %s", e)
-        sts.close()
         return EXIT_CONFIG
     if args.table_lock_fd >= 0:
+        if args.ready_fd >= 0:
+            prepared.sts.prepare()            # standby: the other agent serves meanwhile
         writer_lock.hold(args.table_lock_fd, ready_fd=args.ready_fd)
     try:
         return _serve(config, args, prepared)
@@ -98,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
-    # imported here: the STS client's thread builds meanwhile (the module docstring)
-    from kiamfast.control.process import ControlProcess, ControlTaskFailed
     table = tbl.Table.attach(args.table, writer=True)
     if table.repaired:
         log.warning("repaired %d slots a previous control process left half-written or "
