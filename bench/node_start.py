@@ -638,9 +638,11 @@ IMPORTS = {
     "bare interpreter": "",
     "supervisor (kiamfast.cli, kiamfast.supervisor)": "import kiamfast.cli, kiamfast.supervisor",
     "worker (kiamfast.server.worker, _server)": "import kiamfast.server.worker, kiamfast._server",
-    "control (kiamfast.control.start)": "import kiamfast.control.start",
+    "control (kiamfast.control.start, .process)": "import kiamfast.control.start, "
+                                                   "kiamfast.control.process",
     "control + a botocore STS client": (
-        "import kiamfast.control.start\nfrom kiamfast.control.iam.sts import StsClient\n"
+        "import kiamfast.control.start, kiamfast.control.process\n"
+        "from kiamfast.control.iam.sts import StsClient\n"
         "StsClient(endpoint_url='http://127.0.0.1:9', region='us-east-1').close()"),
 }
 
