@@ -134,7 +134,7 @@ class ControlProcess:
             self.model.merge.evidence.routes = self.runtime.routes
             tasks.append(asyncio.create_task(self.runtime.poller.run(), name="runtime"))
             if restarted:
-                await self._first_poll_alone(tasks)
+                await self._first_poll_alone()
         self.sts.prepare()
         self._connect_api()                                     # 3.
         tasks.append(asyncio.create_task(self.source.run(), name="api-watch"))
@@ -197,7 +197,7 @@ class ControlProcess:
         milestones.mark("credentials adopted")
         return self.runtime.expected and bool(adopted)
 
-    async def _first_poll_alone(self, tasks: list[asyncio.Task]) -> None:
+    async def _first_poll_alone(self) -> None:
         """Step 2 of a restart: the runtime's first answer before anything else imports or
         runs (bounded: an outage is the fallback's to answer, and the API's list may help)."""
         try:

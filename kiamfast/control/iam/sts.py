@@ -68,12 +68,13 @@ log = logging.getLogger("kiamfast.sts")
 
 DEFAULT_REGION = "us-east-1"
 MIN_DURATION = 900
-# AssumeRole calls at once (threads, connections; the manager schedules no more): a node
-# starting with 100 roles on a regional STS (~30 ms a call) has them all in ~0.15 s rather
-# than ~0.5 s with 8, for ~1 MiB more (bench/node_start.py --sts-latency 0.03).  The threads
-# are made as calls need them; the node's budget (--sts-qps/--sts-burst) still sets the rate.
-CALLS_IN_FLIGHT = 32
 MAX_DURATION = 43200
+# AssumeRole calls at once (threads, connections; the manager schedules no more): a node
+# starting with 100 roles on an STS answering in 30 ms had them all ~0.4 s after the first
+# answer, against ~1 s with 8, for ~1 MiB more (bench/node_start.py --sts-latency 0.03).  The
+# threads are made as calls need them; the node's budget (--sts-qps/--sts-burst) still sets
+# the rate.
+CALLS_IN_FLIGHT = 32
 
 _SESSION_NAME_BAD = re.compile(r"[^\w+=,.@-]", re.ASCII)
 # botocore's own check of a region name (utils.validate_region_name): a DNS label.
