@@ -10,6 +10,7 @@ the AWS VPC CNI do), a route moved, policy rules, lost notifications.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import subprocess
@@ -294,3 +295,24 @@ def test_a_host_with_many_pods(host, namespaces):
     since = view_now(w)
     kept = [w.path_kept(f"10.9.{n // 200}.{n % 200 + 1}", since) for n in range(250)]
     assert kept == [True] * 250
+
+
+def test_a_watch_that_cannot_open_its_dump_socket_closes_its_subscription(host, monkeypatch):
+    """No descriptor left behind when the second socket fails (EMFILE, a seccomp filter):
+    open() says False and the control process goes on without the watch."""
+    from kiamfast.control.cri import routes
+    real_subscribe, opened = routes.subscribe, []
+
+    def subscribe(rcvbuf: int):
+        opened.append(real_subscribe(rcvbuf))
+        return opened[-1]
+
+    def no_dumps(**kw):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(routes, "subscribe", subscribe)
+    monkeypatch.setattr(routes, "Dumps", no_dumps)
+    w = RouteWatch()
+    assert host.call(w.open) is False
+    assert not w.watching
+    assert [s.fileno() for s in opened] == [-1]     # closed

@@ -38,9 +38,8 @@ link), and again after an overrun.
 * None: no evidence either way (no host route: bridge CNIs; policy rules that may send
   replies elsewhere; a VRF; the watch could not run or lost notifications).
 
-It never changes the kernel's state, and it reads only the agent's own network namespace.
-The wire (framing, the notification socket, dumps) is `netlink.py`; which policy rules
-cannot divert a reply, `policy_rules.py`; this module judges what they witness.
+It never changes the kernel's state and reads only the agent's network namespace.  The wire
+is `netlink.py`; which policy rules cannot divert a reply, `policy_rules.py`.
 """
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ class RouteWatch:
 
     def __init__(self, *, clock_ns: Callable[[], int] = time.monotonic_ns,
                  rcvbuf: int = RCVBUF) -> None:
-        self._clock_ns = clock_ns
-        self._rcvbuf = rcvbuf
+        self._clock_ns, self._rcvbuf = clock_ns, rcvbuf
         self._events: socket.socket | None = None
         self._dumps: Dumps | None = None
         self._fam = {4: _Family(), 6: _Family()}
@@ -109,11 +107,14 @@ class RouteWatch:
     def open(self) -> bool:
         """Subscribe, then read everything; False (logged) where rtnetlink cannot be used:
         then every answer is None and the fallback keeps its strict rule."""
+        events = None
         try:
             events = subscribe(self._rcvbuf)
             start = self._clock_ns()   # every change from here on is in the socket
             dumps = Dumps(clock_ns=self._clock_ns)
         except OSError as e:
+            if events is not None:     # the dump socket failed: leave no descriptor behind
+                events.close()
             log.warning("cannot watch the host's routes (rtnetlink: %s): while the container "
                         "runtime cannot be asked, an unplaced new pod makes every address "
                         "wait", e)
