@@ -900,8 +900,7 @@ cdef class Core:
             if table.ready:
                 self.last_status = 200
                 return R.READY
-            self.last_status = 503
-            return R.NOT_READY
+            return self.ops_answer(kind, self.aux(_table.AUX_HEALTH))
         if kind == K_HEALTHZ:
             return self.ops_answer(kind, self.aux(_table.AUX_HEALTH)
                                    or self.aux(_table.AUX_HEALTH_ERROR))
@@ -921,11 +920,14 @@ cdef class Core:
         return R.NOT_FOUND
 
     cdef bytes ops_answer(self, int kind, bytes blob):
-        """/healthz or /debug/store from the control process's `blob`, rendered once."""
+        """/healthz, /readyz's 503 or /debug/store from the control process's `blob`,
+        rendered once."""
         cached = self.ops_cache.get(kind)
         if cached is None or cached[0] is not blob:
             if kind == K_HEALTHZ:
                 cached = (blob, R.health(blob), 200 if blob.startswith(b"{") else 500)
+            elif kind == K_READYZ:
+                cached = (blob, R.not_ready(blob), 503)
             else:
                 cached = (blob, R.render(200, blob, content_type=b"application/json"), 200)
             self.ops_cache[kind] = cached

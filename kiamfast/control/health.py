@@ -2,16 +2,21 @@
 (every 30 s), plus where addresses come from (the runtime's state), the API server's state
 and the startup taint's.  Unhealthy — no instance ID, or the agent's own runtime link dead
 (`cri/link.py`) — /healthz answers 500 with the reason (the liveness probe restarts the
-container)."""
+container).  ``readiness`` says what a 503 from /readyz waits for (the workers' body)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 from kiamfast.control import imds_client
 
 HEALTH_INTERVAL = 30.0
+
+# What the start sequence (process.py) waits for, in order; the runtime's answer again
+# while a lasting outage keeps /readyz at 503 (cri/source.py watch_link).
+WAITING_PODS = "the pods' list from the API server"
+WAITING_RUNTIME = "the container runtime's answer"
+WAITING_CREDENTIALS = "the pods' credentials from STS"
 
 
 class Health:
@@ -20,15 +25,30 @@ class Health:
         self.host_ip = host_ip
         self.aux = aux                     # publish.aux.AuxPublisher
         self.runtime: Any = None           # cri.source.RuntimeSource
+        self.taint: Any = None             # k8s.node.StartupTaint, once the API client is
+        self.container: Any = None         # container_credentials server, if enabled
         self.kubernetes = "connecting"     # | ok | unreachable: <error>
         self.instance_id = ""
         self.error = "no health check yet"
+        self.waiting = WAITING_PODS        # "" once ready
+
+    def readiness(self) -> str:
+        """"ready", or "waiting for <what>[: <the outage that holds it>]"."""
+        if not self.waiting:
+            return "ready"
+        holding = ""
+        if self.waiting == WAITING_PODS and self.kubernetes.startswith("unreachable"):
+            holding = f"the API server is {self.kubernetes}"
+        elif (self.waiting == WAITING_RUNTIME and self.runtime is not None
+              and self.runtime.state != "ok"):
+            holding = self.runtime.state
+        return f"waiting for {self.waiting}" + (f": {holding}" if holding else "")
 
     @property
     def healthy(self) -> bool:
         return bool(self.instance_id) and not self.runtime.link.broken
 
-    async def run(self, publish: Callable[[], None]) -> None:
+    async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -37,16 +57,22 @@ class Health:
                 self.error = ""
             except imds_client.ImdsError as e:
                 self.instance_id, self.error = "", str(e)
-            publish()
+            self.publish()
             await asyncio.sleep(HEALTH_INTERVAL)
 
-    def publish(self, *, container: Any, taint: Any) -> None:
+    def wait_for(self, what: str) -> None:
+        """The start sequence's next step (one of the WAITING_ texts), or "" once ready."""
+        self.waiting = what
+        self.publish()
+
+    def publish(self) -> None:
         if not self.healthy:
             self.aux.health(None, self.runtime.link.broken or self.error)
             return
         body = {"hostIP": self.host_ip, "instanceId": self.instance_id,
                 "runtime": self.runtime.state, "kubernetes": self.kubernetes,
-                "taint": taint.state if taint is not None else "pending"}
-        if container is not None:
-            body["containerCredentials"] = container.health()
+                "taint": self.taint.state if self.taint is not None else "pending",
+                "readiness": self.readiness()}
+        if self.container is not None:
+            body["containerCredentials"] = self.container.health()
         self.aux.health(body, "")

@@ -23,9 +23,10 @@ this module wires them, in one start sequence written as the list it is, each st
    is removed, and removed again if it comes back.
 
 An outage (the API server, the runtime, STS, the metadata service) is never fatal: every task
-logs once per episode and retries, and the reason shows in ``/healthz``.  On SIGTERM the DNAT
-rule stays unless ``--iptables-remove-on-exit``: a pod without its agent gets a refused
-connection, never the node's role.
+logs once per episode and retries, and the reason shows in ``/healthz`` (and in ``/readyz``'s
+503 while it holds the start: ``health.readiness``).  On SIGTERM the DNAT rule stays unless
+``--iptables-remove-on-exit``: a pod without its agent gets a refused connection, never the
+node's role.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from kiamfast import table as tbl
 from kiamfast.config import Config
 from kiamfast.control import imds_client, iptables, writer_lock
 from kiamfast.control.rule_keeper import RuleKeeper
-from kiamfast.control.health import Health
+from kiamfast.control.health import WAITING_CREDENTIALS, WAITING_RUNTIME, Health
 from kiamfast.control.cri import known as known_sandboxes
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
@@ -140,7 +141,7 @@ class ControlProcess:
         tasks.append(asyncio.create_task(self.source.run(), name="api-watch"))
         tasks += [asyncio.create_task(self._expire(), name="expire"),
                   asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                  asyncio.create_task(self.health.run(self._publish_health), name="health"),
+                  asyncio.create_task(self.health.run(), name="health"),
                   asyncio.create_task(self._publish(), name="publish")]
         if self.config.iptables:                                # 4.
             rules = RuleKeeper(self.config)
@@ -175,7 +176,7 @@ class ControlProcess:
             log.warning("--kubelet-url and --kubelet-insecure have no effect any more: the "
                         "container runtime (--cri-endpoint) knows a pod's address first")
         self.runtime = RuntimeSource(endpoint=self.config.cri_endpoint, model=None,
-                                     commit=self._commit, on_change=self._publish_health,
+                                     commit=self._commit, on_change=self.health.publish,
                                      table_runtime_mode=self.table.runtime_mode,
                                      known_file=known_sandboxes.path_for(self.table.path))
         self.health.runtime = self.runtime
@@ -217,8 +218,8 @@ class ControlProcess:
                                 watch_namespaces=self.model.policy.uses_namespaces)
         self.source.timings.resync = cfg.cache_resync_period
         self.source.on_error = self._api_failing
-        self.taint = StartupTaint(cfg.node, cfg.node_startup_taint)
-        self.taint.on_change = self._publish_health
+        self.taint = self.health.taint = StartupTaint(cfg.node, cfg.node_startup_taint)
+        self.taint.on_change = self.health.publish
         if self.container_socks:
             self.uninjected = self._uninjected_pods()
 
@@ -226,7 +227,7 @@ class ControlProcess:
         tasks = []
         if self.container_socks:
             from kiamfast.container_credentials import server as container
-            self.container = container.from_config(
+            self.container = self.health.container = container.from_config(
                 self.config, self.container_socks, model=self.model, manager=self.manager,
                 table=self.table, client=self.api)
             tasks.append(asyncio.create_task(self.container.run(),
@@ -237,8 +238,8 @@ class ControlProcess:
                 self.api, self.manager, interval=NODE_COUNT_INTERVAL), name="node-count"))
         if self.runtime.poller is not None:
             tasks.append(asyncio.create_task(self.runtime.watch_link(
-                ready=lambda: self.ready, set_ready=lambda ok: self.table.set_status(ready=ok),
-                read_node=self._read_node), name="runtime-link"))
+                ready=lambda: self.ready, read_node=self._read_node,
+                set_ready=lambda ok: self._set_ready(ok, WAITING_RUNTIME)), name="runtime-link"))
         return tasks
 
     async def _become_ready(self) -> None:
@@ -246,7 +247,8 @@ class ControlProcess:
         milestones.mark("pods listed")
         if self.health.kubernetes == "connecting":
             self.health.kubernetes = "ok"
-            self._publish_health()
+        self.health.wait_for(WAITING_RUNTIME if self.runtime.poller is not None
+                             else WAITING_CREDENTIALS)
         if self.runtime.poller is not None:
             try:
                 await asyncio.wait_for(self.runtime.settled.wait(),
@@ -254,6 +256,7 @@ class ControlProcess:
             except asyncio.TimeoutError:
                 log.warning("the container runtime has not answered yet; ready anyway "
                             "(requests wait for its first answer)")
+        self.health.wait_for(WAITING_CREDENTIALS)
         self.manager.reclaim()
         deadline = time.monotonic() + self.config.ready_prefetch_timeout
         while time.monotonic() < deadline and self.manager.stats().get("keys_pending", 0):
@@ -261,7 +264,7 @@ class ControlProcess:
         milestones.mark("all roles fetched" if not self.manager.stats().get("keys_pending", 0)
                         else "prefetch timed out")
         self.ready = True
-        self.table.set_status(ready=True)
+        self._set_ready(True)
         self.notify()
         milestones.mark("ready")
         log.info("ready", extra={"credential_keys": self.manager.stats().get("keys_ready")})
@@ -270,7 +273,7 @@ class ControlProcess:
 
     def _taint_changed(self) -> None:
         milestones.mark(f"taint {self.taint.state}")
-        self._publish_health()
+        self.health.publish()
 
     @staticmethod
     def _log_failure(task: asyncio.Task) -> None:
@@ -332,10 +335,15 @@ class ControlProcess:
     def _api_failing(self, error: str) -> None:
         """The API source's state changed (its error, or "" once it answers again)."""
         self.health.kubernetes = f"unreachable: {error}" if error else "ok"
-        self._publish_health()
+        self.health.publish()
 
-    def _publish_health(self) -> None:
-        self.health.publish(container=self.container, taint=self.taint)
+    def _set_ready(self, ok: bool, waiting: str = "") -> None:
+        """/readyz's word and what /healthz says it waits for: never 200 beside "waiting"."""
+        if ok:
+            self.health.wait_for("")
+        self.table.set_status(ready=ok)
+        if not ok:
+            self.health.wait_for(waiting)
 
     async def _publish(self) -> None:
         """Metrics text, denials and /debug/store for the workers to serve."""

@@ -13,6 +13,7 @@ pre-built once at import.
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 
 SERVER = b"EC2ws"
@@ -77,6 +78,18 @@ PASSTHROUGH_LIMITED = error(429, "too many metadata requests from this address, 
                             headers=((b"Retry-After", b"1"),))
 NOT_READY = error(503, "not ready")
 READY = render(200, b"ok\n")
+
+
+def not_ready(health_blob: bytes) -> bytes:
+    """``/readyz``'s 503 with what the agent waits for (the health blob's ``readiness``, put
+    there by the control process; plain "not ready" while it says nothing)."""
+    try:
+        why = json.loads(health_blob).get("readiness") if health_blob.startswith(b"{") else None
+    except ValueError:
+        why = None
+    if not isinstance(why, str) or not why.startswith("waiting"):
+        return NOT_READY
+    return error(503, f"not ready: {why}"[:1024])
 
 
 def not_found_pod(ip: str) -> bytes:

@@ -50,10 +50,11 @@ def test_healthz_has_kube2iams_shape(agent):
     doc = orjson.loads(body)
     assert status == 200
     # kube2iam's two fields, plus where addresses come from (no runtime socket here), the
-    # API server's state and the startup taint's
-    assert set(doc) == {"hostIP", "instanceId", "runtime", "kubernetes", "taint"}
+    # API server's state, the startup taint's and the start's (the agent is ready)
+    assert set(doc) == {"hostIP", "instanceId", "runtime", "kubernetes", "taint", "readiness"}
     assert doc["hostIP"] == "127.0.0.1" and doc["instanceId"].startswith("i-")
     assert doc["runtime"] == "disabled" and doc["kubernetes"] == "ok"
+    assert doc["readiness"] == "ready"
     assert doc["taint"] in ("pending", "removed")   # removed once the health check runs again
 
 

@@ -88,7 +88,10 @@ def test_runtime_down_for_the_whole_node_never_fails_the_liveness_probe(runtime_
                what="/healthz runtime unreachable")
     time.sleep(max(0.0, down_at + 35 - time.monotonic()))   # the kubelet's 30 s + a status sync
     node.api.nodes.set_ready(node.name, "False", message="container runtime is down")
-    wait_until(lambda: node.http("GET", "/readyz")[0] == 503, timeout=30, what="/readyz 503")
+    status, body = wait_until(lambda: (r := node.http("GET", "/readyz"))[0] == 503 and r,
+                              timeout=30, what="/readyz 503")
+    assert body.startswith(b"not ready: waiting for the container runtime's answer: "
+                           b"unreachable"), body
     statuses = []
     while time.monotonic() < down_at + 80:                  # past the agent's 60 s grace
         statuses.append(node.http("GET", "/healthz")[0])

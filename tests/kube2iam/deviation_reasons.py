@@ -64,8 +64,8 @@ REASONS: dict[str, str] = {
     "base: token PUT without TTL": ("kiamfast answers token requests itself (tokens bound "
                                     "to the pod's address); its 400 says what is missing"),
     "base: healthz": ("kube2iam's two fields, plus where addresses come from (`runtime`), "
-                      "the API server's state (`kubernetes`) and the startup taint's "
-                      "removal (`taint`)"),
+                      "the API server's state (`kubernetes`), the startup taint's "
+                      "removal (`taint`) and what the start waits for (`readiness`)"),
 }
 
 NOT_DELIBERATE: dict[str, str] = {}

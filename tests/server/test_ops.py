@@ -44,6 +44,22 @@ def test_readyz_follows_the_table(server, pods):
     assert server.get("/readyz").status == 200
 
 
+def test_readyz_says_what_the_start_waits_for(server, pods, writer):
+    pods.ready(ready=False)
+    assert server.get("/readyz").text == "not ready\n"        # nothing published yet
+    writer.write_aux(table.AUX_HEALTH, b'{"hostIP":"","instanceId":"i-1","readiness":'
+                     b'"waiting for the pods\' list from the API server"}')
+    pods.ready(ready=False)                                    # a new generation
+    r = server.get("/readyz")
+    assert (r.status, r.text) == (503, "not ready: waiting for the pods' list from the API "
+                                       "server\n")
+    writer.write_aux(table.AUX_HEALTH, b'{"readiness": ["not", "a", "text"]}')
+    pods.ready(ready=False)
+    assert server.get("/readyz").text == "not ready\n"        # anything else: the plain 503
+    pods.ready(ready=True)
+    assert (server.get("/readyz").status, server.get("/readyz").text) == (200, "ok\n")
+
+
 def test_debug_store_only_with_debug(make_server, pods, writer):
     writer.write_aux(table.AUX_DEBUG_STORE, b'{"rolesByIP":{}}')
     assert make_server().get("/debug/store").status == 404

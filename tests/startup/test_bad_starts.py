@@ -274,7 +274,7 @@ def test_a_state_file_it_cannot_write_is_one_line_naming_the_flag(tmp_path, fake
         assert "--token-key-file= for a key in memory only" in line
 
 
-# ---- outages: keep running, one line, /healthz says why ------------------------------------------
+# ---- outages: keep running, one line, /healthz (and /readyz while it holds the start) say why ----
 
 def test_the_api_server_unreachable_keeps_the_agent_up_and_healthz_says_so(tmp_path, fakes):
     with socket.socket() as closed:
@@ -291,6 +291,12 @@ def test_the_api_server_unreachable_keeps_the_agent_up_and_healthz_says_so(tmp_p
         health = agent.wait(lambda: (h := agent.health())["kubernetes"].startswith(
             "unreachable:") and h)
         assert f"127.0.0.1:{dead}" in health["kubernetes"], health
+        # /readyz's 503 says what the start waits for, and why.
+        status, body = http(agent.port, "GET /readyz")
+        assert status == 503, body
+        assert body.startswith(b"not ready: waiting for the pods' list from the API server: "
+                               b"the API server is unreachable: "), body
+        assert f"127.0.0.1:{dead}".encode() in body, body
         time.sleep(8)              # many retries meanwhile (backoff from 50 ms)
         assert agent.proc.poll() is None, agent.log()
         lines = loud(agent.log())
