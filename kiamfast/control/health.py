@@ -25,7 +25,7 @@ class Health:
         self.host_ip = host_ip
         self.aux = aux                     # publish.aux.AuxPublisher
         self.runtime: Any = None           # cri.source.RuntimeSource
-        self.taint: Any = None             # k8s.node.StartupTaint, once the API client is
+        self.taint: Any = None             # k8s.node.StartupTaint, once the API client is made
         self.container: Any = None         # container_credentials server, if enabled
         self.kubernetes = "connecting"     # | ok | unreachable: <error>
         self.instance_id = ""
