@@ -408,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             sys.stdout.write(report.to_json() + "\n")
         return EXIT_BROKEN
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too, as the agent does: Python leaves it ignored when the demo inherits it so
+    # (a background job of a script), and "Ctrl-C to stop" would then never stop it.
+    previous = {s: signal.signal(s, _raise_interrupted)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     env = DemoEnvironment(workers=args.workers)
     try:
         _run(env, ui, report, overrides=overrides, keep_running=args.keep_running,

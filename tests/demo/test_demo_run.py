@@ -131,10 +131,13 @@ def test_demo_refuses_an_unknown_pod_in_expect():
 
 
 def test_keep_running_serves_the_printed_curl_line_until_interrupted():
+    # Started with SIGINT ignored, as a script's background job inherits it (and as this
+    # test runs under a runner started so): Ctrl-C's signal must stop it all the same.
     proc = subprocess.Popen([sys.executable, "-m", "kiamfast", "demo", "--keep-running"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=demo_env(), cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
