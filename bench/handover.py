@@ -66,6 +66,7 @@ class Scenario:
     unanswered: int = 0
     wrong: int = 0
     node_role: int = 0
+    wrong_calls: list[str] = field(default_factory=list)   # the first few, for the report
     outcomes: dict[str, int] = field(default_factory=dict)
     longest_gap: float = 0.0        # seconds a pod went without an answer, worst pod
     event: float = 0.0              # seconds the event itself took (start to its end)
@@ -102,10 +103,11 @@ def ask(pods, opts: Options):
 def judge(node, scenario: Scenario, callers) -> Scenario:
     from steady_calls import summary
     per_pod: dict[str, list] = defaultdict(list)
-    issued = node.sts.issued()
     for caller in callers:
         for call in caller.stop():
             per_pod[caller.pod.name].append((caller.pod, call))
+    # read once every caller has stopped: a key issued while they still asked is in it
+    issued = node.sts.issued()
     scenario.calls = sum(len(v) for v in per_pod.values())
     every = [c for v in per_pod.values() for _, c in v]
     scenario.outcomes = summary(every)
@@ -116,6 +118,10 @@ def judge(node, scenario: Scenario, callers) -> Scenario:
                 scenario.node_role += 1
             elif call.ok and (issued.get(call.access_key) or "").rsplit("/", 1)[-1] != pod.role:
                 scenario.wrong += 1
+                if len(scenario.wrong_calls) < 5:
+                    scenario.wrong_calls.append(
+                        f"{pod.name} ({pod.role}) got {call.access_key}, issued for "
+                        f"{issued.get(call.access_key) or 'nothing STS answered'}")
         ends = sorted(c.at + c.took for _, c in pod_calls if c.ok)
         starts = sorted(c.at for _, c in pod_calls)
         if starts:

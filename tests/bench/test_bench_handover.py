@@ -25,7 +25,7 @@ class FakeCaller:
 
 def fake_node(issued: dict[str, str], imds_requests: int = 0):
     return SimpleNamespace(
-        sts=SimpleNamespace(issued=lambda: issued),
+        sts=SimpleNamespace(issued=lambda: dict(issued)),   # a new dict, as the proxy gives
         imds_credential_requests=lambda: ["/latest/meta-data/iam/security-credentials/x"]
         * imds_requests)
 
@@ -47,6 +47,23 @@ def test_the_judge_counts_wrong_roles_the_nodes_role_and_gaps():
     # pod b: one answer on the wire at 0.01 (the node's, counted as such), then none until
     # its last call began at 3.0
     assert s.longest_gap == pytest.approx(2.99)
+    assert s.wrong_calls == ["pod-a (role-a) got KB, issued for arn:aws:iam::1:role/role-b"]
+
+
+def test_a_key_issued_while_the_callers_still_asked_is_not_taken_for_a_wrong_one():
+    # the agent's STS call ends after the last settle, and a caller gets its key before it
+    # stops: the judge must read what STS issued once every caller has stopped
+    a = SimpleNamespace(name="pod-a", role="role-a")
+    issued: dict[str, str] = {}
+
+    class LateCaller(FakeCaller):
+        def stop(self):
+            issued["KLATE"] = "arn:aws:iam::1:role/role-a"
+            return self.calls
+
+    s = ho.judge(fake_node(issued), ho.Scenario("x", "y"),
+                 [LateCaller(a, [Call(0.0, 0.01, "ok", True, "KLATE")])])
+    assert (s.wrong, s.wrong_calls) == (0, [])
 
 
 @pytest.mark.root
@@ -61,7 +78,7 @@ def test_a_quick_run_has_every_scenario_and_no_wrong_answer():
     assert {("kiamfast", "surge handover"), ("kiamfast", "container crash, keeper"),
             ("kiamfast", "rolling restart")} <= names
     for s in res.scenarios:
-        assert s.calls > 0 and s.wrong == 0 and s.node_role == 0, s
+        assert s.calls > 0 and s.wrong == 0 and s.node_role == 0, (s.agent, s.name, s.wrong_calls, s)
     rolling = next(s for s in res.scenarios if s.name == "rolling restart")
     assert rolling.outcomes.get("refused", 0) > 0      # the gap it measures is real
     assert all(m.get("Pss", 0) > 0 for m in res.keeper.values()), res.keeper
