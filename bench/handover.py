@@ -116,12 +116,14 @@ def judge(node, scenario: Scenario, callers) -> Scenario:
         for pod, call in pod_calls:
             if call.access_key and call.access_key.startswith("ASIANODE"):
                 scenario.node_role += 1
-            elif call.ok and (issued.get(call.access_key) or "").rsplit("/", 1)[-1] != pod.role:
-                scenario.wrong += 1
-                if len(scenario.wrong_calls) < 5:
-                    scenario.wrong_calls.append(
-                        f"{pod.name} ({pod.role}) got {call.access_key}, issued for "
-                        f"{issued.get(call.access_key) or 'nothing STS answered'}")
+            elif call.ok:
+                arn = issued.get(call.access_key, "")
+                if arn.rsplit("/", 1)[-1] != pod.role:
+                    scenario.wrong += 1
+                    if len(scenario.wrong_calls) < 5:
+                        scenario.wrong_calls.append(
+                            f"{pod.name} ({pod.role}) got {call.access_key}, "
+                            f"issued for {arn or 'nothing STS answered'}")
         ends = sorted(c.at + c.took for _, c in pod_calls if c.ok)
         starts = sorted(c.at for _, c in pod_calls)
         if starts:

@@ -78,7 +78,8 @@ def test_a_quick_run_has_every_scenario_and_no_wrong_answer():
     assert {("kiamfast", "surge handover"), ("kiamfast", "container crash, keeper"),
             ("kiamfast", "rolling restart")} <= names
     for s in res.scenarios:
-        assert s.calls > 0 and s.wrong == 0 and s.node_role == 0, (s.agent, s.name, s.wrong_calls, s)
+        assert s.calls > 0 and s.wrong == 0 and s.node_role == 0, \
+            (s.agent, s.name, s.wrong_calls, s)
     rolling = next(s for s in res.scenarios if s.name == "rolling restart")
     assert rolling.outcomes.get("refused", 0) > 0      # the gap it measures is real
     assert all(m.get("Pss", 0) > 0 for m in res.keeper.values()), res.keeper
