@@ -27,10 +27,11 @@ Who tells the agent of step 3 is the runtime switch (``--runtime``):
   processes; a bare watch client in a process of its own measures the API server's own
   delivery lag beside the agent's. ``--agent kube2iam`` runs the same churn against
   kube2iam 0.15 itself (tests/tools/build_kube2iam.sh builds it), which is always API-only.
-* ``containerd``, ``fault`` or ``auto`` (bench/run's ``runtime`` section): the node's
-  runtime (bench/cri_node.py: a real containerd when root and containerd are there, else
-  the CRI fault double) removes A's sandbox and at once (gap 0) starts B's, which gets A's
-  address; the API server hears of it only seconds later: A's end after 0.5-3 s, B's
+* ``containerd``, ``crio``, ``fault`` or ``auto`` (bench/run's ``runtime`` section): the
+  node's runtime (bench/cri_node.py: a real containerd when root and containerd are there,
+  else the CRI fault double; ``crio``: CRI-O's order of a stop on real namespaces, A's
+  sandbox still READY for 0.2-1.5 s after its address went to B) removes A's sandbox and at
+  once (gap 0) starts B's, which gets A's address; the API server hears of it only seconds later: A's end after 0.5-3 s, B's
   address after 0.5-3 s, in either order, or never (a quarter of the pods). Between the two
   the API server still shows A Running with the address B asks from: only the runtime can
   name the right pod. (A real kubelet on this VM reports B's address 0.7 s median, 1.4 s
@@ -47,7 +48,7 @@ Who tells the agent of step 3 is the runtime switch (``--runtime``):
 
 The pods' clients and the sum of what they saw are bench/churn_clients.py's.
 
-    python bench/churn.py [--quick] [--runtime none|auto|containerd|fault] [--requests N]
+    python bench/churn.py [--quick] [--runtime none|auto|containerd|crio|fault] [--requests N]
         [--rate R] [--gap S] [--slots N] [--min-replacements N] [--agent kiamfast|kube2iam]
 """
 
@@ -65,7 +66,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchutil import pod_addresses, summarize_us
+from benchutil import cpu_seconds, pod_addresses, summarize_us
 
 import bench_agent as ba  # noqa: E402  (benchutil put the repo on sys.path)
 import cri_node  # noqa: E402
@@ -319,6 +320,7 @@ class ChurnResult:
     idle_lag: dict = field(default_factory=dict)   # the same, one replacement at a time, no load
     delivery: dict = field(default_factory=dict)   # bare watcher's lag behind the API, ms
     agent_restarts: str = ""
+    control_cpu: float = float("nan")   # the control process's CPU seconds during the churn
 
 
 def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: int,
@@ -367,6 +369,8 @@ def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: 
                 ch = Churner(c=c, node=node, clients=clients, sh=sh, pods=pods,
                              role_names=role_names, rng=rng, gap=gap, late=late, never=never)
                 clients.start(pods)
+                control = a.processes()["control"] if agent == "kiamfast" else []
+                cpu0 = sum(map(cpu_seconds, control))
                 t0 = last_log = time.monotonic()
                 try:
                     while True:
@@ -386,6 +390,8 @@ def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: 
                     results, lost = clients.finish()
                     seen = witness.finish() if witness else {"ended": {}, "claimed": {}}
                 seconds = time.monotonic() - t0
+                control_cpu = (sum(map(cpu_seconds, control)) - cpu0 if control
+                               else float("nan"))
                 keymap = c.access_keys()
                 sup = a.log_tail(4000)
         finally:
@@ -404,7 +410,7 @@ def run_mode(node, *, runtime_on: bool = False, agent: str = "kiamfast", slots: 
         lost_clients=lost, tally=t, first_ok=_spread(t.first_ok_ms),
         idle_lag=_spread(idle, p99=False) if node is None else {},
         delivery={k: _spread(v) for k, v in delivery.items()} if node is None else {},
-        agent_restarts="exited with" in sup and sup[-600:] or "")
+        agent_restarts="exited with" in sup and sup[-600:] or "", control_cpu=control_cpu)
 
 
 def _agent_under_test(c: ba.Cluster, agent: str, extra: list[str]):
@@ -517,12 +523,18 @@ def _markdown_runtime(results: list[ChurnResult]) -> str:
     for r in results:
         t = r.tally
         s = summarize_us(t.latencies_us)
+        f = r.first_ok
         lines += ["", f"{r.mode}: answers by status "
                   + ", ".join(f"{k}: {v:,}" for k, v in sorted(t.statuses.items()))
                   + f"; token PUTs failed {t.put_fail}, connections failed {t.connect_fail}, "
                   f"{t.pods:,} pod clients ({r.lost_clients} lost without a report); "
                   f"latency p50 {s['p50']:.3f} ms, p99 {s['p99']:.3f} ms, max "
-                  f"{s['max']:.1f} ms."]
+                  f"{s['max']:.1f} ms; a new pod's first right answer "
+                  + (f"{f['p50']:.1f} ms (p99 {f['p99']:.1f} ms) after its sandbox was READY"
+                     if f.get("n") else "not measured")
+                  + f"; the control process used {r.control_cpu:.2f} s of CPU, "
+                  f"{r.control_cpu / max(r.replacements, 1) * 1e3:.1f} s per 1,000 replaced "
+                  "pods (with the clients' requests)."]
         if t.samples:
             lines += ["", "Examples (\"the old pod's end\" and \"the new pod's IP published\" "
                       "are, here, the old sandbox's removal and the new sandbox READY; the API "
@@ -548,7 +560,7 @@ def headline(results: list[ChurnResult], *, quick: bool = False
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--runtime", choices=(API_ONLY, "auto", "containerd", "fault"),
+    ap.add_argument("--runtime", choices=(API_ONLY, "auto", "containerd", "crio", "fault"),
                     default=API_ONLY)
     ap.add_argument("--requests", type=int)
     ap.add_argument("--rate", type=float)

@@ -10,6 +10,10 @@ of bench_agent's node and a sandbox of the runtime.
   service and the agent then all live on its loopback); every sandbox has its own network
   namespace with a real CNI address from a host-local range of exactly one address per
   slot, so an address just freed is the next one handed out.
+* :class:`CrioOrderNode`: kiamfast/testing/netns_runtime.py's runtime on real network
+  namespaces, veths and host routes, in a fresh node namespace as above, stopping sandboxes
+  in CRI-O's order: a removed sandbox's network goes at once (its address is the next
+  sandbox's) while the sandbox stays READY for ``ready_for`` seconds more.
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ class FaultNode:
     """The CRI fault double; sandbox addresses are loopback addresses, one per slot."""
 
     kind = "CRI fault double (real gRPC, loopback addresses)"
-    agent_flags: list[str] = []          # bench_agent's defaults: the agent on 127.0.0.1
+    # bench_agent's defaults (the agent on 127.0.0.1); loopback pods have no network
+    # namespace of their own for the kernel to show: READY is taken at its word
+    agent_flags: list[str] = ["--address-proof=runtime"]
     agent_host = "127.0.0.1"
 
     def __init__(self, slots: int) -> None:
@@ -145,6 +151,70 @@ class ContainerdNode:
         self.netns.delete()
 
 
+class CrioOrderNode:
+    """CRI-O's order of a stop on real network namespaces (see the module docstring)."""
+
+    kind = ("CRI-O's stop order on real network namespaces (veths and host routes, the old "
+            "sandbox READY after its address is reused, clients in the sandboxes)")
+
+    def __init__(self, slots: int, *, subnet: str = "10.90.0.0/24",
+                 ready_for: tuple[float, float] = (0.2, 1.5)) -> None:
+        import random
+
+        from containerd import NodeNetns
+
+        from kiamfast.testing.netns_runtime import NetnsRuntime
+        self.netns = NodeNetns()
+        self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        self._rng = random.Random(7)
+        self.ready_for = ready_for
+        self._stopping: list[tuple[float, object]] = []    # (when READY ends, sandbox)
+        self._sandboxes: dict[str, object] = {}
+        try:
+            enter_netns(self.netns.path)
+            self.runtime = NetnsRuntime(self.netns.name, order="crio").start()
+        except BaseException:
+            self.close()
+            raise
+        first = ipaddress.ip_network(subnet).network_address + 10
+        self.addrs = [str(first + i) for i in range(slots)]
+        self.endpoint = self.runtime.endpoint
+        self.agent_host = self.runtime.gateway   # on every pod's host end
+        self.agent_flags = ["--listen-host="]
+
+    def run_sandbox(self, slot: int, *, name: str, uid: str, annotations: dict) -> Sandbox:
+        self._finish_due()
+        sb = self.runtime.run_sandbox(name, uid=uid, ips=[self.addrs[slot]],
+                                      namespace=NAMESPACE, annotations=annotations)
+        self._sandboxes[sb.id] = sb
+        return Sandbox(id=sb.id, ip=sb.ip, netns=sb.netns_path)
+
+    def remove_sandbox(self, sandbox: Sandbox) -> None:
+        """CNI DEL now (the address is free); the sandbox leaves READY only later."""
+        import time
+        sb = self._sandboxes.pop(sandbox.id, None)
+        if sb is not None:
+            self.runtime.stop(sb, finish=False)
+            self._stopping.append((time.monotonic() + self._rng.uniform(*self.ready_for), sb))
+        self._finish_due()
+
+    def _finish_due(self, *, everything: bool = False) -> None:
+        import time
+        now = time.monotonic()
+        for entry in [e for e in self._stopping if everything or e[0] <= now]:
+            self._stopping.remove(entry)
+            self.runtime.remove(entry[1])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if getattr(self, "runtime", None) is not None:
+                self._finish_due(everything=True)
+                self.runtime.close()
+        _libc.setns(self._home, CLONE_NEWNET)
+        os.close(self._home)
+        self.netns.delete()
+
+
 def containerd_unavailable() -> str | None:
     from containerd import unavailable_reason
     return unavailable_reason() or (None if shutil.which("iptables") else
@@ -153,14 +223,15 @@ def containerd_unavailable() -> str | None:
 
 
 def make_node(kind: str, slots: int):
-    """'containerd', 'fault', or 'auto' (containerd when it can run here)."""
+    """'containerd', 'crio' (CRI-O's order on real namespaces), 'fault', or 'auto'
+    (containerd when it can run here)."""
     if kind == "auto":
         kind = "fault" if containerd_unavailable() else "containerd"
-    if kind == "containerd":
+    if kind in ("containerd", "crio"):
         reason = containerd_unavailable()
         if reason:
             raise RuntimeError(reason)
-        return ContainerdNode(slots)
+        return ContainerdNode(slots) if kind == "containerd" else CrioOrderNode(slots)
     return FaultNode(slots)
 
 

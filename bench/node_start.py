@@ -604,8 +604,10 @@ def scenario(res: Result, pods_n: int, roles: int, opts: Options, log) -> None:
             for name in AGENTS if index % 2 == 0 else AGENTS[::-1]:   # neither always first
                 if name == "kiamfast":
                     table = f"/dev/shm/kiamfast-bench-start-{os.getpid()}-{secrets.token_hex(4)}"
+                    # loopback pods: no namespace of their own for the kernel to show
+                    proof = ("--address-proof=runtime",) if endpoint != "none" else ()
                     agent = Kiamfast(c, table_path=table, flags=(
-                        f"--cri-endpoint={endpoint}", *opts.kiamfast_flags))
+                        f"--cri-endpoint={endpoint}", *proof, *opts.kiamfast_flags))
                 else:
                     agent, table = Kube2iam(c), None
                 try:

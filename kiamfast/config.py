@@ -337,12 +337,23 @@ FLAGS: tuple[Flag, ...] = (
        "agent's user with mode 0600, otherwise replaced; \"\" = a new random key at every "
        "start, kept in memory only."),
     _f("cri-endpoint", "str", "auto", "Container runtime (CRI v1) socket the agent asks which "
-       "sandbox holds an address: the runtime knows a pod's address the moment CNI assigns "
-       "it and when a stopped sandbox gives it up, seconds before the API server. auto = the "
+       "pod each sandbox is and where its network namespace is: the runtime knows a pod's "
+       "sandbox the moment it is made and when it stopped, seconds before the API server "
+       "(the kernel proves which sandbox holds an address: --address-proof). auto = the "
        "first of unix:///run/containerd/containerd.sock, "
        "unix:///var/run/containerd/containerd.sock, unix:///var/run/crio/crio.sock that "
        "exists, looked up again until one does (the API server's view meanwhile); \"\" or "
        "none = the API server's view only."),
+    _f("address-proof", "choice", "netns", "What proves that a sandbox holds an address "
+       "before the address is answered with its pod's role (with a container runtime): "
+       "netns = the kernel shows the address configured in that sandbox's network "
+       "namespace now and in no other (needs the runtime's network namespace files, "
+       "/var/run/netns, mounted into the agent, and the NET_ADMIN and NET_BROADCAST "
+       "capabilities: the chart gives all three); runtime = a READY sandbox is taken to hold "
+       "the addresses the runtime reports, true of containerd's order of a stop and false "
+       "of CRI-O's (which frees a stopping sandbox's address while it is still READY), and "
+       "nothing is answered while the runtime cannot be asked: for pods without network "
+       "namespaces of their own, as `kiamfast demo`'s.", choices=("netns", "runtime")),
     _f("kubelet-url", "str", "", "Accepted for compatibility with earlier kiamfast versions; no "
        "effect: the kubelet's /pods only mirrors the API server for ordinary pods, the "
        "container runtime (--cri-endpoint) knows first."),
@@ -533,6 +544,7 @@ class Config:
     imdsv2: str = _default("imdsv2")
     token_key_file: str = _default("token-key-file")
     cri_endpoint: str = _default("cri-endpoint")
+    address_proof: str = _default("address-proof")
     kubelet_url: str = _default("kubelet-url")
     kubelet_insecure: bool = _default("kubelet-insecure")
     sts_endpoint: str = _default("sts-endpoint")

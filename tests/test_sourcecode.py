@@ -152,8 +152,12 @@ SHAPE = [
     # Only the node model writes the table: the other mappings modules decide and report.
     *[(str(f.relative_to(ROOT)), ("kiamfast.control.publish",))
       for f in sorted((ROOT / "kiamfast/control/mappings").glob("*.py")) if f.name != "model.py"],
-    # The rtnetlink wire is a leaf: what its messages prove is judged above it.
-    ("kiamfast/control/cri/netlink.py", ("kiamfast.",)),
+    # The kernel's witness knows nothing of the runtime, the API or the decisions; its
+    # rtnetlink wire is a leaf: what its messages prove is judged above it.
+    ("kiamfast/control/netns", ("kiamfast.control.cri", "kiamfast.control.k8s",
+                                "kiamfast.control.mappings", "kiamfast.control.iam",
+                                "kiamfast.control.process")),
+    ("kiamfast/control/netns/wire.py", ("kiamfast.",)),
     ("kiamfast/kube", ("kiamfast.",)),
     ("kiamfast/metrics_text.py", ("kiamfast.",)),
     ("kiamfast/budget.py", ("kiamfast.",)),

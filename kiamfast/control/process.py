@@ -131,8 +131,7 @@ class ControlProcess:
             self.sts.prepare()
         tasks = [asyncio.create_task(self.manager.run(), name="credentials")]
         if self.runtime.poller is not None:                    # 2.
-            self.runtime.start_routes(loop)
-            self.model.merge.evidence.routes = self.runtime.routes
+            self.runtime.start_netns(loop)
             tasks.append(asyncio.create_task(self.runtime.poller.run(), name="runtime"))
             if restarted:
                 await self._first_poll_alone()
@@ -178,7 +177,8 @@ class ControlProcess:
         self.runtime = RuntimeSource(endpoint=self.config.cri_endpoint, model=None,
                                      commit=self._commit, on_change=self.health.publish,
                                      table_runtime_mode=self.table.runtime_mode,
-                                     known_file=known_sandboxes.path_for(self.table.path))
+                                     known_file=known_sandboxes.path_for(self.table.path),
+                                     address_proof=self.config.address_proof)
         self.health.runtime = self.runtime
         if self.table.runtime_mode and not self.runtime.expected:
             # Addresses a runtime decided, kept for its poll to confirm: none will come now
@@ -190,7 +190,7 @@ class ControlProcess:
         self.model = NodeModel(
             policy=RolePolicy.from_config(self.config), table=self.table, sink=self.manager,
             notify=self.notify, slot_refs=refs, token_only=self._token_only(),
-            adopted=adopted, expect_runtime=self.runtime.expected, routes=None)
+            adopted=adopted, expect_runtime=self.runtime.expected, proof=self.runtime.netns)
         self.runtime.model = self.model
         # Until the runtime's first answer, a request from a connection newer than the last
         # applied poll waits for one, never for the API's guess.
@@ -364,6 +364,8 @@ class ControlProcess:
             built=built, pods=len(self.model.pods), pending_pods=self.model.pending_pods,
             watch={**self.source.stats(), **report.counters(self.model)},
             runtime=self.runtime.counters() if self.runtime.poller is not None else None,
+            unproven=(len(self.model.runtime.claims) if self.runtime.poller is not None
+                      else None),
             container_lines=self.container.metrics() if self.container is not None else [],
             uninjected=self.uninjected.reported if self.uninjected is not None else None)
 

@@ -22,6 +22,7 @@ from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
 from kiamfast.control import imds_client, iptables, writer_lock
 from kiamfast.control.iam.sts import StsClient
+from kiamfast.control.cri.source import NetnsUnavailable
 from kiamfast.control.process import ControlProcess, ControlTaskFailed
 from kiamfast.sockets import raise_fd_limit
 
@@ -95,6 +96,12 @@ def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
     except writer_lock.NotSoleWriter as e:
         log.error("control process exiting: %s", e)
         return 1
+    except NetnsUnavailable as e:
+        log.error("cannot start: --address-proof=netns: the addresses of pods' network "
+                  "namespaces cannot be watched (rtnetlink: %s): the agent needs the "
+                  "NET_ADMIN and NET_BROADCAST capabilities in the host's network namespace "
+                  "(the chart gives both), or run with --cri-endpoint=none", e)
+        return EXIT_CONFIG
     except iptables.IptablesNotFound as e:
         log.error("cannot start: --iptables: %s: install iptables (kiamfast's image has it), or "
                   "run with --iptables=false", e)

@@ -27,6 +27,7 @@ demo` can use it to show the runtime path without a real runtime.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import tempfile
@@ -59,12 +60,14 @@ class FakeSandbox:
     ready: bool = True
     host_network: bool = False
     created_ns: int = 0
+    netns: str = ""       # its network namespace's path, in the verbose status (or none)
 
 
 def fake_sandbox(*, name: str, ip: str = "", namespace: str = "default", uid: str | None = None,
                  additional_ips: Iterable[str] = (), annotations: Mapping[str, str] | None = None,
                  labels: Mapping[str, str] | None = None, kubelet_labels: bool = True,
-                 host_network: bool = False, ready: bool = True) -> FakeSandbox:
+                 host_network: bool = False, ready: bool = True,
+                 netns: str = "") -> FakeSandbox:
     """A sandbox as the kubelet would create it (its three io.kubernetes.pod.* labels unless
     `kubelet_labels=False`), with a fresh random id and pod uid."""
     uid = uid or secrets.token_hex(16)
@@ -75,7 +78,7 @@ def fake_sandbox(*, name: str, ip: str = "", namespace: str = "default", uid: st
     return FakeSandbox(id=secrets.token_hex(32), name=name, namespace=namespace, uid=uid,
                        ip=ip, additional_ips=tuple(additional_ips), labels=all_labels,
                        annotations=dict(annotations or {}), ready=ready,
-                       host_network=host_network, created_ns=time.time_ns())
+                       host_network=host_network, created_ns=time.time_ns(), netns=netns)
 
 
 @dataclass
@@ -88,6 +91,16 @@ class _Fault:
 
 
 _GARBAGE = b"\xff\xff\xff\xff\xff\xff\xff\xff\x0f"   # a truncated varint: no message parses
+
+
+def _verbose_info(sandbox: FakeSandbox) -> dict[str, str]:
+    """What containerd and CRI-O put in a verbose status: the sandbox's runtime spec as JSON
+    under "info", with its network namespace (none for the host's network, as theirs)."""
+    namespaces = [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}]
+    if not sandbox.host_network:
+        namespaces.append({"type": "network", "path": sandbox.netns})
+    return {"info": json.dumps({"pid": 1, "runtimeSpec": {
+        "ociVersion": "1.1.0", "linux": {"namespaces": namespaces}}})}
 
 
 def _state(sandbox: FakeSandbox) -> int:
@@ -162,8 +175,11 @@ class CriFault:
 
     def stop_sandbox(self, sandbox_id: str) -> None:
         """NOTREADY, and like containerd its network.ip is reported empty from now on."""
+        self.set_ready(sandbox_id, False)
+
+    def set_ready(self, sandbox_id: str, ready: bool) -> None:
         with self._lock:
-            self._sandboxes[sandbox_id] = replace(self._sandboxes[sandbox_id], ready=False)
+            self._sandboxes[sandbox_id] = replace(self._sandboxes[sandbox_id], ready=ready)
 
     def remove(self, sandbox_id: str) -> None:
         with self._lock:
@@ -280,4 +296,5 @@ class CriFault:
             metadata=cri.PodSandboxMetadata(name=s.name, uid=s.uid, namespace=s.namespace),
             linux=cri.LinuxPodSandboxStatus(namespaces=cri.Namespace(
                 options=cri.NamespaceOption(network=mode))),
-            labels=s.labels, annotations=s.annotations))
+            labels=s.labels, annotations=s.annotations),
+            info=_verbose_info(s) if request.verbose else {})

@@ -209,8 +209,12 @@ class LoopbackNode:
                    extra: Sequence[str] = ()) -> list[str]:
         """The agent's command line for this node: kube2iam's flags and kiamfast's for a
         loopback node (no iptables, the node's startup taint or none, the runtime's socket
-        or none), then ``extra`` (later flags win: it may override any of these)."""
+        or none), then ``extra`` (later flags win: it may override any of these).  The
+        runtime double's pods are loopback addresses of this network namespace, with no
+        namespace of their own for the kernel to show: READY is taken at its word
+        (``--address-proof=runtime``)."""
         runtime = self.runtime.endpoint if self.runtime is not None else "none"
+        proof = ["--address-proof=runtime"] if self.runtime is not None else []
         return [*(command or [sys.executable, "-m", "kiamfast"]),
                 f"--kubeconfig={self.kubeconfig}", f"--node={self.node}",
                 f"--host-ip={self.host_ip}", f"--base-role-arn={self.base_role_arn}",
@@ -218,7 +222,7 @@ class LoopbackNode:
                 f"--app-port={port}", f"--metrics-port={metrics_port or port}",
                 f"--table-path={table_path}",
                 f"--token-key-file={token_key_file or table_path + '.key'}",
-                "--iptables=false", f"--cri-endpoint={runtime}",
+                "--iptables=false", f"--cri-endpoint={runtime}", *proof,
                 f"--node-startup-taint={self.startup_taint}", *extra]
 
     def start_agent(self, *, port: int | None = None, metrics_port: int | None = None,

@@ -2,8 +2,11 @@
 says who owns an address.  The runtime is the CRI fault double (real gRPC, no root); the
 same cases against a real containerd in network namespaces are in tests/e2e.
 
-Each pod is a loopback source address.  The API server (emulator) is deliberately late or
-wrong: a pod's address is never published, or a dead pod stays Running with it."""
+Each pod is a loopback source address, with no network namespace of its own for the kernel
+to show: the agent takes the runtime's READY at its word (``--address-proof=runtime``; the
+kernel's proof is tested in tests/netns and tests/e2e).  The API server (emulator) is
+deliberately late or wrong: a pod's address is never published, or a dead pod stays Running
+with it."""
 
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ def node(tmp_path_factory):
     fakes = Fakes()
     cri = CriFault().start()
     agent = Agent(fakes, tmp_path_factory.mktemp("agent-runtime"),
-                  extra=["--listen-host=127.0.0.1", f"--cri-endpoint={cri.endpoint}"])
+                  extra=["--listen-host=127.0.0.1", f"--cri-endpoint={cri.endpoint}",
+                         "--address-proof=runtime"])
     try:
         agent.wait_ready(30)
         yield {"port": agent.port, "api": fakes.api, "cri": cri, "sts": fakes.sts,
@@ -101,10 +105,10 @@ def test_a_stopped_sandbox_gets_nothing_even_while_the_api_says_running(node):
     assert role_of(node, "127.0.0.23") == (200, "role-stop")
     node["cri"].stop_sandbox(sb.id)
     status, _ = role_of(node, "127.0.0.23")
-    assert status == 404
+    assert status == 503       # the API's claim waits for a proof that never comes
 
 
-def test_runtime_outage_answers_where_the_last_view_and_the_api_agree_and_recovers(node):
+def test_runtime_outage_answers_nothing_without_the_kernels_proof_and_recovers(node):
     uid = pod(node, "steady", role="role-steady", ips=["127.0.0.24"], phase="Running")
     node["cri"].put(fake_sandbox(name="steady", uid=uid, ip="127.0.0.24",
                                  annotations={ROLE_KEY: "role-steady"}))
@@ -122,12 +126,12 @@ def test_runtime_outage_answers_where_the_last_view_and_the_api_agree_and_recove
     metrics = until(metrics_after_outage)
     assert b'kiamfast_runtime_total{kind="failed_polls"}' in metrics      # the poller's
     assert b'kiamfast_runtime_total{kind="status_calls"} ' in metrics     # the client's
-    # The fallback meanwhile: served where the last view and the API agree; where they do
-    # not, nobody (503: retry), never another identity.
-    assert role_of(node, "127.0.0.24") == (200, "role-steady")
+    # Meanwhile nothing proves who holds an address (no kernel here): nobody is answered
+    # with a role (503: retry), never another identity.
+    assert role_of(node, "127.0.0.24")[0] == 503
     assert role_of(node, "127.0.0.25")[0] == 503
     node["cri"].start()
     until(lambda: b'"runtime":"ok"' in http(node["port"], "/healthz")[1])
-    assert role_of(node, "127.0.0.24") == (200, "role-steady")
-    assert role_of(node, "127.0.0.25")[0] == 404        # no sandbox holds it: nobody's
+    until(lambda: role_of(node, "127.0.0.24") == (200, "role-steady"))
+    assert role_of(node, "127.0.0.25")[0] == 503        # no sandbox holds it: only a claim
     until(lambda: b"kiamfast_runtime_up 1" in http(node["port"], "/metrics")[1])

@@ -36,11 +36,13 @@ def clock():
 
 @pytest.fixture
 def make_model(table, sink, clock):
-    def make(**policy_kw: Any) -> NodeModel:
+    def make(*, proof: Any = None, **policy_kw: Any) -> NodeModel:
+        """``proof``: the kernel's word (control_support.Kernel); None: a READY sandbox is
+        taken at its word (--address-proof=runtime)."""
         notes: list[int] = []
         policy_kw.setdefault("base_role_arn", BASE)
         m = NodeModel(policy=RolePolicy(**policy_kw), table=table, sink=sink,
-                      notify=lambda: notes.append(1), clock=clock)
+                      notify=lambda: notes.append(1), clock=clock, proof=proof)
         m.notes = notes  # type: ignore[attr-defined]
         return m
     return make

@@ -59,6 +59,46 @@ class Clock:
         self.t += dt
 
 
+class Kernel:
+    """The node's kernel as `kiamfast.control.netns.watch.NetnsWatch` reports it: which
+    network namespace holds which address now (the real watch is tested against the real
+    kernel in tests/netns).  A sandbox's namespace is named by its ``netns`` path."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[str]] = {}      # namespace path -> addresses configured
+
+    def add(self, netns: str, *ips: str) -> None:
+        self.held.setdefault(netns, set()).update(ips)
+
+    def remove(self, netns: str, *ips: str) -> None:
+        self.held.get(netns, set()).difference_update(ips)
+
+    def delete(self, netns: str) -> None:
+        self.held.pop(netns, None)
+
+    def addresses_of(self, sandbox: Any) -> frozenset[str] | None:
+        if sandbox.netns not in self.held:
+            return None
+        return frozenset(ip for ip in self.held[sandbox.netns]
+                         if sum(ip in held for held in self.held.values()) == 1)
+
+
+def sandbox(uid: str, *ips: str, annotations: dict[str, str] | None = None,
+            netns: str | None = None, sandbox_id: str | None = None) -> Any:
+    """A READY sandbox as the runtime client reports it (its namespace ``ns-<uid>``)."""
+    from kiamfast.control.cri.client import Sandbox
+    return Sandbox(id=sandbox_id or f"sb-{uid}", pod_uid=uid, name=f"pod-{uid}",
+                   namespace="default", ips=tuple(ips), annotations=dict(annotations or {}),
+                   created_ns=0, netns=netns if netns is not None else f"ns-{uid}")
+
+
+def runtime_view(*sandboxes: Any, started_ns: int = 1_000) -> Any:
+    from kiamfast.control.cri.client import RuntimeView
+    return RuntimeView(started_ns=started_ns, sandboxes=tuple(sandboxes),
+                       owners={ip: sb for sb in sandboxes for ip in sb.ips},
+                       conflicts=frozenset())
+
+
 def pod(uid: str, *, ns: str = "default", name: str | None = None, ips: tuple[str, ...] = (),
         phase: str = "Running", rv: int = 1, created: str = "2024-01-01T00:00:00Z",
         role: str | None = None, ext: str | None = None, terminating: bool = False,

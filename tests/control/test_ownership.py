@@ -6,7 +6,8 @@ from kiamfast.control.mappings.decisions import IdentityKind
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.mappings.addresses import canonical_ip, pod_ips
 
-from control_support import BASE, NS_KEY, lookup, namespace, pod
+from control_support import (BASE, NS_KEY, ROLE_KEY, Kernel, lookup, namespace, pod,
+                             runtime_view, sandbox)
 
 ROLE, NO_ROLE, DENIED = tablemod.POD_ROLE, tablemod.POD_NO_ROLE, tablemod.POD_DENIED
 
@@ -312,11 +313,17 @@ def test_runtime_beats_the_api_on_a_reused_address(make_model, table, sink):
     assert lookup(table, "10.0.0.3")[0] == "new"
 
 
-def test_no_ready_sandbox_means_no_owner_whatever_the_api_says(make_model, table):
+def test_an_address_no_ready_sandbox_holds_is_nobodys_whatever_the_api_says(make_model, table):
+    """The API still shows a Running on its address after its sandbox stopped: a is never
+    answered there; the address waits (503) while the API claims it, and is free once the
+    API lets it go."""
     m = make_model()
     m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))
     m.commit()
     m.apply_runtime(view())
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", tablemod.POD_UNDECIDED, -1)
+    m.delete_pod(pod("a", rv=2))
     m.commit()
     assert lookup(table, "10.0.0.4") is None
 
@@ -350,75 +357,149 @@ def test_runtime_owner_whose_namespace_is_unknown_waits(make_model, table, clock
 UNDECIDED = tablemod.POD_UNDECIDED
 
 
-def test_a_stale_view_never_keeps_an_owner_against_the_api(make_model, table, sink):
-    """The agent's link to the runtime broke while the kubelet went on: it stopped A, the API
-    deleted A, B got A's address and the API shows B Running there.  B must never be
-    answered with A's role (it was, from the last view: found by review, tried with a real
-    containerd)."""
-    m = make_model()
-    m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a", rv=5))
-    m.apply_runtime(view(("a", "10.0.0.4", {"iam.amazonaws.com/role": "role-a"})))
+# ---- the kernel's proof (--address-proof=netns) -----------------------------------------------
+
+def test_a_ready_sandbox_owns_only_what_the_kernel_shows_in_its_namespace(make_model, table,
+                                                                          sink):
+    """CRI-O's stop order: the network of a's sandbox is torn down (its address back in
+    IPAM) while the sandbox is still READY, and b's sandbox gets the address.  The view
+    says both hold it; the kernel says b's namespace does."""
+    kernel = Kernel()
+    m = make_model(proof=kernel)
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a"))
+    m.apply_pod(pod("b", phase="Pending", role="role-b"))
+    kernel.add("ns-a", "10.0.0.4")
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4")))
     m.commit()
     assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
-    m.runtime_failed(5_000)
+    kernel.remove("ns-a", "10.0.0.4")                  # CNI DEL of a, a still READY
+    m.kernel_changed()
     m.commit()
-    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))  # agree
-    m.delete_pod(pod("a", rv=6))
-    m.apply_pod(pod("b", ips=("10.0.0.4",), role="role-b", rv=7))
-    m.commit()
-    assert lookup(table, "10.0.0.4") == ("b", UNDECIDED, -1)   # they disagree: nobody, 503
-    assert "a" not in sink.holders
-    m.apply_runtime(view(("b", "10.0.0.4", {}), started_ns=6_000))   # back: the runtime decides
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)   # at once, not at the next poll
+    kernel.add("ns-b", "10.0.0.4")                     # CNI ADD of b
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4"), sandbox("b", "10.0.0.4"),
+                                 started_ns=2_000))
     m.commit()
     assert lookup(table, "10.0.0.4") == ("b", ROLE, sink.slot_for(BASE + "role-b"))
 
 
-def test_during_an_outage_an_address_the_last_view_did_not_show_has_no_owner(make_model, table):
-    m = make_model()
-    m.apply_pod(pod("a", ips=("10.0.0.4",), role="r"))       # the API, late: a is dead
-    m.apply_pod(pod("c", ips=("10.0.0.5",), role="r"))
-    m.apply_runtime(view(("b", "10.0.0.4", {})))
+def test_a_partial_view_never_lets_another_sandboxs_claim_stand(make_model, table, sink):
+    """a is stuck READY after its network went; b's status failed, so the view leaves b out.
+    The view says the address is a's; the kernel shows it in a namespace no view sandbox
+    has: nobody is answered with a role there."""
+    kernel = Kernel()
+    m = make_model(proof=kernel)
+    kernel.add("ns-a", "10.0.0.4")
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4", annotations={ROLE_KEY: "role-a"})))
     m.commit()
-    assert lookup(table, "10.0.0.4")[0] == "b" and lookup(table, "10.0.0.5") is None
+    assert lookup(table, "10.0.0.4")[:2] == ("a", ROLE)
+    kernel.remove("ns-a", "10.0.0.4")
+    kernel.add("ns-b", "10.0.0.4")
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4", annotations={ROLE_KEY: "role-a"}),
+                                 started_ns=2_000))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
+    assert "a" in sink.holders      # its credentials stay: its pod lives, it owns nothing
+
+
+def test_during_an_outage_the_kernel_keeps_each_owner_exactly_while_it_holds_the_address(
+        make_model, table, sink):
+    """The agent's link to the runtime broke while the kubelet went on.  Owners whose
+    namespace still holds their address keep it, whoever else starts on the node (a pod
+    stuck Pending, a pod the watch has not delivered); the address a stopped sandbox gave up
+    is nobody's, whatever the API and the last view say (found by review on the route
+    witness, which took an unchanged route as proof: CRI-O changes the route before the
+    view)."""
+    kernel = Kernel()
+    m = make_model(proof=kernel)
+    m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a", rv=5))
+    m.apply_pod(pod("s", ips=("10.0.0.5",), role="role-s", rv=5))
+    kernel.add("ns-a", "10.0.0.4")
+    kernel.add("ns-s", "10.0.0.5")
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4"), sandbox("s", "10.0.0.5")))
     m.runtime_failed(5_000)
     m.commit()
-    # The last view and the API disagree about both addresses: nobody owns them until a
-    # poll succeeds.  Workers answer connections older than the failed attempt from that.
-    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
-    assert lookup(table, "10.0.0.5") == ("c", UNDECIDED, -1)
-    assert table.runtime_mode and table.failed_ns == 5_000
-    m.apply_runtime(view(("b", "10.0.0.4", {}), started_ns=6_000))   # back: only its view
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
+    m.apply_pod(pod("n", phase="Pending", role="role-n", rv=9))   # unplaced: changes nothing
     m.commit()
-    assert lookup(table, "10.0.0.5") is None and table.verified_ns == 6_000
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
+    kernel.remove("ns-a", "10.0.0.4")                   # a stopped; b got its address
+    kernel.add("ns-b", "10.0.0.4")
+    m.kernel_changed()
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)       # the API still says a
+    assert lookup(table, "10.0.0.5") == ("s", ROLE, sink.slot_for(BASE + "role-s"))
+    m.delete_pod(pod("a", rv=10))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)       # the last view's claim
+    m.apply_runtime(runtime_view(sandbox("b", "10.0.0.4", annotations={ROLE_KEY: "role-b"}),
+                                 sandbox("s", "10.0.0.5"), started_ns=6_000))   # back
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("b", ROLE, sink.slot_for(BASE + "role-b"))
 
 
-def test_during_an_outage_a_new_pod_without_an_address_suspends_every_agreement(make_model,
-                                                                                 table, sink):
-    """A pod the last view did not show may already sit on an address a dead pod freed,
-    while the API still shows the dead pod there: until the API publishes where the new pod
-    is, no agreement of the last view and the API is evidence."""
+def test_an_address_in_two_namespaces_is_nobodys(make_model, table):
+    kernel = Kernel()
+    m = make_model(proof=kernel)
+    kernel.add("ns-a", "10.0.0.4")
+    kernel.add("ns-x", "10.0.0.4")                      # a namespace no sandbox names
+    m.apply_runtime(runtime_view(sandbox("a", "10.0.0.4", annotations={ROLE_KEY: "r"})))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
+    kernel.delete("ns-x")
+    m.kernel_changed()
+    m.commit()
+    assert lookup(table, "10.0.0.4")[:2] == ("a", ROLE)
+
+
+def test_a_sandbox_owns_every_address_of_its_namespace_an_eks_ipv6_pods_egress_too(
+        make_model, table, sink):
+    """EKS IPv6: the pod's IPv6 address is in its status and the runtime's; its IPv4 egress
+    address (169.254.172.0/22, the VPC CNI's egress plugin) is in neither, and that is the
+    address its calls to 169.254.169.254 come from."""
+    kernel = Kernel()
+    m = make_model(proof=kernel)
+    m.apply_pod(pod("v6", ips=("2600:1f14::7",), role="role-v6"))
+    kernel.add("ns-v6", "2600:1f14::7", "169.254.172.9")
+    m.apply_runtime(runtime_view(sandbox("v6", "2600:1f14::7")))
+    m.commit()
+    slot = sink.slot_for(BASE + "role-v6")
+    assert lookup(table, "169.254.172.9") == ("v6", ROLE, slot)
+    assert lookup(table, "2600:1f14::7") == ("v6", ROLE, slot)
+    kernel.delete("ns-v6")                              # stopped; the next pod gets .9
+    kernel.add("ns-next", "2600:1f14::8", "169.254.172.9")
+    m.apply_runtime(runtime_view(sandbox("next", "2600:1f14::8"), started_ns=2_000))
+    m.commit()
+    assert lookup(table, "169.254.172.9")[0] == "next"
+
+
+def test_without_the_kernel_a_stale_view_proves_nothing(make_model, table, sink):
+    """--address-proof=runtime: READY is taken at its word only while the runtime answers;
+    while it cannot, every address the last view showed waits."""
     m = make_model()
     m.apply_pod(pod("a", ips=("10.0.0.4",), role="role-a"))
     m.apply_runtime(view(("a", "10.0.0.4", {})))
+    m.commit()
+    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
     m.runtime_failed(5_000)
     m.commit()
-    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
-    m.apply_pod(pod("n", phase="Pending", role="role-n", rv=9))     # scheduled, no address yet
-    m.commit()
     assert lookup(table, "10.0.0.4") == ("a", UNDECIDED, -1)
-    m.apply_pod(pod("n", ips=("10.0.0.9",), role="role-n", rv=10))  # it is elsewhere
+    assert table.runtime_mode and table.failed_ns == 5_000
+    m.apply_runtime(view(("a", "10.0.0.4", {}), started_ns=6_000))
     m.commit()
-    assert lookup(table, "10.0.0.4") == ("a", ROLE, sink.slot_for(BASE + "role-a"))
-    assert lookup(table, "10.0.0.9") == ("n", UNDECIDED, -1)         # not in the last view
+    assert lookup(table, "10.0.0.4")[:2] == ("a", ROLE) and table.verified_ns == 6_000
 
 
 def test_a_pod_deleted_during_an_outage_is_not_rebuilt_from_the_stale_view(make_model, table,
                                                                            sink):
-    m = make_model()
+    kernel = Kernel()
+    m = make_model(proof=kernel)
     m.apply_pod(pod("k", ips=("10.0.0.8",), role="r"))
-    m.apply_runtime(view(("k", "10.0.0.8", {"iam.amazonaws.com/role": "r"})))
+    kernel.add("ns-k", "10.0.0.8")
+    m.apply_runtime(runtime_view(sandbox("k", "10.0.0.8", annotations={ROLE_KEY: "r"})))
     m.runtime_failed(5_000)
     m.commit()
+    assert lookup(table, "10.0.0.8")[:2] == ("k", ROLE)
     m.delete_pod(pod("k", rv=9))
     m.commit()
     assert lookup(table, "10.0.0.8") == ("k", UNDECIDED, -1)
@@ -467,17 +548,21 @@ def adopted_model(table, sink, clock=None, **policy_kw):
                      adopted=adopted, expect_runtime=True, **kw)
 
 
-def test_restart_while_the_runtime_is_down_holds_the_adopted_owners_until_the_api_agrees(
+def test_restart_while_the_runtime_is_down_holds_the_adopted_owners_until_it_answers(
         table, sink):
     slot = sink.acquire("uid-a", type("R", (), {"role_arn": BASE + "a", "external_id": None}))
     table.claim_ip("10.0.0.5", "uid-a", ROLE, slot)          # what the dead process left
     m = adopted_model(table, sink)
     m.runtime_failed(5_000)                                  # the first attempt fails
     m.commit()
-    # Nobody confirms the adopted owner yet: undecided (503, retried), not released (404).
+    # Nothing proves the adopted owner: undecided (503, retried), not released (404), and
+    # the API's agreement proves nothing about the namespace behind the address.
     assert lookup(table, "10.0.0.5") == ("uid-a", UNDECIDED, -1)
     m.replace_pods([pod("uid-a", ips=("10.0.0.5",), role="a")], list_rv=50)
     m.set_synced(True)
+    m.commit()
+    assert lookup(table, "10.0.0.5") == ("uid-a", UNDECIDED, -1)
+    m.apply_runtime(view(("uid-a", "10.0.0.5", {}), started_ns=6_000))
     m.commit()
     assert lookup(table, "10.0.0.5") == ("uid-a", ROLE, slot)
 
@@ -624,10 +709,12 @@ def test_an_unchanged_view_only_moves_the_date_on(make_model, table, sink):
     m.runtime_failed(3_000)                     # after a failure the same objects apply in full
     m.apply_pod(pod("b", ips=("10.0.0.9",), role="r"))
     m.commit()
-    assert lookup(table, "10.0.0.9")[0] == "b"  # the fallback: the API for unknown addresses
+    assert lookup(table, "10.0.0.3") == ("a", UNDECIDED, -1)   # nothing proves a now
+    assert lookup(table, "10.0.0.9") == ("b", UNDECIDED, -1)   # the API's claim waits
     m.apply_runtime(dataclasses.replace(first, started_ns=4_000))
     m.commit()
-    assert lookup(table, "10.0.0.9") is None and table.verified_ns == 4_000
+    assert lookup(table, "10.0.0.3")[:2] == ("a", ROLE) and table.verified_ns == 4_000
+    assert lookup(table, "10.0.0.9") == ("b", UNDECIDED, -1)
 
 
 def by_token(uri: str = "http://169.254.170.23/v1/credentials") -> list[dict]:

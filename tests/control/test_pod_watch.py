@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -163,15 +164,17 @@ def test_runtime_wins_over_a_dead_pod_the_api_still_shows_running(cluster, table
             cluster.pods.set_phase("default", "old", "Running")   # a late event of the old pod
             await asyncio.sleep(0.2)
             assert h.at("10.1.0.5") == (new, ROLE, h.slot("new-role"))
-            # Its sandbox stopped too: nobody owns the address, whatever the API says.
+            # Its sandbox stopped too: nobody owns the address, whatever the API says (its
+            # claim makes requests wait: 503, never old's role).
             h.model.apply_runtime(runtime_view())
             h.model.commit()
-            assert h.at("10.1.0.5") is None
+            assert h.at("10.1.0.5") == (old, tablemod.POD_UNDECIDED, -1)
             assert old in h.model.pods
     run(body())
 
 
-def test_runtime_outage_answers_only_where_the_last_view_and_the_api_agree(cluster, table):
+def test_runtime_outage_without_the_kernel_answers_nothing_until_the_runtime_is_back(cluster,
+                                                                                     table):
     async def body():
         async with Harness(cluster, table) as h:
             cluster.pods.create("default", "p", node=NODE, ips=["10.1.0.6"], phase="Running",
@@ -180,16 +183,21 @@ def test_runtime_outage_answers_only_where_the_last_view_and_the_api_agree(clust
                                 annotations={ROLE_KEY: "r"})
             uid_p, uid_q = uid_of(cluster, "default", "p"), uid_of(cluster, "default", "q")
             await h.until(lambda: h.at("10.1.0.7") is not None, what="pods")
-            h.model.apply_runtime(runtime_view((uid_q, "default", "q", "10.1.0.7", {})))   # not .6
+            view = runtime_view((uid_q, "default", "q", "10.1.0.7", {}))   # not .6
+            h.model.apply_runtime(view)
             h.model.commit()
-            assert h.at("10.1.0.6") is None
+            assert h.at("10.1.0.7") == (uid_q, ROLE, h.slot("r"))
+            assert h.at("10.1.0.6") == (uid_p, tablemod.POD_UNDECIDED, -1)   # the API's claim
             h.model.runtime_failed(time.monotonic_ns())
             h.model.commit()
-            # workers answer after this failed attempt, from the fallback: q, where the
-            # last view and the API agree; nobody (undecided: 503) where they do not
+            # workers answer after this failed attempt: without the kernel's proof
+            # (--address-proof=runtime) a stale view proves nothing, so nothing is answered
             assert table.runtime_mode and table.failed_ns > 0
-            assert h.at("10.1.0.7") == (uid_q, ROLE, h.slot("r"))
+            assert h.at("10.1.0.7") == (uid_q, tablemod.POD_UNDECIDED, -1)
             assert h.at("10.1.0.6") == (uid_p, tablemod.POD_UNDECIDED, -1)
+            h.model.apply_runtime(dataclasses.replace(view, started_ns=time.monotonic_ns()))
+            h.model.commit()
+            assert h.at("10.1.0.7") == (uid_q, ROLE, h.slot("r"))
     run(body())
 
 

@@ -242,6 +242,13 @@ class Containerd:
         if first:
             for sub in ("root", "state", "runc", "cni", "ipam", "logs", "opt"):
                 (self.dir / sub).mkdir(parents=True)
+            # A shared mount, as a systemd host's directories are: the sandboxes' network
+            # namespaces containerd mounts here later reach a process in a mount namespace
+            # of its own that is a slave of this one (an agent's container, HostToContainer).
+            subprocess.run(["mount", "--bind", str(self.dir), str(self.dir)], check=True,
+                           capture_output=True)
+            subprocess.run(["mount", "--make-shared", str(self.dir)], check=True,
+                           capture_output=True)
             (self.dir / "config.toml").write_text(self._config())
             # what a sweep after a killed run needs to find the bridge again
             bridge = self.bridge if self.cni == "bridge" else None
@@ -560,7 +567,8 @@ def _cleanup_dir(d: Path) -> None:
             shim = hashlib.sha256(f"{socket}/k8s.io/{sandbox_id}".encode()).hexdigest()
             (SHIM_SOCKET_DIR / shim).unlink(missing_ok=True)
     mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-    for mount in sorted((m for m in mounts if m.startswith(f"{d}/")), key=len, reverse=True):
+    for mount in sorted((m for m in mounts if m.startswith(f"{d}/") or m == str(d)), key=len,
+                        reverse=True):
         subprocess.run(["umount", "-l", mount], capture_output=True)
     parent = f"kiamfast-cri-{d.name}"
     # each v1 hierarchy below CGROUP_ROOT, or (cgroup v2) CGROUP_ROOT itself

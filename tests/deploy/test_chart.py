@@ -449,6 +449,24 @@ def test_container_runtime_socket_directory_is_mounted_read_only_at_its_own_path
         assert not any(v.get("hostPath", {}).get("type") == "Socket" for v in spec["volumes"])
 
 
+def test_the_pods_network_namespaces_are_mounted_and_the_kernel_may_be_heard(tmp_path):
+    """--address-proof=netns: the agent opens each sandbox's namespace at the path the
+    runtime reports (mounted read-only at that path; HostToContainer: each is mounted after
+    the agent started) and hears the kernel's address notifications (NET_BROADCAST)."""
+    for values, directory in (({}, "/var/run/netns"),
+                              ({"cri": {"netnsDir": "/run/crio-ns/netns"}},
+                               "/run/crio-ns/netns")):
+        objs = render(values_file(tmp_path, values))
+        spec, c = pod_spec(objs), container(objs)
+        cfg, _ = agent_config(objs)
+        assert cfg.address_proof == "netns"
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == directory)
+        assert mount["readOnly"] is True and mount["mountPropagation"] == "HostToContainer"
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["hostPath"] == {"path": directory, "type": "DirectoryOrCreate"}
+        assert "NET_BROADCAST" in c["securityContext"]["capabilities"]["add"]
+
+
 def test_container_runtime_disabled_means_no_mount_and_none(tmp_path):
     objs = render(values_file(tmp_path, {"cri": {"enabled": False}}))
     spec, c = pod_spec(objs), container(objs)
@@ -460,6 +478,7 @@ def test_container_runtime_disabled_means_no_mount_and_none(tmp_path):
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/run/kiamfast", "/tmp",
                                                            "/run/xtables.lock",
                                                            "/run/kiamfast-pod"}
+    assert "NET_BROADCAST" not in c["securityContext"]["capabilities"]["add"]
 
 
 def test_table_and_token_key_are_in_a_node_directory_a_new_pod_finds(tmp_path):

@@ -74,17 +74,20 @@ def test_the_agents_parser_accepts_what_the_chart_renders(tmp_path):
 
 
 @pytest.mark.parametrize("security, expected_add", [
-    ({}, ["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"]),
+    ({}, ["NET_ADMIN", "NET_RAW", "NET_BROADCAST", "NET_BIND_SERVICE"]),
     ({"capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_BIND_SERVICE"]}},
-     ["NET_ADMIN", "NET_BIND_SERVICE"]),
+     ["NET_ADMIN", "NET_BIND_SERVICE", "NET_BROADCAST"]),
     ({"privileged": True}, ["NET_ADMIN", "NET_RAW"])])   # privileged has every capability
 def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
-    # Root whose capabilities were dropped cannot bind a port under 1024 without this one.
+    # Root whose capabilities were dropped cannot bind a port under 1024 without this one
+    # (NET_BROADCAST: the runtime's, tests/deploy/test_chart.py).
     objs = render(values_file(tmp_path, {**ON, "securityContext": security}))
     assert container(objs)["securityContext"]["capabilities"]["add"] == expected_add
     off = render(values_file(tmp_path, {"securityContext": security}))
-    assert container(off)["securityContext"].get("capabilities", {}).get("add") == \
-        (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
+    own = (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
+    assert container(off)["securityContext"].get("capabilities", {}).get("add") == (
+        own if security.get("privileged") or "NET_BROADCAST" in own
+        else [*own, "NET_BROADCAST"])
 
 
 def test_on_the_cluster_role_adds_token_reviews_and_events_and_nothing_else(tmp_path):

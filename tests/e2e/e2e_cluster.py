@@ -169,10 +169,15 @@ class Agent:
         if self._log is not None:
             self._log.close()
         self._log = open(self.log_path, "ab")
-        self.proc = self.node.net.ns.popen([*self.wrapper, sys.executable, "-m", "kiamfast",
-                                            *self.args],
-                                           env=self.env, cwd=str(REPO), stdout=self._log,
-                                           stderr=subprocess.STDOUT)
+        # The node's network namespace only, as a hostNetwork container has it: `ip netns
+        # exec` would also give it a mount namespace of its own, where the pods' network
+        # namespaces mounted after its start would not show (a container mounts them with
+        # HostToContainer propagation).
+        self.proc = subprocess.Popen(
+            ["nsenter", f"--net={self.node.net.ns.path}", "--", *self.wrapper, sys.executable,
+             "-m", "kiamfast", *self.args],
+            env=self.env, cwd=str(REPO), stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     @property

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.root
 
 def bind_mounted(source: Path, target: Path) -> list[str]:
     """argv prefix: run the rest in a new mount namespace where `source` is bind-mounted
-    on `target` (a file or a directory, as a container's hostPath volume)."""
+    on `target` (a file or a directory, as a container's hostPath volume); a slave of the
+    host's, as a container's HostToContainer mounts are (the sandboxes' network namespaces
+    the runtime mounts later reach it)."""
     script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+    return ["unshare", "--mount", "--propagation", "slave", "--", "sh", "-c", script, "sh",
             str(source), str(target)]
 
 

@@ -175,7 +175,8 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
                                 uid=meta["uid"], annotations=meta.get("annotations"))
         old = sandbox(leaving, REUSED_IP)
         runtime.put(sandbox(app, POD_IP), old)
-        flags = [f"--cri-endpoint={runtime.endpoint}"]
+        # loopback pods: no namespace of their own for the kernel to show
+        flags = [f"--cri-endpoint={runtime.endpoint}", "--address-proof=runtime"]
         agent = Agent(fakes, tmp_path, extra=[f"--sts-endpoint={fakes.proxy.url}", *flags])
         try:
             agent.wait_ready()

@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import orjson
+
 from kiamfast.control.cri import messages as cri
 from kiamfast.control.cri.transport import GrpcError, StatusCode, UnixChannel
 
@@ -98,6 +100,7 @@ class Sandbox:
     # the kubelet copies the pod's annotations here (not hashed: a Sandbox can go in a set)
     annotations: Mapping[str, str] = field(compare=False)
     created_ns: int                 # created_at from the runtime
+    netns: str = ""                 # its network namespace's path (verbose status), or ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +148,28 @@ def canonical_ip(text: str) -> str:
     return str(addr)
 
 
-def sandbox_from_status(status: Any) -> Sandbox:
-    """A view entry from a `PodSandboxStatus`, or `_Skip` naming what is wrong with it."""
+def netns_path(info: Mapping[str, str]) -> str:
+    """The sandbox's network namespace from a verbose status's ``info``: containerd and CRI-O
+    both put the sandbox's runtime spec there as JSON (``info["info"]``: ``runtimeSpec.linux
+    .namespaces``, the entry of type ``network``; CRI-O's server/sandbox_status.go
+    ``createSandboxInfo``, containerd's ``SandboxInfo``); "" when it is not there."""
+    raw = info.get("info")
+    if not raw:
+        return ""
+    try:
+        spec = orjson.loads(raw).get("runtimeSpec") or {}
+        for ns in (spec.get("linux") or {}).get("namespaces") or ():
+            if isinstance(ns, dict) and ns.get("type") == "network":
+                path = ns.get("path")
+                return path if isinstance(path, str) else ""
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        pass
+    return ""
+
+
+def sandbox_from_status(status: Any, info: Mapping[str, str] | None = None) -> Sandbox:
+    """A view entry from a `PodSandboxStatus` (and its verbose ``info``), or `_Skip` naming
+    what is wrong with it."""
     labels = status.labels
     missing = [k for k in (POD_UID_LABEL, POD_NAME_LABEL, POD_NAMESPACE_LABEL) if not labels.get(k)]
     if missing:
@@ -167,7 +190,7 @@ def sandbox_from_status(status: Any) -> Sandbox:
     return Sandbox(id=status.id, pod_uid=labels[POD_UID_LABEL], name=labels[POD_NAME_LABEL],
                    namespace=labels[POD_NAMESPACE_LABEL], ips=tuple(ips),
                    annotations=MappingProxyType(dict(status.annotations)),
-                   created_ns=status.created_at)
+                   created_ns=status.created_at, netns=netns_path(info or {}))
 
 
 class RuntimeClient:
@@ -175,15 +198,19 @@ class RuntimeClient:
 
     def __init__(self, endpoint: str, *, timeout: float = 2.0,
                  clock_ns: Callable[[], int] = time.monotonic_ns,
-                 known: Iterable[Sandbox] = ()) -> None:
+                 known: Iterable[Sandbox] = (), verbose: bool = False) -> None:
         """``known``: entries a previous process saw (``known.py``), taken for the status
-        answers they were made from while their ids are listed READY."""
+        answers they were made from while their ids are listed READY.  ``verbose``: ask
+        for each sandbox's network namespace (the kernel's proof needs it)."""
         self.endpoint = endpoint
+        self.verbose = verbose
         self.timeout = timeout
         self._clock_ns = clock_ns
         self._channel = UnixChannel(endpoint)
         self._status_pool: ThreadPoolExecutor | None = None
-        self._cache: dict[str, Sandbox] = {s.id: s for s in known}   # READY entries, by id
+        # READY entries, by id (a saved one without the namespace the proof needs is asked
+        # for again)
+        self._cache: dict[str, Sandbox] = {s.id: s for s in known if s.netns or not verbose}
         self._skips: dict[str, _Recheck] = {}       # listed sandboxes skipped, by id
         self._failing: set[str] = set()             # ids whose status failed (logged)
         self._conflicts_logged: set[str] = set()
@@ -267,15 +294,15 @@ class RuntimeClient:
         return list(self._status_pool.map(self._fetch_status, sandbox_ids))
 
     def _fetch_status(self, sandbox_id: str) -> tuple[Any, int]:
-        """(answer, calls made): the status message, _GONE (NOT_FOUND: removed since the
+        """(answer, calls made): the status answer, _GONE (NOT_FOUND: removed since the
         list) or _StatusFailed. Runs on a pool thread: touches no state of the client. A
         failure is retried once, unless it timed out: a second wait would hold the whole
         poll, and every first call waiting for it, as long again."""
-        request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id)
+        request = cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=self.verbose)
         for calls in (1, 2):
             try:
                 return self._rpc("PodSandboxStatus", request,
-                                 cri.PodSandboxStatusResponse).status, calls
+                                 cri.PodSandboxStatusResponse), calls
             except GrpcError as exc:
                 if exc.code is StatusCode.NOT_FOUND:
                     return _GONE, calls
@@ -296,10 +323,10 @@ class RuntimeClient:
         if sandbox_id in self._failing:
             self._failing.discard(sandbox_id)
             log.info("CRI %s: sandbox %s status answered again", self.endpoint, sandbox_id)
-        if answer is _GONE or answer.state != cri.SANDBOX_READY:
+        if answer is _GONE or answer.status.state != cri.SANDBOX_READY:
             return False
         try:
-            self._cache[sandbox_id] = sandbox_from_status(answer)
+            self._cache[sandbox_id] = sandbox_from_status(answer.status, answer.info)
         except _Skip as why:
             self._skip(sandbox_id, str(why), now)
             return False

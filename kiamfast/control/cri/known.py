@@ -8,7 +8,8 @@ a sandbox's addresses; with it, one ``ListPodSandbox`` and a status for the new 
 
 Why a saved entry may stand in for a status: everything in it is fixed when the sandbox is
 created and never changes while its id is listed (the addresses CNI gave it, the kubelet's
-labels and the annotations copied from the pod), and a sandbox id is never reused.  The
+labels and the annotations copied from the pod, its network namespace's path), and a sandbox
+id is never reused.  The
 poll that reads the file still asks the runtime which ids are READY now: an entry whose id
 is no longer listed is dropped, so a saved entry can never keep an owner the runtime no
 longer shows (docs/architecture.md, "A restarted or upgraded agent adopts the table").  A
@@ -33,7 +34,7 @@ from kiamfast.table import files_beside
 
 log = logging.getLogger("kiamfast.runtime")
 
-FORMAT = 1
+FORMAT = 2             # 2: with each sandbox's network namespace
 MAX_ENTRY = 16 * 1024
 MAX_FILE = 2 * 1024 * 1024
 
@@ -52,7 +53,7 @@ def load(path: str, endpoint: str) -> tuple[Sandbox, ...]:
         return tuple(Sandbox(id=e["id"], pod_uid=e["pod_uid"], name=e["name"],
                              namespace=e["namespace"], ips=tuple(e["ips"]),
                              annotations=MappingProxyType(dict(e["annotations"])),
-                             created_ns=int(e["created_ns"]))
+                             created_ns=int(e["created_ns"]), netns=str(e.get("netns", "")))
                      for e in saved["sandboxes"])
     except FileNotFoundError:
         return ()
@@ -69,7 +70,8 @@ def save(path: str, endpoint: str, sandboxes: Iterable[Sandbox]) -> None:
     for s in sandboxes:
         entry = orjson.dumps({"id": s.id, "pod_uid": s.pod_uid, "name": s.name,
                               "namespace": s.namespace, "ips": s.ips,
-                              "annotations": dict(s.annotations), "created_ns": s.created_ns})
+                              "annotations": dict(s.annotations), "created_ns": s.created_ns,
+                              "netns": s.netns})
         if len(entry) > MAX_ENTRY or size + len(entry) > MAX_FILE - 256:
             continue
         entries.append(entry)

@@ -360,6 +360,7 @@ class PodSandboxStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class PodSandboxStatusResponse:       # info (2, verbose only), containers_statuses (3) and
-    status: PodSandboxStatus | None = None   # timestamp (4) are not read
-    _schema: ClassVar = _declare(status=(1, _message(PodSandboxStatus)))
+class PodSandboxStatusResponse:       # containers_statuses (3) and timestamp (4) are not read
+    status: PodSandboxStatus | None = None
+    info: dict[str, str] = field(default_factory=dict)   # verbose only
+    _schema: ClassVar = _declare(status=(1, _message(PodSandboxStatus)), info=(2, STRING_MAP))

@@ -1,10 +1,14 @@
-"""The container runtime as the node model's source: polls, their outages, the host routes.
+"""The container runtime as the node model's source: polls, their outages, and the kernel's
+proof of who holds each address.
 
 Where a runtime endpoint is configured or found (``--cri-endpoint``, default ``auto``), its
 poller's views go to the model (``apply_runtime``) and each failed attempt too
-(``runtime_failed``: the merge's fallback decides meanwhile), with the host's routes read
-before each (``routes.RouteWatch``: the fallback's second witness).  A lasting outage is
-made visible: ``/readyz`` 503 after ``RUNTIME_UNREADY_AFTER`` seconds, and ``/healthz`` 500
+(``runtime_failed``: the last view stands as far as the kernel still proves it), with the
+kernel's addresses of the sandboxes' network namespaces read after each
+(``netns.watch.NetnsWatch``, ``--address-proof=netns``): a sandbox owns an address only
+while the kernel shows it in that sandbox's namespace; the watch's notifications between
+polls reach the model as they come (``kernel_changed``).  A lasting outage is made
+visible: ``/readyz`` 503 after ``RUNTIME_UNREADY_AFTER`` seconds, and ``/healthz`` 500
 (the liveness probe restarts the container) only when the agent's own link is dead: its
 socket path is there but refuses while the kubelet reaches the runtime (``link.LinkMonitor``).
 A socket path that is not there at all is not cured by a restart, so it never fails the
@@ -23,7 +27,7 @@ from kiamfast.control.cri import link as runtime_link
 from kiamfast.control.cri import client as runtime
 from kiamfast.control.cri import known
 from kiamfast.control.cri.poller import RuntimePoller
-from kiamfast.control.cri import routes as host_routes
+from kiamfast.control.netns.watch import NetnsWatch
 
 log = logging.getLogger("kiamfast.runtime")
 
@@ -33,22 +37,28 @@ LINK_CHECK_INTERVAL = 5.0
 RUNTIME_UNREADY_AFTER = 15.0
 
 
+class NetnsUnavailable(Exception):
+    """--address-proof=netns with a runtime to ask, and the kernel's addresses cannot be
+    watched: nothing could ever be proven."""
+
+
 class RuntimeSource:
-    """The poller, its link's health and the route witness, feeding ``model``."""
+    """The poller, its link's health and the kernel's witness, feeding ``model``."""
 
     def __init__(self, *, endpoint: str, model: Any, commit: Callable[[], None],
                  table_runtime_mode: bool, on_change: Callable[[], None],
-                 known_file: str | None = None) -> None:
+                 known_file: str | None = None, address_proof: str = "netns") -> None:
         """``known_file``: where the views' sandboxes are kept for the next process
-        (``known.py``), read when the runtime's client is made."""
+        (``known.py``), read when the runtime's client is made.  ``address_proof``: netns
+        (the kernel proves who holds an address: ``netns`` is that witness) or runtime (a
+        READY sandbox is taken at its word; ``netns`` is None)."""
         self.model = model
         self.commit = commit               # the model's commit, then the workers' wake
         self.on_change = on_change         # /healthz follows the state
         self.state = "disabled"            # for /healthz: disabled | connecting | ok | ...
         self.link = runtime_link.LinkMonitor()
         self.settled = asyncio.Event()     # the runtime answered, or failed, once
-        self.routes: host_routes.RouteWatch | None = None
-        self._routes_fd = -1
+        self.verbose = address_proof == "netns"
         self.known_file = known_file
         self._keeping: asyncio.Future | None = None     # a save in flight
         self._to_keep: tuple[runtime.Sandbox, ...] | None = None
@@ -57,6 +67,22 @@ class RuntimeSource:
         # checks because an 'auto' socket is briefly absent).
         self.expected = table_runtime_mode
         self.poller = self._poller(endpoint)
+        self.netns = self._netns() if self.verbose and self.poller is not None else None
+        self._netns_fd = -1
+
+    def _netns(self) -> NetnsWatch:
+        """The kernel's witness, opened now: a runtime whose answers nothing can prove is
+        a start that cannot work (NetnsUnavailable), unless none is found yet."""
+        watch = NetnsWatch()
+        try:
+            watch.open()
+        except OSError as exc:
+            if self.expected:
+                raise NetnsUnavailable(str(exc)) from None
+            log.warning("cannot watch the addresses of pods' network namespaces (%s): if a "
+                        "container runtime appears (--cri-endpoint=auto), no address will "
+                        "be proven to belong to a pod", exc)
+        return watch
 
     def _poller(self, endpoint: str) -> RuntimePoller | None:
         if endpoint.strip() == "auto":
@@ -84,7 +110,7 @@ class RuntimeSource:
 
     def _client(self, endpoint: str) -> runtime.RuntimeClient:
         saved = known.load(self.known_file, endpoint) if self.known_file else ()
-        return runtime.RuntimeClient(endpoint, known=saved)
+        return runtime.RuntimeClient(endpoint, known=saved, verbose=self.verbose)
 
     def _keep(self, sandboxes: tuple[runtime.Sandbox, ...]) -> None:
         """Save the view's sandboxes on a thread, the latest once the save in flight ends
@@ -105,23 +131,31 @@ class RuntimeSource:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def start_routes(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The host's routes to pod addresses, read as notifications come (so each change is
-        dated when it happened); only where there is a runtime to fall back from."""
-        if self.poller is None:
+    def start_netns(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The kernel's notifications, applied as they come (an address leaving a sandbox's
+        namespace takes its owner away at once, not at the next poll)."""
+        if self.netns is None or not self.netns.watching:
             return
-        watch = host_routes.RouteWatch()
-        if not watch.open():
-            return
-        self.routes = watch
-        self._routes_fd = watch.fileno()
-        loop.add_reader(self._routes_fd, self._drain_routes)
+        self._netns_fd = self.netns.fileno()
+        loop.add_reader(self._netns_fd, self._on_netns)
 
-    def _drain_routes(self) -> None:
-        assert self.routes is not None
-        self.routes.drain()
-        if not self.routes.watching:   # it gave up (logged): every answer is None now
-            asyncio.get_running_loop().remove_reader(self._routes_fd)
+    def _on_netns(self) -> None:
+        assert self.netns is not None
+        if self._refresh_netns():
+            self.commit()
+        if not self.netns.watching:    # it gave up (logged): nothing is proven any more
+            asyncio.get_running_loop().remove_reader(self._netns_fd)
+
+    def _refresh_netns(self) -> bool:
+        """Read what the kernel changed; tell the model if an answer may have moved."""
+        if self.netns is None:
+            return False
+        before = self.netns.generation
+        self.netns.refresh()
+        if self.netns.generation == before:
+            return False
+        self.model.kernel_changed()
+        return True
 
     def need(self, accepted_ns: int) -> None:
         """A worker's connection accepted at ``accepted_ns`` needs a poll begun after it."""
@@ -157,17 +191,18 @@ class RuntimeSource:
                 self.on_change()
 
     def close(self) -> None:
-        if self.routes is not None:
-            if self.routes.watching:
-                asyncio.get_running_loop().remove_reader(self._routes_fd)
-            self.routes.close()
+        if self.netns is not None:
+            if self._netns_fd >= 0 and self.netns.watching:
+                asyncio.get_running_loop().remove_reader(self._netns_fd)
+            self.netns.close()
 
     # ---- the poller's callbacks, on the loop ----------------------------------------------------
 
     def _on_view(self, view: runtime.RuntimeView) -> None:
         self.expected = True
-        if self.routes is not None:   # re-read what changed, for the next outage
-            self.routes.refresh(prune_before_ns=view.started_ns)
+        if self.netns is not None:    # the view's sandboxes' namespaces, read after the view
+            self.netns.track(view.sandboxes)
+            self._refresh_netns()
         self.model.apply_runtime(view)
         self.commit()
         milestones.mark("runtime answered")    # the first view only
@@ -176,8 +211,7 @@ class RuntimeSource:
 
     def _on_failure(self, started_ns: int) -> None:
         if self.expected:     # else: an 'auto' socket not found yet (API mode)
-            if self.routes is not None:   # every change until after this attempt began
-                self.routes.refresh()
+            self._refresh_netns()   # every change until after this attempt began
             self.model.runtime_failed(started_ns)
             self.commit()
         self.settled.set()
@@ -202,5 +236,7 @@ class RuntimeSource:
             return {}
         kinds = {**{f"client_{k}" if k in self.poller.stats else k: v
                     for k, v in self.poller.client.stats.items()}, **self.poller.stats}
+        if self.netns is not None:
+            kinds.update({f"netns_{k}": v for k, v in self.netns.counters.items()})
         return {k: v for k, v in kinds.items()
                 if isinstance(v, int) and not isinstance(v, bool)}

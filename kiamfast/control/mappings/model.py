@@ -42,8 +42,9 @@ from kiamfast.control.mappings.api_owners import ApiOwners
 from kiamfast.control.mappings.credential_holds import CredentialHolds, CredentialSink
 from kiamfast.control.mappings.decisions import (Decider, IdentityKind, PodDecision, PodIdentity,
                                                  PodRecord)
-from kiamfast.control.mappings.merge import KEEP, HostRoutesLike, Merge, Undecided
-from kiamfast.control.mappings.runtime_owners import RuntimeOwners, RuntimeViewLike
+from kiamfast.control.mappings.merge import KEEP, Merge, Owner, Undecided
+from kiamfast.control.mappings.runtime_owners import (AddressProof, RuntimeOwners,
+                                                      RuntimeViewLike)
 from kiamfast.control.mappings.sandbox_pods import SandboxPods
 from kiamfast.control.publish.addresses import AddressTable, TableWriter, Written
 from kiamfast.table import POD_DENIED, POD_NO_ROLE, POD_ROLE, POD_UNDECIDED
@@ -60,7 +61,7 @@ class NodeModel:
                  adopted: Mapping[str, Written] | None = None, expect_runtime: bool = False,
                  token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
                  slot_refs: Counter | None = None,
-                 routes: HostRoutesLike | None = None) -> None:
+                 proof: AddressProof | None = None) -> None:
         self.policy = policy
         self.token_only = token_only   # container_credentials/token_only.py
         self.holds = CredentialHolds(sink)
@@ -73,8 +74,8 @@ class NodeModel:
         self.slot_refs = self.addresses.refs
         written = self.addresses.written
         self.api = ApiOwners()
-        self.runtime = RuntimeOwners(expected=expect_runtime)
-        self.merge = Merge(runtime=self.runtime, routes=routes)
+        self.runtime = RuntimeOwners(expected=expect_runtime, proof=proof)
+        self.merge = Merge(runtime=self.runtime)
         self.merge.reconciled = not written
         # A denied address naming a slot was a pod served by token only (see the docstring).
         self.decider = Decider(policy=policy, namespace_grace=namespace_grace, clock=clock,
@@ -221,7 +222,7 @@ class NodeModel:
                     self._dirty_pods.add(uid)
             elif pod.cred_key is not None and pod.cred_key[2] is None:
                 self._dirty_pods.add(uid)   # tell the credential manager its address
-        for uid in [u for u in self.sandbox_pods.records if u not in self.runtime.ips]:
+        for uid in [u for u in self.sandbox_pods.records if u not in self.runtime.sandboxes]:
             pod = self.sandbox_pods.records.pop(uid)   # its sandbox went
             self._dirty_ips.update(old_ips.get(uid, ()))
             self.holds.forget(pod)
@@ -229,14 +230,20 @@ class NodeModel:
         self._reconcile()
 
     def runtime_failed(self, started_ns: int) -> None:
-        """A poll attempt begun at ``started_ns`` failed: the merge's fallback decides."""
-        if not self.runtime.fail(started_ns, self.addresses.written):
+        """A poll attempt begun at ``started_ns`` failed: the last view stands, as far as
+        the kernel still proves it."""
+        adopted = {ip: uid for ip, (uid, _, _) in self.addresses.written.items()}
+        if not self.runtime.fail(started_ns, adopted):
             return
-        self.merge.newcomer_unplaced = self._unplaced_newcomer()
-        self.merge.evidence.forget()
         self._dirty_ips |= (set(self.addresses.written) | set(self.api.claimants)
-                            | set(self.runtime.owners or ()))
+                            | set(self.runtime.owners or ()) | set(self.runtime.claims))
         self._reconcile()
+
+    def kernel_changed(self) -> None:
+        """The kernel's word on which namespace holds which address moved on: every
+        address of the runtime's last view is proven again."""
+        if self.runtime.owners is not None and not self.runtime.awaiting:
+            self._dirty_ips |= self.runtime.prove()
 
     # ---- time and sync ------------------------------------------------------------------------
 
@@ -274,13 +281,6 @@ class NodeModel:
                 self._decide(pod)
         self._dirty_pods.clear()
         rt = self.runtime
-        if rt.stale:
-            unplaced = self._unplaced_newcomer()
-            if unplaced != self.merge.newcomer_unplaced:
-                self.merge.newcomer_unplaced = unplaced
-                self._dirty_ips.update(rt.owners or ())   # the guard moves every agreement
-            self._dirty_ips |= self.merge.evidence.refresh(rt.owners or {},
-                                                           since_ns=rt.verified_ns)
         # The API's owner, kept up to date (high-water marks) even while the runtime
         # decides: the fallback needs it the moment a poll fails.
         wanted = {ip: self._wanted(ip, self.merge.owner(ip, self.api.owner(ip, self.pods)))
@@ -299,14 +299,17 @@ class NodeModel:
             self.notify()
         return changed
 
-    def _wanted(self, ip: str, owner: object) -> Written | None:
+    def _wanted(self, ip: str, owner: Owner) -> Written | None:
         if owner is KEEP:
             return self.addresses.written.get(ip)
         if owner is None:
             return None
         if isinstance(owner, Undecided):
             return (owner.uid, POD_UNDECIDED, -1)
-        return self._entry(owner)   # type: ignore[arg-type]
+        assert isinstance(owner, str)
+        # A proven owner the model no longer knows (deleted from the API while the runtime
+        # could not be asked): its address waits, it is not free.
+        return self._entry(owner) or (owner, POD_UNDECIDED, -1)
 
     def _entry(self, uid: str) -> Written | None:
         """The table entry of an address ``uid`` owns."""
@@ -371,12 +374,6 @@ class NodeModel:
             self._pending.add(pod.uid)
         else:
             self._pending.discard(pod.uid)
-
-    def _unplaced_newcomer(self) -> bool:
-        """A live pod of the API that the last view did not show and whose address the API
-        has not published yet."""
-        return any(pod.live and not pod.api_ips and uid not in self.runtime.ips
-                   for uid, pod in self.pods.items())
 
     def _decide(self, pod: PodRecord) -> None:
         if not pod.decided:

@@ -24,6 +24,7 @@ class ControlState:
     pending_pods: int = 0
     watch: Mapping[str, int] = field(default_factory=dict)
     runtime: Mapping[str, int] | None = None     # None: no runtime configured
+    unproven: int | None = None                  # addresses claimed, not proven (runtime)
     container_lines: list[str] = field(default_factory=list)
     uninjected: int | None = None                # None: no container-credentials listener
 
@@ -61,6 +62,13 @@ def render(s: ControlState) -> list[str]:
                              "counter")
         lines += [text.sample("kiamfast_runtime_total", v, (("kind", k),))
                   for k, v in sorted(s.runtime.items())]
+    if s.unproven is not None:
+        lines += gauge("kiamfast_runtime_unproven_addresses", "Addresses a sandbox or the "
+                       "API server claims that the kernel does not show in that sandbox's "
+                       "network namespace: their requests wait, then get 503. Brief while a "
+                       "sandbox starts or stops; lasting, the agent cannot read the "
+                       "sandboxes' network namespaces (docs/troubleshooting.md).",
+                       s.unproven)
     lines += s.container_lines
     if s.uninjected is not None:
         lines += gauge("kiamfast_container_credentials_uninjected_pods_total", "Pods of this "

@@ -57,7 +57,7 @@ NOTE: image.repository {{ .Values.image.repository }} is kube2iam's image; runni
 {{- if .Values.podSecurityPolicy.enabled }}
 
 NOTE: podSecurityPolicy.* is ignored: PodSecurityPolicy was removed in Kubernetes 1.25. The
-agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities, and hostPath mounts of {{ .Values.stateDir }}{{ if .Values.cri.enabled }} and {{ include "kiamfast.criDir" . }}{{ end }}: label the namespace for the privileged Pod Security level.
+agent needs hostNetwork, root and the NET_ADMIN and NET_RAW capabilities{{ if .Values.cri.enabled }} (and NET_BROADCAST){{ end }}, and hostPath mounts of {{ .Values.stateDir }}{{ if .Values.cri.enabled }}, {{ include "kiamfast.criDir" . }} and {{ .Values.cri.netnsDir }}{{ end }}: label the namespace for the privileged Pod Security level.
 {{- end }}
 {{- if not .Values.rbac.create }}
 

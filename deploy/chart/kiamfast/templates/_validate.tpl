@@ -25,7 +25,7 @@ iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
 sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
 cluster-name container-credentials-link socket-keeper handover-socket handover-port ready-file
-iptables-check-interval
+iptables-check-interval address-proof
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}

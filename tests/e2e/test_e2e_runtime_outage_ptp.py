@@ -4,10 +4,10 @@ The node's containerd uses the CNI ``ptp`` plugin (a veth per pod, a /32 host ro
 host end, as Calico and the AWS VPC CNI do).  The agent's link to the runtime dies the way
 a bind mount of the socket *file* kills it (test_e2e_runtime_link.py), while containerd goes
 on working for the node.  A pod stuck Pending (a volume that never attaches: no sandbox, no
-address) used to make every address of the node answer 503 for as long as it waited
-(issue 30, finding 5); the host's routes show that nothing changed behind the established
-pods' addresses, so they keep their roles.  A sandbox started meanwhile on a reused address
-changes that address's route: the address is not served with the previous pod's role,
+address) once made every address of the node answer 503 for as long as it waited (issue
+30, finding 5); the kernel shows that the established pods' namespaces still hold their
+addresses, so they keep their roles.  A sandbox started meanwhile on a reused address is in
+a namespace no view showed: the address is not served with the previous pod's role,
 whatever the API still shows.  STS judges every answer.
 """
 
