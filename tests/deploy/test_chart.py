@@ -28,7 +28,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kustomize_lite import render as kustomize
-from test_deploy_manifests import AGENT_CALLS, FIELD_VALUES, expand
+from test_deploy_manifests import AGENT_CALLS, FIELD_VALUES, daemonset_rule_names, expand
 
 from kiamfast.cli import parse_args
 from kiamfast.config import FLAGS, FLAGS_BY_NAME
@@ -535,8 +535,8 @@ def test_readiness_probe_is_the_pods_own_ready_file_with_the_values_timings(tmp_
         (READY_FILE_PROBE, 7, 9)
 
 
-def test_rbac_grants_every_call_the_agent_makes_and_nothing_more():
-    objs = render()
+def test_rbac_grants_every_call_the_agent_makes_and_nothing_more(tmp_path):
+    objs = render(values_file(tmp_path, {"host": {"iptables": True}}))
     role = one(objs, "ClusterRole")
     binding = one(objs, "ClusterRoleBinding")
     sa = one(objs, "ServiceAccount")
@@ -550,6 +550,7 @@ def test_rbac_grants_every_call_the_agent_makes_and_nothing_more():
     granted = {(g, res, v) for r in role["rules"] for g in r["apiGroups"]
                for res in r["resources"] for v in r["verbs"]}
     assert granted == set(AGENT_CALLS)  # no nodes/proxy, no secrets, no writes to pods
+    assert daemonset_rule_names(role) == [one(objs, "DaemonSet")["metadata"]["name"]]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                     "namespace": NAMESPACE}]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes,
                         render, render_error, values_file)
-from test_deploy_manifests import AGENT_CALLS
+from test_deploy_manifests import AGENT_CALLS, UNINSTALL_CALLS
 
 from kiamfast.webhook import cli as webhook_cli
 
@@ -39,7 +39,8 @@ def test_off_by_default_no_listener_and_no_token_reviews():
     objs = render()
     assert cc_args(objs) == []
     assert agent_config(objs)[0].container_credentials_addr == ""
-    assert granted(objs) == set(AGENT_CALLS)
+    # (host.iptables is off by default: no rules, so no DaemonSet to watch for an uninstall)
+    assert granted(objs) == set(AGENT_CALLS) - UNINSTALL_CALLS
 
 
 def test_on_the_agent_serves_both_addresses_on_its_link(tmp_path):
@@ -92,7 +93,7 @@ def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
 
 def test_on_the_cluster_role_adds_token_reviews_and_events_and_nothing_else(tmp_path):
     assert granted(render(values_file(tmp_path, ON))) == \
-        set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
+        (set(AGENT_CALLS) - UNINSTALL_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_path):
@@ -159,7 +160,7 @@ def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod[
         "serviceAccountName"], "namespace": NAMESPACE}]
     # The agent's own role gains nothing from it.
-    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
+    assert granted(objs) == (set(AGENT_CALLS) - UNINSTALL_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_path):

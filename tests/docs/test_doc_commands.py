@@ -40,6 +40,10 @@ ELSEWHERE = {
     "tests/run": (".ci/run", "tests/run"),
     "iptables -t nat -S PREROUTING": ("tests/k8s/test_chart_install.py", "removal_commands"),
     "rm -rf /run/kiamfast": ("tests/k8s/test_chart_install.py", "removal_commands"),
+    # the backstop's removal loop (install.md's block, run whole by the same test)
+    "for chain in INPUT FORWARD; do": ("tests/k8s/test_chart_install.py", "removal_commands"),
+    'iptables -S "$chain"': ("tests/k8s/test_chart_install.py", "removal_commands"),
+    "done": ("tests/k8s/test_chart_install.py", "removal_commands"),
     "ip link del kiamfast0": ("tests/k8s/test_chart_install_container_credentials.py",
                               "removal_commands"),
     "helm uninstall": ("tests/k8s/test_chart_install.py", '"uninstall"'),

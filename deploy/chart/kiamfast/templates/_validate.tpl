@@ -12,6 +12,7 @@ these lists equal to the CLI's flag table (--version excepted: it stops the agen
 debug insecure iptables auto-discover-base-arn auto-discover-default-role
 namespace-restrictions resolve-duplicate-cache-ips use-regional-sts-endpoint verbose
 kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6 iptables-backstop
+iptables-remove-on-uninstall
 {{- end -}}
 
 {{- define "kiamfast.valueFlags" -}}
@@ -25,7 +26,7 @@ iptables-backend namespace-permitted-key table-path ready-prefetch-timeout host-
 listen-host passthrough-qps passthrough-burst passthrough-concurrency sts-account-qps
 sts-fleet-nodes container-credentials-addr container-credentials-audience session-tag-keys
 cluster-name container-credentials-link socket-keeper handover-socket handover-port ready-file
-iptables-check-interval address-proof
+iptables-check-interval address-proof pod-name pod-namespace
 {{- end -}}
 
 {{/* A memory quantity in MiB (whole units only: Ki Mi Gi Ti, k M G T, or bytes). */}}
@@ -65,7 +66,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
 {{- fail (printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default" $key $value $key $key) -}}
 {{- end -}}
-{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" "handover-socket" "stateDir" "handover-port" "handoverPort" "socket-keeper" "socketKeeper.enabled" "ready-file" "readinessProbe" "iptables-backstop" "dnatRule.backstop" "iptables-check-interval" "dnatRule.checkInterval" -}}
+{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" "handover-socket" "stateDir" "handover-port" "handoverPort" "socket-keeper" "socketKeeper.enabled" "ready-file" "readinessProbe" "iptables-backstop" "dnatRule.backstop" "iptables-check-interval" "dnatRule.checkInterval" "iptables-remove-on-uninstall" "dnatRule.removeOnUninstall" -}}
 {{- if hasKey $owned $key -}}
 {{- fail (printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead" $key $key (get $owned $key)) -}}
 {{- end -}}
@@ -153,8 +154,10 @@ handoverPort, socketKeeper, dnatRule, and the readiness probe's ready file.
 {{- if not (kindIs "bool" .Values.socketKeeper.enabled) -}}
 {{- fail (printf "socketKeeper.enabled %v: true or false" .Values.socketKeeper.enabled) -}}
 {{- end -}}
-{{- if not (kindIs "bool" .Values.dnatRule.backstop) -}}
-{{- fail (printf "dnatRule.backstop %v: true or false" .Values.dnatRule.backstop) -}}
+{{- range $key := list "backstop" "removeOnUninstall" -}}
+{{- if not (kindIs "bool" (get $.Values.dnatRule $key)) -}}
+{{- fail (printf "dnatRule.%s %v: true or false" $key (get $.Values.dnatRule $key)) -}}
+{{- end -}}
 {{- end -}}
 {{- if not (regexMatch "^(0|([0-9]+(\\.[0-9]+)?(ns|us|ms|s|m|h))+)$" (toString .Values.dnatRule.checkInterval)) -}}
 {{- fail (printf "dnatRule.checkInterval %v: a duration such as 10s (Go's form), or 0 to install the rule once" .Values.dnatRule.checkInterval) -}}
