@@ -238,25 +238,23 @@ REFUSED = [
      "containerCredentials.webhook.tokenExpirationSeconds 599: at least 600"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "serviceAccountOptIn": "false"}}},
-     "containerCredentials.webhook.serviceAccountOptIn false: true or false (a string such "
-     "as \"false\" would read as on)"),
+     # values.schema.json's (a string such as "false" would read as on)
+     "at '/containerCredentials/webhook/serviceAccountOptIn': got string, want boolean"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": "my-ca"}}}},
-     "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA "
-     "issuer) or a cert-manager issuerRef with a name"),
+     "at '/containerCredentials/webhook/certManager/issuerRef': got string, want object"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "Issuer"}}}}},
      "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "extraEnv": {"HTTPS_PROXY": {"host": "proxy"}}}}},
-     "containerCredentials.webhook.extraEnv.HTTPS_PROXY: map[host:proxy]: a variable's "
-     "value is a string, number or boolean"),
+     "at '/containerCredentials/webhook/extraEnv/HTTPS_PROXY': got object, want boolean or "
+     "number or string"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "extraEnv": ["HTTPS_PROXY=http://proxy:3128"]}}},
-     "containerCredentials.webhook.extraEnv: a map of variable name -> value"),
+     "at '/containerCredentials/webhook/extraEnv': got array, want object"),
     ({"extraEnv": {"NO_PROXY": ["169.254.169.254"]}},
-     "extraEnv.NO_PROXY: [169.254.169.254]: a variable's value is a string, number or "
-     "boolean"),
+     "at '/extraEnv/NO_PROXY': got array, want boolean or number or string"),
 ]
 
 

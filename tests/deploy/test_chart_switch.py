@@ -139,9 +139,9 @@ REFUSED = [
     ({"kube2iamChart": "kube2iam-chart", "image": {"tag": "0.11.1"}},
      "image.tag 0.11.1 without image.repository: in kube2iam's chart that ran "
      "jtblin/kube2iam:0.11.1"),
-    ({"probe": "yes"}, "probe yes: the kube2iam chart's 2.x liveness probe switch is true, "
-                       "false or a map"),
-    ({"probe": {"path": "/healthz"}}, "probe.path: not a key of the kube2iam chart's 2.x probe"),
+    ({"probe": "yes"}, "at '/probe': 'oneOf' failed, none matched"),
+    # (values.schema.json's: the 2.x probe is true, false, or a map of enabled and timings)
+    ({"probe": {"path": "/healthz"}}, "additional properties 'path' not allowed"),
 ]
 
 
