@@ -354,11 +354,11 @@ FLAGS: tuple[Flag, ...] = (
        "of CRI-O's (which frees a stopping sandbox's address while it is still READY), and "
        "nothing is answered while the runtime cannot be asked: for pods without network "
        "namespaces of their own, as `kiamfast demo`'s.", choices=("netns", "runtime")),
-    _f("kubelet-url", "str", "", "Accepted for compatibility with earlier kiamfast versions; no "
-       "effect: the kubelet's /pods only mirrors the API server for ordinary pods, the "
-       "container runtime (--cri-endpoint) knows first."),
-    _f("kubelet-insecure", "bool", False, "Accepted for compatibility; no effect (see "
-       "--kubelet-url)."),
+    _f("kubelet-url", "str", "", "No effect (a warning at start): accepted so that a manifest "
+       "written for kiamfast's development builds, which asked the kubelet's /pods, still "
+       "starts. The kubelet's /pods only mirrors the API server for ordinary pods; the "
+       "container runtime (--cri-endpoint) knows a pod's address first."),
+    _f("kubelet-insecure", "bool", False, "No effect (a warning at start), as --kubelet-url."),
     _f("sts-endpoint", "str", "", "STS endpoint URL; falls back to $AWS_ENDPOINT_URL_STS, "
        "then botocore's regional endpoint.", env=("AWS_ENDPOINT_URL_STS",)),
     _f("sts-region", "str", "", "Region of the STS client (\"\" = botocore's default chain: "
