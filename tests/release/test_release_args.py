@@ -206,3 +206,11 @@ def test_the_ci_workflow_example_releases_its_tag_with_the_docker_route(tmp_path
     assert result.returncode == 0, result.stderr
     assert f"image: {workflow['env']['REGISTRY']}/kiamfast:{__version__}" in result.stdout
     assert any(line.startswith("docker buildx build") for line in result.stdout.splitlines())
+
+
+def test_the_changelog_has_this_version_and_says_the_tag_convention():
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    assert re.search(rf"^## {re.escape(__version__)}\b", changelog, re.M), "no section"
+    assert "the git tag is `vX.Y.Z`" in " ".join(changelog.split())
+    assert (REPO / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version",
+                                                           "2.0,"]
