@@ -61,7 +61,11 @@ NOT_RUN = {
                      "takes none)",
     "aws ecr ": "your AWS account (ECR); deploy/ci/github-actions-release.yaml's release "
                 "command, the same route, runs as a dry run in tests/release",
+    "aws iam ": "your AWS account (IAM); tests/docs/test_install_page.py checks the policies "
+                "these commands take",
     "kubectl -n kube-system logs": "a cluster with the agent running in it",
+    "kubectl -n <namespace> exec": "an affected pod in a cluster (the same call from a pod, "
+                                   "through the real DNAT rule: tests/k8s)",
 }
 
 
