@@ -234,6 +234,9 @@ def test_kube2iam_default_values_mean_what_they_meant(tmp_path):
     assert "lifecycle.preStop deletes the metadata DNAT rule" in text
     assert 'rbac.create is false: the ServiceAccount "default" needs' in text
     assert "image.repository jtblin/kube2iam is kube2iam's image" in text
+    # ... whose replacement is the chart's default, which nobody publishes yet.
+    assert "ghcr.io/kiamfast/kiamfast:0.1.0 is not published" in text
+    assert "deploy/release.sh" in text
     assert "host.iptables is false" in text
     assert "upgrade that release with kube2iamChart set instead" in text
     assert "updateStrategy is OnDelete" in text   # kept, as the values say: how to roll
@@ -579,3 +582,11 @@ def test_kustomize_base_is_what_the_chart_renders():
     assert one(chart, "ClusterRole")["rules"] == one(base, "ClusterRole")["rules"]
     for key in ("roleRef", "subjects"):
         assert one(chart, "ClusterRoleBinding")[key] == one(base, "ClusterRoleBinding")[key]
+
+
+def test_the_notes_say_to_publish_the_image_only_while_it_is_the_unpublished_default(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    mirror = values_file(tmp_path, {"image": {"repository": "registry.example.com/kiamfast"}})
+    assert "is not published" not in notes(tmp_path / "a", mirror)
+    assert "is not published" in notes(tmp_path / "b", values_file(tmp_path, {}))
