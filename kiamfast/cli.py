@@ -125,12 +125,16 @@ def _convert(flag: Flag, text: str) -> Any:
 
 def _did_you_mean(name: str) -> str:
     """`` (did you mean --x?)`` for the flag closest to ``name``, or "" when none is close
-    (also the usual slips: an underscore for a dash, a capital letter)."""
+    (also the usual slips: an underscore for a dash, a capital letter, the start of a name:
+    ``v`` is ``--verbose`` or ``--version``)."""
     import difflib
     names = [*FLAGS_BY_NAME, "help"]
     guess = name.lower().replace("_", "-")
     if guess in names:
         return f" (did you mean --{guess}?)"
+    started = [n for n in names if guess and n.startswith(guess)]
+    if 1 <= len(started) <= 3:
+        return f" (did you mean {' or '.join(f'--{n}' for n in started)}?)"
     close = difflib.get_close_matches(guess, names, n=1, cutoff=0.75)
     return f" (did you mean --{close[0]}?)" if close else ""
 
@@ -159,8 +163,13 @@ def _scan(argv: Sequence[str]) -> dict[str, Any]:
             # pflag reads "-xyz" as shorthand flags; kiamfast defines none but -h.
             if arg in ("-h", "-help"):
                 raise _Exit(render_help())
-            raise UsageError(f"unknown flag: {arg} (long flags take two dashes: -{arg})",
-                             flag=arg.lstrip("-").split("=", 1)[0])
+            name = arg.lstrip("-").split("=", 1)[0]
+            if name in FLAGS_BY_NAME:
+                raise UsageError(f"unknown flag: {arg} (long flags take two dashes: -{arg})",
+                                 flag=name)
+            guess = _did_you_mean(name).strip(" ()")
+            raise UsageError(f"unknown flag: {arg} (kiamfast has no one-letter flags but -h"
+                             f"{'; ' + guess if guess else ''})", flag=name)
         name, eq, inline = arg[2:].partition("=")
         if name == "help":
             raise _Exit(render_help())
@@ -240,8 +249,47 @@ def _type_name(flag: Flag) -> str:
             "duration": "duration"}[flag.kind]
 
 
+# --help and the configuration reference, by topic: (title, flag names) in the order shown.
+# Every flag is in exactly one group (tests/cli/test_cli_flags.py).
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("The Kubernetes API", ("kubeconfig", "api-server", "api-token", "insecure", "node",
+                            "cache-resync-period")),
+    ("Pods' roles", ("base-role-arn", "default-role", "iam-role-key", "iam-external-id",
+                     "auto-discover-base-arn", "auto-discover-default-role",
+                     "namespace-restrictions", "namespace-restriction-format",
+                     "namespace-key", "namespace-permitted-key")),
+    ("STS and credentials", ("sts-endpoint", "sts-region", "sts-qps", "sts-burst",
+                             "sts-account-qps", "sts-fleet-nodes", "session-duration",
+                             "iam-role-session-ttl", "iam-role-error-ttl",
+                             "min-credential-lifetime", "ready-prefetch-timeout",
+                             "session-name-policy", "session-tags", "session-tag-keys",
+                             "cluster-name")),
+    ("Serving pods", ("app-port", "metrics-port", "listen-host", "workers", "wait-budget",
+                      "imdsv2", "token-key-file", "metadata-addr", "passthrough-qps",
+                      "passthrough-burst", "passthrough-concurrency")),
+    ("The node: DNAT rule, container runtime, startup taint", (
+        "iptables", "host-ip", "host-interface", "host-ipv6", "metadata-ipv6",
+        "iptables-backend", "iptables-backstop", "iptables-check-interval",
+        "iptables-remove-on-exit", "iptables-remove-on-uninstall", "pod-name",
+        "pod-namespace", "cri-endpoint", "address-proof", "node-startup-taint")),
+    ("State and handing the node over", ("table-path", "handover-socket", "handover-port",
+                                         "socket-keeper", "ready-file")),
+    ("Container credentials (preview)", ("container-credentials-addr",
+                                         "container-credentials-link",
+                                         "container-credentials-audience")),
+    ("Logs and debugging", ("log-format", "log-level", "verbose", "debug", "version")),
+    ("Accepted for older manifests, no effect", (
+        "use-regional-sts-endpoint", "resolve-duplicate-cache-ips", "backoff-max-interval",
+        "backoff-max-elapsed-time", "kubelet-url", "kubelet-insecure")),
+)
+
+
+def grouped_flags() -> list[tuple[str, list[Flag]]]:
+    return [(title, [FLAGS_BY_NAME[name] for name in names]) for title, names in HELP_GROUPS]
+
+
 def render_help() -> str:
-    """``--help``: every flag with its type, default and meaning."""
+    """``--help``: every flag with its type, default and meaning, by topic."""
     lines = [
         f"Usage: {PROG} [flags]",
         f"       {PROG} demo [demo flags]",
@@ -249,18 +297,20 @@ def render_help() -> str:
         f"       {PROG} keep-sockets --socket PATH   (the socket keeper: --socket-keeper)",
         "",
         "kube2iam-compatible IAM credential agent for Kubernetes. Flags (pflag syntax: "
-        "--flag=value or --flag value; booleans also as bare --flag):",
-        "",
+        "--flag=value or --flag value; booleans also as bare --flag; [kiamfast]: not a "
+        "kube2iam flag). Exit codes: 0 stopped, 1 a failure a restart may cure, 2 a wrong "
+        "flag, 78 a configuration only a change cures (docs/configuration.md).",
     ]
-    for flag in FLAGS:
-        head = f"  --{flag.name}"
-        if _type_name(flag):
-            head += " " + _type_name(flag)
-        lines.append(head)
-        mark = "" if flag.kube2iam else " [kiamfast]"
-        lines.append(f"        {flag.help} (default {flag.display_default()}){mark}")
-    lines.append("  -h, --help")
-    lines.append("        Show this help and exit.")
+    for title, flags in grouped_flags():
+        lines += ["", f"{title}:"]
+        for flag in flags:
+            head = f"  --{flag.name}"
+            if _type_name(flag):
+                head += " " + _type_name(flag)
+            lines.append(head)
+            mark = "" if flag.kube2iam else " [kiamfast]"
+            lines.append(f"        {flag.help} (default {flag.display_default()}){mark}")
+    lines += ["", "  -h, --help", "        Show this help and exit."]
     return "\n".join(lines) + "\n"
 
 
@@ -270,17 +320,22 @@ def render_flag_reference() -> str:
         "| Flag | Type | Default | kube2iam | Description |",
         "|---|---|---|---|---|",
     ]
-    for flag in FLAGS:
-        kind = {"str": "string", "choice": " \\| ".join(flag.choices)}.get(flag.kind, flag.kind)
-        if flag.name == "log-level":
-            kind = "level"
-        default = flag.display_default().replace("|", "\\|")
-        text = flag.help.replace("|", "\\|")
-        if flag.env:
-            text += " Env: " + ", ".join(f"`{v}`" for v in flag.env) + "."
-        rows.append(f"| `--{flag.name}` | {kind} | `{default}` | "
-                    f"{'yes' if flag.kube2iam else ''} | {text} |")
+    for title, flags in grouped_flags():
+        rows.append(f"| **{title}** | | | | |")
+        rows += [_reference_row(flag) for flag in flags]
     return "\n".join(rows) + "\n"
+
+
+def _reference_row(flag: Flag) -> str:
+    kind = {"str": "string", "choice": " \\| ".join(flag.choices)}.get(flag.kind, flag.kind)
+    if flag.name == "log-level":
+        kind = "level"
+    default = flag.display_default().replace("|", "\\|")
+    text = flag.help.replace("|", "\\|")
+    if flag.env:
+        text += " Env: " + ", ".join(f"`{v}`" for v in flag.env) + "."
+    return (f"| `--{flag.name}` | {kind} | `{default}` | {'yes' if flag.kube2iam else ''} | "
+            f"{text} |")
 
 
 def _fail(message: str, stream: TextIO) -> int:

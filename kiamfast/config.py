@@ -354,11 +354,11 @@ FLAGS: tuple[Flag, ...] = (
        "of CRI-O's (which frees a stopping sandbox's address while it is still READY), and "
        "nothing is answered while the runtime cannot be asked: for pods without network "
        "namespaces of their own, as `kiamfast demo`'s.", choices=("netns", "runtime")),
-    _f("kubelet-url", "str", "", "Accepted for compatibility with earlier kiamfast versions; no "
-       "effect: the kubelet's /pods only mirrors the API server for ordinary pods, the "
-       "container runtime (--cri-endpoint) knows first."),
-    _f("kubelet-insecure", "bool", False, "Accepted for compatibility; no effect (see "
-       "--kubelet-url)."),
+    _f("kubelet-url", "str", "", "No effect (a warning at start): accepted so that a manifest "
+       "written for kiamfast's development builds, which asked the kubelet's /pods, still "
+       "starts. The kubelet's /pods only mirrors the API server for ordinary pods; the "
+       "container runtime (--cri-endpoint) knows a pod's address first."),
+    _f("kubelet-insecure", "bool", False, "No effect (a warning at start), as --kubelet-url."),
     _f("sts-endpoint", "str", "", "STS endpoint URL; falls back to $AWS_ENDPOINT_URL_STS, "
        "then botocore's regional endpoint.", env=("AWS_ENDPOINT_URL_STS",)),
     _f("sts-region", "str", "", "Region of the STS client (\"\" = botocore's default chain: "
@@ -465,6 +465,16 @@ FLAGS: tuple[Flag, ...] = (
        "the DNAT rule (and the backstop) are still there and put back what is missing; "
        "with the nft backend a rule change is also noticed at once (netlink). 0 = install "
        "once at start."),
+    _f("iptables-remove-on-uninstall", "bool", False, "With --iptables: when this agent's "
+       "pod stops because the DaemonSet that owns it is deleted or being deleted (helm "
+       "uninstall, kubectl delete), remove the DNAT rule and the backstop, so the node is "
+       "left as it was before the agent; an upgrade, a restart, a crash or a deleted pod "
+       "keeps them, and so does any stop where that cannot be known. Needs --pod-name and "
+       "--pod-namespace, and RBAC get, list and watch on that DaemonSet."),
+    _f("pod-name", "str", "", "This agent's own pod (the downward API's metadata.name), for "
+       "--iptables-remove-on-uninstall. Falls back to $POD_NAME.", env=("POD_NAME",)),
+    _f("pod-namespace", "str", "", "The namespace of this agent's pod (metadata.namespace). "
+       "Falls back to $POD_NAMESPACE.", env=("POD_NAMESPACE",)),
 )
 
 FLAGS_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -577,6 +587,9 @@ class Config:
     ready_file: str = _default("ready-file")
     iptables_backstop: bool = _default("iptables-backstop")
     iptables_check_interval: float = _default("iptables-check-interval")
+    iptables_remove_on_uninstall: bool = _default("iptables-remove-on-uninstall")
+    pod_name: str = _default("pod-name")
+    pod_namespace: str = _default("pod-namespace")
     # bookkeeping
     explicit: frozenset[str] = frozenset()
     #: Fields whose value was derived from others (so replace() derives them again).
@@ -767,6 +780,10 @@ def _normalise_and_validate(c: Config) -> None:
         derived.add("host_ipv6")
     if c.iptables and not c.host_ip:
         raise ConfigError("host-ip", "must be set when --iptables is enabled")
+    if c.iptables_remove_on_uninstall and not (c.pod_name and c.pod_namespace):
+        raise ConfigError("iptables-remove-on-uninstall", "needs --pod-name and "
+                          "--pod-namespace ($POD_NAME and $POD_NAMESPACE from the downward "
+                          "API): the agent tells an uninstall by its pod's DaemonSet")
     try:
         host, _ = split_host_port(c.metadata_addr)
     except ValueError as e:

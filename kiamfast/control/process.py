@@ -25,7 +25,8 @@ this module wires them, in one start sequence written as the list it is, each st
 An outage (the API server, the runtime, STS, the metadata service) is never fatal: every task
 logs once per episode and retries, and the reason shows in ``/healthz`` (and in ``/readyz``'s
 503 while it holds the start: ``health.readiness``).  On SIGTERM the DNAT rule stays unless
-``--iptables-remove-on-exit``: a pod without its agent gets a refused connection, never the
+``--iptables-remove-on-exit``, or ``--iptables-remove-on-uninstall`` and the pod's DaemonSet is
+deleted (``k8s/uninstall.py``): a pod without its agent gets a refused connection, never the
 node's role.
 """
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ControlProcess:
         self.api: Any = None                   # kiamfast.kube.client.Client
         self.source: Any = None                # k8s.source.ApiSource
         self.taint: Any = None                 # k8s.node.StartupTaint
+        self.uninstall: Any = None             # k8s.uninstall.UninstallWatch
         self.aux = AuxPublisher(table)
         self.ready = False
         self.health = Health(metadata_addr=config.metadata_addr, host_ip=config.host_ip,
@@ -236,6 +238,11 @@ class ControlProcess:
             from kiamfast.control.k8s.node import follow_node_count
             tasks.append(asyncio.create_task(follow_node_count(
                 self.api, self.manager, interval=NODE_COUNT_INTERVAL), name="node-count"))
+        if self.config.iptables and self.config.iptables_remove_on_uninstall:
+            from kiamfast.control.k8s.uninstall import UninstallWatch
+            self.uninstall = UninstallWatch(self.api, pod=self.config.pod_name,
+                                            namespace=self.config.pod_namespace)
+            tasks.append(asyncio.create_task(self.uninstall.run(), name="uninstall-watch"))
         if self.runtime.poller is not None:
             tasks.append(asyncio.create_task(self.runtime.watch_link(
                 ready=lambda: self.ready, read_node=self._read_node,
@@ -384,6 +391,10 @@ class ControlProcess:
     # ---- stop -----------------------------------------------------------------------------------
 
     async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+        remove = self.config.iptables and self.config.iptables_remove_on_exit
+        if self.uninstall is not None and not remove and await self.uninstall.uninstalling():
+            log.info("this agent's DaemonSet is deleted: an uninstall; removing the rules")
+            remove = True        # decided while its watch runs; removed once nothing keeps them
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -394,7 +405,7 @@ class ControlProcess:
             self.container.close()
         if self.api is not None:
             await self.api.close()
-        if self.config.iptables and self.config.iptables_remove_on_exit:
+        if remove:
             try:
                 iptables.remove_rules(self.config)
             except iptables.IptablesError as e:

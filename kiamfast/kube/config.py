@@ -34,12 +34,11 @@ from typing import Any, Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
 from kiamfast.kube import credentials as creds
+from kiamfast.kube.cluster import missing_cluster
 from kiamfast.kube.errors import ConfigError
 from kiamfast.kube.tls import ssl_context
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-NO_CLUSTER = ("no cluster configured: give --kubeconfig, or --api-server with --api-token, "
-              "or run in a pod with a ServiceAccount token")
 
 
 @dataclass(frozen=True)
@@ -83,15 +82,11 @@ def load_config(*, kubeconfig: str = "", api_server: str = "", api_token: str = 
         return _build(server=api_server, what="--api-server", origin="--api-server",
                       credentials=creds.StaticToken(api_token), verify=not insecure,
                       environ=env)
-    host = env.get("KUBERNETES_SERVICE_HOST", "")
-    port = env.get("KUBERNETES_SERVICE_PORT", "")
-    if not host or not port:
-        hint = ""
-        if api_server:
-            hint = " (--api-server is used only together with --api-token)"
-        elif api_token:
-            hint = " (--api-token is used only together with --api-server)"
-        raise ConfigError(NO_CLUSTER + hint)
+    problem = missing_cluster(kubeconfig=kubeconfig, api_server=api_server,
+                              api_token=api_token, environ=env)
+    if problem:
+        raise ConfigError(problem)
+    host, port = env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]
     token_path = os.path.join(service_account_dir, "token")
     ca_path = os.path.join(service_account_dir, "ca.crt")
     what = "in-cluster configuration (KUBERNETES_SERVICE_HOST is set)"

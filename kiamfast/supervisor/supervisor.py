@@ -38,6 +38,7 @@ import time
 from kiamfast import channel, logs, milestones
 from kiamfast.config import EXIT_CONFIG, Config
 from kiamfast.container_credentials.link import LinkError
+from kiamfast.kube.cluster import missing_cluster
 from kiamfast.sockets import ListenError
 from kiamfast.supervisor import commands, handover, keeper_client, secondport, start_errors
 from kiamfast.supervisor.children import RESTART_BACKOFF_MAX, STOP_GRACE, Child, wait_ready
@@ -396,4 +397,11 @@ class Supervisor:
 def run(config: Config) -> int:
     milestones.hand_down()
     logs.setup(log_format=config.log_format, level=config.effective_log_level)
+    # No cluster configured at all: say so before binding a port or starting a process (the
+    # control process checks the rest of the API configuration: kube/config.py).
+    problem = missing_cluster(kubeconfig=config.kubeconfig, api_server=config.api_server,
+                              api_token=config.api_token, environ=os.environ)
+    if problem:
+        log.error("cannot start: %s", problem)
+        return EXIT_CONFIG
     return Supervisor(config).run()

@@ -43,6 +43,7 @@ class RecordedRequest:
     path: str
     headers: dict[str, str]  # lower-case names; a repeated header keeps its last value
     client: str
+    at: float = field(default_factory=time.monotonic)   # when it arrived
 
     @property
     def token(self) -> str | None:

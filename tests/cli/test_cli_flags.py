@@ -20,7 +20,8 @@ import pytest
 import kiamfast
 from kiamfast import cli
 from kiamfast.cli import UsageError, parse_args, parse_go_duration
-from kiamfast.config import FLAGS, BASE_ARN_REGEXP, Config, ConfigError, format_go_duration
+from kiamfast.config import (BASE_ARN_REGEXP, FLAGS, FLAGS_BY_NAME, Config, ConfigError,
+                             format_go_duration)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -485,3 +486,43 @@ def test_passthrough_bounds_reach_the_workers():
 def test_the_fleet_budget_flags():
     cfg = parse_args(["--sts-account-qps=600", "--sts-fleet-nodes=2000"], environ={})
     assert (cfg.sts_account_qps, cfg.sts_fleet_nodes) == (600.0, 2000)
+
+
+# ---- --help by topic, and the one-letter slips -------------------------------------------
+
+def test_every_flag_is_in_exactly_one_help_group():
+    grouped = [name for _, names in cli.HELP_GROUPS for name in names]
+    assert sorted(grouped) == sorted(f.name for f in FLAGS)
+    assert len(grouped) == len(set(grouped))
+
+
+def test_help_shows_the_flags_by_topic_with_the_exit_codes():
+    out = run_cli("--help").stdout
+    titles = [title for title, _ in cli.HELP_GROUPS]
+    positions = [out.index(f"\n{title}:\n") for title in titles]
+    assert positions == sorted(positions)
+    # each flag under its own topic
+    for title, names in cli.HELP_GROUPS:
+        section = out.split(f"\n{title}:\n", 1)[1].split("\n\n", 1)[0]
+        assert re.findall(r"^  --([a-z0-9-]+)", section, re.M) == list(names), title
+    assert "Exit codes: 0 stopped, 1 a failure a restart may cure, 2 a wrong flag, 78 a " \
+           "configuration only a change cures" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("typed, says", [
+    ("-v", "unknown flag: -v (kiamfast has no one-letter flags but -h; did you mean --verbose "
+           "or --version?)"),
+    ("--v", "unknown flag: --v (did you mean --verbose or --version?)"),
+    ("--ver", "unknown flag: --ver (did you mean --verbose or --version?)"),
+    ("-x", "unknown flag: -x (kiamfast has no one-letter flags but -h)"),
+    ("-iptables", "unknown flag: -iptables (long flags take two dashes: --iptables)"),
+])
+def test_a_one_letter_or_short_flag_says_what_was_meant(typed, says):
+    proc = run_cli(typed)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"kiamfast: {says}\n")
+
+
+def test_the_kubelet_flags_do_not_claim_an_earlier_release():
+    for name in ("kubelet-url", "kubelet-insecure"):
+        assert "earlier kiamfast versions" not in FLAGS_BY_NAME[name].help
+        assert FLAGS_BY_NAME[name].help.startswith("No effect")

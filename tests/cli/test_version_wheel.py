@@ -74,3 +74,16 @@ def test_version_of_the_installed_wheel_names_the_commit(installed):
                             env={"PATH": "/usr/bin:/bin", "KIAMFAST_GIT_COMMIT": "abc1234",
                                  "KIAMFAST_BUILD_DATE": "2026-12-01T00:00:00Z"})
     assert result.stdout.endswith("Commit: abc1234 - Date: 2026-12-01T00:00:00Z\n")
+
+
+def test_the_wheel_carries_the_apache_license(installed):
+    """pyproject.toml says Apache-2.0; the wheel carries the license's text (LICENSE)."""
+    wheel, _ = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    (license_file,) = [n for n in names if ".dist-info/" in n and n.endswith("/LICENSE")]
+    text = zipfile.ZipFile(wheel).read(license_file).decode()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert text == (REPO / "LICENSE").read_text()
+    metadata = zipfile.ZipFile(wheel).read(
+        next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Apache-2.0" in metadata

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from test_chart import (CHART, NAMESPACE, agent_config, container, helm, notes,
                         render, render_error, values_file)
-from test_deploy_manifests import AGENT_CALLS
+from test_deploy_manifests import AGENT_CALLS, UNINSTALL_CALLS
 
 from kiamfast.webhook import cli as webhook_cli
 
@@ -39,7 +39,8 @@ def test_off_by_default_no_listener_and_no_token_reviews():
     objs = render()
     assert cc_args(objs) == []
     assert agent_config(objs)[0].container_credentials_addr == ""
-    assert granted(objs) == set(AGENT_CALLS)
+    # (host.iptables is off by default: no rules, so no DaemonSet to watch for an uninstall)
+    assert granted(objs) == set(AGENT_CALLS) - UNINSTALL_CALLS
 
 
 def test_on_the_agent_serves_both_addresses_on_its_link(tmp_path):
@@ -92,7 +93,7 @@ def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
 
 def test_on_the_cluster_role_adds_token_reviews_and_events_and_nothing_else(tmp_path):
     assert granted(render(values_file(tmp_path, ON))) == \
-        set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
+        (set(AGENT_CALLS) - UNINSTALL_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_webhook_sends_pods_where_the_agent_listens_with_its_audience(tmp_path):
@@ -159,7 +160,7 @@ def test_the_webhook_reads_service_accounts_by_default_with_get_alone(tmp_path):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod[
         "serviceAccountName"], "namespace": NAMESPACE}]
     # The agent's own role gains nothing from it.
-    assert granted(objs) == set(AGENT_CALLS) | {TOKEN_REVIEW, EVENTS}
+    assert granted(objs) == (set(AGENT_CALLS) - UNINSTALL_CALLS) | {TOKEN_REVIEW, EVENTS}
 
 
 def test_the_api_servers_call_outlasts_the_webhooks_service_account_read(tmp_path):
@@ -237,25 +238,23 @@ REFUSED = [
      "containerCredentials.webhook.tokenExpirationSeconds 599: at least 600"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "serviceAccountOptIn": "false"}}},
-     "containerCredentials.webhook.serviceAccountOptIn false: true or false (a string such "
-     "as \"false\" would read as on)"),
+     # values.schema.json's (a string such as "false" would read as on)
+     "at '/containerCredentials/webhook/serviceAccountOptIn': got string, want boolean"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": "my-ca"}}}},
-     "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA "
-     "issuer) or a cert-manager issuerRef with a name"),
+     "at '/containerCredentials/webhook/certManager/issuerRef': got string, want object"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "certManager": {"enabled": True, "issuerRef": {"kind": "Issuer"}}}}},
      "containerCredentials.webhook.certManager.issuerRef: {} (the chart makes its own CA"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "extraEnv": {"HTTPS_PROXY": {"host": "proxy"}}}}},
-     "containerCredentials.webhook.extraEnv.HTTPS_PROXY: map[host:proxy]: a variable's "
-     "value is a string, number or boolean"),
+     "at '/containerCredentials/webhook/extraEnv/HTTPS_PROXY': got object, want boolean or "
+     "number or string"),
     ({"containerCredentials": {"enabled": True, "webhook": {
         "enabled": True, "extraEnv": ["HTTPS_PROXY=http://proxy:3128"]}}},
-     "containerCredentials.webhook.extraEnv: a map of variable name -> value"),
+     "at '/containerCredentials/webhook/extraEnv': got array, want object"),
     ({"extraEnv": {"NO_PROXY": ["169.254.169.254"]}},
-     "extraEnv.NO_PROXY: [169.254.169.254]: a variable's value is a string, number or "
-     "boolean"),
+     "at '/extraEnv/NO_PROXY': got array, want boolean or number or string"),
 ]
 
 

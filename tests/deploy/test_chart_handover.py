@@ -126,8 +126,29 @@ def test_the_dnat_rule_is_kept_in_place_only_where_the_agent_installs_it(tmp_pat
         "backstop": False, "checkInterval": "0"}})))
     assert cfg.iptables_backstop is False and cfg.iptables_check_interval == 0.0
     cfg, args = agent_config(render())     # host.iptables false: no rule to keep
-    assert not any(a.startswith(("--iptables-backstop", "--iptables-check-interval"))
-                   for a in args)
+    assert not any(a.startswith(("--iptables-backstop", "--iptables-check-interval",
+                                 "--iptables-remove-on-uninstall")) for a in args)
+
+
+def uninstall_parts(objs: list[dict]) -> tuple[bool, set[str], list[dict]]:
+    """(the agent's --iptables-remove-on-uninstall, its pod-identity env, the ClusterRole's
+    rules on daemonsets)."""
+    cfg, _ = agent_config(objs)
+    env = {e["name"] for e in container(objs)["env"]} & {"POD_NAME", "POD_NAMESPACE"}
+    rules = [r for r in one(objs, "ClusterRole")["rules"] if "daemonsets" in r["resources"]]
+    return cfg.iptables_remove_on_uninstall, env, rules
+
+
+def test_an_uninstall_removes_the_rules_and_only_the_own_daemonset_is_watched(tmp_path):
+    on, env, rules = uninstall_parts(render(values_file(tmp_path, {"host": {"iptables": True}})))
+    assert on is True and env == {"POD_NAME", "POD_NAMESPACE"}
+    assert rules == [{"apiGroups": ["apps"], "resources": ["daemonsets"],
+                      "resourceNames": ["kube2iam-kiamfast"],
+                      "verbs": ["get", "list", "watch"]}]
+    # Off, or without a rule to remove: neither the flag nor what it needs.
+    for values in ({"host": {"iptables": True}, "dnatRule": {"removeOnUninstall": False}},
+                   {"host": {"iptables": False}}):
+        assert uninstall_parts(render(values_file(tmp_path, values))) == (False, set(), [])
 
 
 def test_a_kube2iam_values_files_max_unavailable_rolls_without_the_surge(tmp_path):
@@ -165,12 +186,19 @@ REFUSED = [
     ({"handoverPort": 8181}, "handoverPort 8181: the second port must differ from host.port"),
     ({"handoverPort": 9543, "prometheus": {"metricsPort": 9543}},
      "handoverPort 9543: the second port must differ"),
-    ({"handoverPort": "8182"}, "handoverPort 8182: a port number, or 0 for none"),
+    ({"handoverPort": "8182"}, "at '/handoverPort': got string, want integer"),
+    ({"handoverPort": 70000}, "handoverPort 70000: a port number, or 0 for none"),
     ({"handoverPort": 0, "kube2iamChart": "kube2iam"},
      "handoverPort 0 with kube2iamChart and the surge: kube2iam cannot hand its port over"),
-    ({"socketKeeper": {"enabled": "yes"}}, "socketKeeper.enabled yes: true or false"),
+    ({"socketKeeper": {"enabled": "yes"}}, "at '/socketKeeper/enabled': got string, want "
+                                           "boolean"),
     ({"dnatRule": {"checkInterval": 10}}, "dnatRule.checkInterval 10: a duration such as 10s"),
-    ({"dnatRule": {"backstop": "true"}}, "dnatRule.backstop true: true or false"),
+    ({"dnatRule": {"backstop": "true"}}, "at '/dnatRule/backstop': got string, want boolean"),
+    ({"dnatRule": {"removeOnUninstall": "no"}},
+     "at '/dnatRule/removeOnUninstall': got string, want boolean"),
+    ({"extraArgs": {"iptables-remove-on-uninstall": True}},
+     "extraArgs.iptables-remove-on-uninstall: the chart sets --iptables-remove-on-uninstall "
+     "from its own value (dnatRule.removeOnUninstall)"),
     ({"readinessProbe": {"path": "/healthz"}},
      "readinessProbe.path /healthz: the readiness probe is no HTTP request any more"),
     ({"stateDir": "/run"}, "stateDir /run: /run/kiamfast-pod is the pod's own directory"),
@@ -205,7 +233,7 @@ def chart_with_older_values(tmp_path, **older: object):
     """A copy of the chart whose values.yaml is the one before the handover: what `helm
     upgrade --reuse-values` renders with for a release installed then (helm keeps the
     installed chart's values.yaml)."""
-    chart = tmp_path / "chart-older-values"
+    chart = tmp_path / f"chart-older-values-{len(list(tmp_path.glob('chart-older-*')))}"
     shutil.copytree(CHART, chart)
     values = yaml.safe_load((chart / "values.yaml").read_text())
     for key in ("maxSurge", "handoverPort", "socketKeeper", "dnatRule"):
@@ -221,6 +249,10 @@ def test_an_upgrade_reusing_an_older_releases_values_gets_the_handover(tmp_path)
     older = chart_with_older_values(tmp_path, maxUnavailable=0)
     new, old = one(render(given), "DaemonSet"), one(render(given, chart=older), "DaemonSet")
     assert old["spec"] == new["spec"]
+    # A release of the handover's first version had dnatRule without removeOnUninstall.
+    older = chart_with_older_values(tmp_path, maxUnavailable=0, dnatRule={
+        "checkInterval": "10s", "backstop": True})
+    assert one(render(given, chart=older), "DaemonSet")["spec"] == new["spec"]
 
 
 def test_an_older_releases_max_unavailable_keeps_rolling_it_without_the_surge(tmp_path):

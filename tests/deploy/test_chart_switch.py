@@ -139,9 +139,9 @@ REFUSED = [
     ({"kube2iamChart": "kube2iam-chart", "image": {"tag": "0.11.1"}},
      "image.tag 0.11.1 without image.repository: in kube2iam's chart that ran "
      "jtblin/kube2iam:0.11.1"),
-    ({"probe": "yes"}, "probe yes: the kube2iam chart's 2.x liveness probe switch is true, "
-                       "false or a map"),
-    ({"probe": {"path": "/healthz"}}, "probe.path: not a key of the kube2iam chart's 2.x probe"),
+    ({"probe": "yes"}, "at '/probe': 'oneOf' failed, none matched"),
+    # (values.schema.json's: the 2.x probe is true, false, or a map of enabled and timings)
+    ({"probe": {"path": "/healthz"}}, "additional properties 'path' not allowed"),
 ]
 
 
@@ -286,4 +286,8 @@ def test_the_overlay_is_the_base_but_for_kube2iams_names():
     assert {k: v for k, v in n_pod.items() if k not in ("containers", "serviceAccountName")} \
         == {k: v for k, v in b_pod.items() if k not in ("containers", "serviceAccountName")}
     assert {**n_pod["containers"][0], "name": "kiamfast"} == b_pod["containers"][0]
-    assert one(new, "ClusterRole")["rules"] == one(base, "ClusterRole")["rules"]
+    # The same rules, the one naming the agent's own DaemonSet naming kube2iam's.
+    renamed = [{**r, "resourceNames": ["kiamfast"]} if r.get("resourceNames") == ["kube2iam"]
+               else r for r in one(new, "ClusterRole")["rules"]]
+    assert renamed == one(base, "ClusterRole")["rules"]
+    assert ["kube2iam"] in [r.get("resourceNames") for r in one(new, "ClusterRole")["rules"]]

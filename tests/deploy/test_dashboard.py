@@ -1,5 +1,7 @@
-"""The Grafana dashboard (deploy/grafana/kiamfast-dashboard.json) only asks for metrics the
-agent really exports.
+"""The Grafana dashboard (the chart's files/kiamfast-dashboard.json; deploy/grafana/ links to
+it) and the alerts (files/kiamfast-alerts.yaml, docs/metrics.md's) only ask for metrics the
+agent really exports, and the chart ships both (a ConfigMap for Grafana's sidecar, a
+PrometheusRule).
 
 A dashboard whose query names a metric that does not exist shows an empty panel and no
 error, so the check has to be made against the agent itself: the whole agent (`python -m
@@ -7,7 +9,8 @@ kiamfast`: supervisor, worker, control process) runs on loopback with the test d
 (emulated API server, moto STS, fake metadata service), serves one pod's credentials, and
 its ``/metrics`` is scraped. Every PromQL expression in the dashboard (panels and template
 variables) may name only metrics of that scrape, and group or match only on labels those
-metrics carry (``instance`` and ``job`` are added by Prometheus when it scrapes).
+metrics carry (``instance`` and ``job`` are added by Prometheus when it scrapes, ``cluster``
+by its external labels or relabeling where it watches several clusters).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agent_process import LISTING, POD_IP, ROLE, Agent, Fakes
 from agent_process import http as _http
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kiamfast-dashboard.json"
-TARGET_LABELS = {"instance", "job"}  # Prometheus' own, never in /metrics
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "chart" / "kiamfast" / "files" / "kiamfast-dashboard.json"
+ALERTS = REPO / "deploy" / "chart" / "kiamfast" / "files" / "kiamfast-alerts.yaml"
+METRICS_PAGE = REPO / "docs" / "metrics.md"
+TARGET_LABELS = {"instance", "job", "cluster"}  # Prometheus' own, never in /metrics
 
 # PromQL words that are not metric names.
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
@@ -97,8 +104,9 @@ def expressions(dashboard: dict) -> list[str]:
     for var in dashboard.get("templating", {}).get("list", []):
         if var.get("type") == "query":
             query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
-            found.append(f"{m.group(1)}{{{m.group(2)}!=\"\"}}" if m else query)
+            m = re.fullmatch(r"label_values\((\w+)(?:\{(.*)\})?,\s*(\w+)\)", query)
+            matchers = ", ".join(filter(None, [m.group(2), f'{m.group(3)}!=""'])) if m else ""
+            found.append(f"{m.group(1)}{{{matchers}}}" if m else query)
     return found
 
 
@@ -165,3 +173,59 @@ def test_every_expression_names_only_exported_metrics_and_labels(scrape):
 def test_a_misspelled_metric_would_be_caught(scrape):
     names, _ = parse("sum(rate(kiamfast_sts_call_total[5m]))")
     assert names - set(exported(scrape)) == {"kiamfast_sts_call_total"}
+
+
+# ---- the variables, and what the chart ships ------------------------------------------------
+
+def test_cluster_job_and_instance_variables_filter_every_panel():
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = [v["name"] for v in dashboard["templating"]["list"]]
+    assert names == ["datasource", "cluster", "job", "instance"]
+    selector = 'cluster=~"$cluster", job=~"$job", instance=~"$instance"'
+    panel_exprs = expressions({"panels": dashboard["panels"]})
+    assert panel_exprs and all(selector in e for e in panel_exprs), panel_exprs
+    # each variable narrows by the ones before it
+    queries = {v["name"]: v["query"]["query"] for v in dashboard["templating"]["list"][1:]}
+    assert 'cluster=~"$cluster"' in queries["job"]
+    assert 'cluster=~"$cluster", job=~"$job"' in queries["instance"]
+    assert (REPO / "deploy" / "grafana" / "kiamfast-dashboard.json").resolve() == DASHBOARD
+
+
+def alerts() -> list[dict]:
+    return yaml.safe_load(ALERTS.read_text())
+
+
+def test_the_alerts_are_the_metrics_pages_and_name_only_exported_metrics(scrape):
+    section = METRICS_PAGE.read_text().split("## What to alert on", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| [^|]+ \| `([^`]+)`", section, re.M)
+    assert sorted(documented) == sorted(a["expr"] for a in alerts())
+    # The scrape's agent runs without a container runtime: a runtime's families are taken
+    # from the page's list, which tests/docs/test_metrics_page.py holds to the source.
+    listed = {name: set(re.findall(r"`([a-z_]+)`", labels)) for name, labels in re.findall(
+        r"^\| `([a-z0-9_]+)` \| (?:counter|gauge|histogram|summary) \|([^|]*)\|",
+        METRICS_PAGE.read_text(), re.M)}
+    metrics = {**listed, **exported(scrape)}
+    for alert in alerts():
+        names, labels = parse(alert["expr"])
+        assert names and names <= set(metrics), alert["expr"]
+        assert labels <= set().union(*(metrics[n] for n in names)), alert["expr"]
+        assert alert["alert"].startswith("Kiamfast") and alert["for"] and \
+            alert["labels"]["severity"] in ("warning", "critical")
+
+
+def test_the_chart_ships_the_dashboard_for_grafanas_sidecar_and_the_alerts(tmp_path):
+    from test_chart import of_kind, one, render, values_file
+    objs = render(values_file(tmp_path, {
+        "grafana": {"dashboard": {"enabled": True, "annotations": {"grafana_folder": "k8s"}}},
+        "prometheus": {"rules": {"enabled": True, "labels": {"release": "kps"}}}}))
+    config_map = one(objs, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "k8s"}
+    assert json.loads(config_map["data"]["kiamfast-dashboard.json"]) == \
+        json.loads(DASHBOARD.read_text())
+    rule = one(objs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    assert rule["spec"]["groups"] == [{"name": "kiamfast", "rules": alerts()}]
+    # Off by default: neither.
+    assert not of_kind(render(), "PrometheusRule") and not of_kind(render(), "ConfigMap")

@@ -38,7 +38,18 @@ AGENT_CALLS = [
     ("", "nodes", "get"), ("", "nodes", "patch"),  # the startup taint
     ("", "nodes", "watch"),                        # ... removed again if put back
     ("", "nodes", "list"),                         # the fleet's node count, the node watch
+    # its own DaemonSet, by name (its deletion is an uninstall), read from its own pod
+    ("apps", "daemonsets", "get"), ("apps", "daemonsets", "list"),
+    ("apps", "daemonsets", "watch"),
 ]
+# Made only where the agent installs iptables rules (there are none to remove otherwise).
+UNINSTALL_CALLS = {call for call in AGENT_CALLS if call[1] == "daemonsets"}
+
+
+def daemonset_rule_names(role: dict) -> list[str]:
+    """The DaemonSet names the role's daemonsets rule grants (only named ones)."""
+    (rule,) = [r for r in role["rules"] if "daemonsets" in r["resources"]]
+    return rule["resourceNames"]
 
 
 def objects(kustomization: str) -> list[dict]:
@@ -123,6 +134,9 @@ def test_daemonset_args_parse_with_our_parser(kustomization):
     assert keeper["command"] == ["python", "-m", "kiamfast.keeper"]
     assert keeper["args"] == ["--socket", cfg.socket_keeper]
     assert cfg.iptables_backstop is True and cfg.iptables_check_interval == 10.0
+    # An uninstall (its DaemonSet deleted) removes the rules; the pod's name says whose.
+    assert cfg.iptables_remove_on_uninstall is True
+    assert (cfg.pod_name, cfg.pod_namespace) == ("kiamfast-x7k2p", "kube-system")
     caps = container["securityContext"]["capabilities"]["add"]
     assert container["securityContext"].get("privileged") or "NET_ADMIN" in caps
 
@@ -195,6 +209,8 @@ def test_rbac_covers_every_call_the_agent_makes(kustomization):
 
     for call in AGENT_CALLS:
         assert allowed(*call), call
+    # Only its own DaemonSet, whatever the overlay names it.
+    assert daemonset_rule_names(role) == [ds["metadata"]["name"]]
     # Least privilege: nothing that writes pods or reads secrets.
     assert not allowed("", "secrets", "get")
     assert not allowed("", "pods", "delete")

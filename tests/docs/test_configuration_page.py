@@ -22,3 +22,11 @@ def test_kiamfast_help_lists_the_flags_of_the_table_in_its_order(capsys):
     names = re.findall(r"^\| `--([a-z0-9-]+)` \|", flag_reference.page_table(PAGE.read_text()),
                        re.M)
     assert shown == names
+
+
+def test_the_exit_codes_are_listed_in_one_place_with_the_codes_the_agent_uses():
+    from kiamfast.config import EXIT_CONFIG
+    section = PAGE.read_text().split("## Exit codes", 1)[1]
+    codes = re.findall(r"^\| `(\d+)` \|", section, re.M)
+    assert codes == ["0", "1", "2", f"{EXIT_CONFIG}"]
+    assert "no cluster configured" in section

@@ -40,6 +40,10 @@ ELSEWHERE = {
     "tests/run": (".ci/run", "tests/run"),
     "iptables -t nat -S PREROUTING": ("tests/k8s/test_chart_install.py", "removal_commands"),
     "rm -rf /run/kiamfast": ("tests/k8s/test_chart_install.py", "removal_commands"),
+    # the backstop's removal loop (install.md's block, run whole by the same test)
+    "for chain in INPUT FORWARD; do": ("tests/k8s/test_chart_install.py", "removal_commands"),
+    'iptables -S "$chain"': ("tests/k8s/test_chart_install.py", "removal_commands"),
+    "done": ("tests/k8s/test_chart_install.py", "removal_commands"),
     "ip link del kiamfast0": ("tests/k8s/test_chart_install_container_credentials.py",
                               "removal_commands"),
     "helm uninstall": ("tests/k8s/test_chart_install.py", '"uninstall"'),
@@ -55,7 +59,13 @@ CURL_ANSWERS = {"/readyz": r"\Aok\n\Z", "/healthz": r'"hostIP":.*"runtime":',
 NOT_RUN = {
     "buildah login": "your registry's credentials (the release test's registry on loopback "
                      "takes none)",
+    "aws ecr ": "your AWS account (ECR); deploy/ci/github-actions-release.yaml's release "
+                "command, the same route, runs as a dry run in tests/release",
+    "aws iam ": "your AWS account (IAM); tests/docs/test_install_page.py checks the policies "
+                "these commands take",
     "kubectl -n kube-system logs": "a cluster with the agent running in it",
+    "kubectl -n <namespace> exec": "an affected pod in a cluster (the same call from a pod, "
+                                   "through the real DNAT rule: tests/k8s)",
 }
 
 

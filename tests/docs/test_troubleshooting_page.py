@@ -52,7 +52,7 @@ def test_every_line_on_the_page_is_still_logged():
 def test_the_start_failures_quoted_are_what_the_agent_says(capsys):
     """The page's examples of a bad start, asked of the agent's own command line."""
     from kiamfast.cli import main
-    from kiamfast.kube.config import NO_CLUSTER
+    from kiamfast.kube.cluster import NO_CLUSTER
     page = " ".join(PAGE.split("## The agent does not start", 1)[1].split("\n## ")[0].split())
     for argv in (["--workers", "0"], ["--iptables", "false"]):
         assert main(argv) == 2

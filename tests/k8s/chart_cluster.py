@@ -31,6 +31,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -331,6 +332,46 @@ def ready_agent_pod(node: ChartNode, *, image: str | None = None,
 
 def metadata_dnat(node: ChartNode) -> list[str]:
     return [r for r in node.dnat_rules() if "169.254.169.254" in r]
+
+
+def kiamfast_rules(node: ChartNode) -> list[str]:
+    """Every rule of kiamfast's on the node: the metadata DNAT rules (nat) and the backstop
+    (filter), in either iptables backend."""
+    backstop = [line for line in node.net.ns.iptables_save("filter").splitlines()
+                if "kiamfast: metadata" in line]
+    return metadata_dnat(node) + backstop
+
+
+class RuleWatch:
+    """``with RuleWatch(node) as rules:`` polls the node's kiamfast rules every ``interval``
+    on a thread: ``rules.missing`` is every moment none was there (a pod's metadata call then
+    reaches the node's service: neither redirected nor rejected), ``rules.last_present``
+    the last moment one was (``time.monotonic``)."""
+
+    def __init__(self, node: ChartNode, interval: float = 0.1) -> None:
+        self.node = node
+        self.interval = interval
+        self.missing: list[float] = []
+        self.last_present: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rule-watch", daemon=True)
+
+    def __enter__(self) -> "RuleWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            at = time.monotonic()
+            if kiamfast_rules(self.node):
+                self.last_present = at
+            else:
+                self.missing.append(at)
+            self._stop.wait(self.interval)
 
 
 def removal_commands(directory: Path) -> list[str]:

@@ -10,8 +10,13 @@ One node for the whole module, and the steps in order, each starting where the l
 the node: a fresh node with the startup taint (and a botocore app); the node's containerd
 restarted while pods are replaced on a reused address; the agent's container killed, then
 stopped as the kubelet stops it for a failed liveness probe; ``helm upgrade`` to a new image
-tag (a rolling update); ``helm uninstall``. Every check is STS's own answer to what a pod
-received, plus moto's record of which role each key was issued for.
+tag (a rolling update) — through each of these the agent's rules never left the node;
+``helm uninstall``, then the chart's objects applied and deleted with ``kubectl apply/delete
+-k``: each time the agent removes its rules itself and no call reached the node's metadata
+service while they were there; finally an install with ``dnatRule.removeOnUninstall=false``,
+whose rules stay after ``helm uninstall`` (a pod's call is refused) until docs/install.md's
+commands remove them. Every check is STS's own answer to what a pod received, plus moto's
+record of which role each key was issued for.
 
 What differs from a real node (and why): the node is a network namespace whose address is
 ``10.77.0.1``; the agent reaches the API server through the node's loopback proxy, so the
@@ -23,12 +28,15 @@ keys are static (``aws.*``), so the node's metadata service sees no credential r
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable
 
+import kube
 import pytest
-from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, ChartControlPlane, ChartNode, chart_node,
-                           helm, metadata_dnat, missing_reason, print_failure_report,
-                           ready_agent_pod, removal_commands, state_dir, values_file)
+from chart_cluster import (CHART, IMAGE_REPO, NAMESPACE, ChartControlPlane, ChartNode, RuleWatch,
+                           chart_node, helm, kiamfast_rules, metadata_dnat, missing_reason,
+                           print_failure_report, ready_agent_pod, removal_commands, state_dir,
+                           values_file)
 from cri_api.v1 import api_pb2 as cri
 from kubelet_node import KubePod, go_time, wait_untainted
 
@@ -122,9 +130,13 @@ def busy_pods_keep_their_keys_across(node: ChartNode, interrupt: Callable[[dict]
     busy = [node.create_pod(f"{prefix}-{i}", role=f"{prefix}-{i}", loop=120, interval=0.25,
                             refetch=True) for i in range(2)]
     keys = {pod.name: pod.first_round()["AccessKeyId"] for pod in busy}
-    interrupt(before)
-    after = wait_until(lambda: (p := ready_agent_pod(node)) and restarts(p) > restarts(before)
-                       and p, timeout=120, interval=0.5, what="the agent container restarted")
+    with RuleWatch(node) as rules:
+        interrupt(before)
+        after = wait_until(lambda: (p := ready_agent_pod(node)) and
+                           restarts(p) > restarts(before) and p, timeout=120, interval=0.5,
+                           what="the agent container restarted")
+    # The DaemonSet is there: the rules stayed throughout (a restart is no uninstall).
+    assert rules.missing == [] and rules.last_present is not None
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     fresh = node.create_pod(f"after-{prefix}", role=f"after-{prefix}")
     doc = fresh.result(timeout=120)
@@ -273,10 +285,14 @@ def test_helm_upgrade_to_a_new_tag_rolls_the_agent_and_no_pod_gets_another_role(
                               refetch=True) for i in range(2)]
     for pod in probes:
         assert_own_role(pod, pod.first_round())
-    helm(control, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
-         "--set", "image.tag=test-2")
-    after = ready_agent_pod(node, image=new_image)
+    with RuleWatch(node) as rules:
+        helm(control, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE,
+             "--reuse-values", "--set", "image.tag=test-2")
+        after = ready_agent_pod(node, image=new_image)
+        wait_until(lambda: len(node.agent_pods()) == 1, timeout=120, interval=0.5,
+                   what="the old agent pod gone")
     assert after["metadata"]["uid"] != before["metadata"]["uid"]
+    assert rules.missing == []     # the old pod stopped; its DaemonSet did not go
     gaps = []
     for pod in probes:
         rounds = pod.result(timeout=120)["rounds"]
@@ -293,21 +309,99 @@ def test_helm_upgrade_to_a_new_tag_rolls_the_agent_and_no_pod_gets_another_role(
     assert node.imds_credential_requests() == []
 
 
-def test_helm_uninstall_leaves_the_dnat_rule_so_pods_fail_closed_until_it_is_removed(
+def uninstalled_without_opening_the_path(node: ChartNode, uninstall: Callable[[], None],
+                                         prefix: str) -> None:
+    """A pod asking every 0.2 s while ``uninstall()`` deletes the agent's DaemonSet: the
+    agent removes every rule of its own (nothing is run on the node), and no call reached
+    the node's metadata service while one was in place. (After, the node is as it was
+    before kiamfast: a pod's call goes to the node's service, which the fake records.)"""
+    ready_agent_pod(node)
+    asking = node.create_pod(f"{prefix}-asking", role=f"{prefix}-asking", loop=300,
+                             interval=0.2, refetch=True)
+    assert_own_role(asking, asking.first_round(timeout=90))
+    assert kiamfast_rules(node)
+    before = len(node.imds.requests)
+    with RuleWatch(node, interval=0.05) as rules:
+        uninstall()
+        wait_until(lambda: node.agent_pods() == [], timeout=120, interval=0.5,
+                   what="the agent pod gone")
+        wait_until(lambda: rules.missing, timeout=30, interval=0.2,
+                   what="the agent's rules removed")
+    assert kiamfast_rules(node) == [], kiamfast_rules(node)
+    # Every round answered while a rule was there: its own role or nothing; no call reached
+    # the node's service then. (A round's time is the pod's wall clock, the same host's.)
+    present_until = rules.last_present + time.time() - time.monotonic()
+    answered = [r for r in asking.rounds() if go_time(r["at"]) <= present_until]
+    assert answered, asking.rounds()
+    for r in answered:
+        if "AccessKeyId" in r:
+            assert_own_role(asking, r)
+    early = [(r.path, r.at) for r in node.imds.requests[before:]
+             if "security-credentials" in r.path and r.at <= rules.last_present]
+    assert early == [], (early, rules.last_present)
+    node.admin.delete_pod(asking.namespace, asking.name, grace=1)
+
+
+def test_helm_uninstall_removes_the_rules_and_no_pod_reached_the_node_while_they_were_there(
         reported, control):
     node = reported
+    uninstalled_without_opening_the_path(
+        node, lambda: helm(control, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait"),
+        "helm-uninstall")
+    # What stays: the state directory (a tmpfs on a real node), for docs/install.md.
+    assert (state_dir(node) / "table").exists()
+
+
+def test_kubectl_delete_k_removes_the_rules_too(reported, control, tmp_path):
+    """The chart rendered as deploy/base is (a kustomization of its objects), applied and
+    deleted with the real kubectl: ``delete -k`` deletes the ServiceAccount and the RBAC
+    before the DaemonSet (kustomize lists them first), so the agent's token is refused by
+    the time it stops, and the watch it opened before decides."""
+    node = reported
+    kubectl = kube.binary("kubectl", kube.KUBE_VERSION)
+    if not kubectl.exists():
+        pytest.skip(f"needs {kubectl}: bash tests/k8s/build.sh")
+    rendered = helm(control, "template", "kf-kustomize", str(CHART), "--namespace", NAMESPACE,
+                    "-f", str(values_file(node)))
+    (tmp_path / "agent.yaml").write_text(rendered)
+    (tmp_path / "kustomization.yaml").write_text("resources: [agent.yaml]\n")
+
+    def run(*args: str) -> str:
+        out = subprocess.run([str(kubectl), f"--kubeconfig={control.kubeconfig}", *args],
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    run("apply", "-k", str(tmp_path))
+    wait_until(lambda: ready_agent_pod(node), timeout=180, interval=0.5, what="the agent")
+    deleted: list[str] = []
+    uninstalled_without_opening_the_path(
+        node, lambda: deleted.extend(run("delete", "-k", str(tmp_path)).splitlines()),
+        "kubectl-delete")
+    kinds = [line.split(" ", 1)[0] for line in deleted]   # serviceaccount "name" deleted ...
+    assert kinds.index("serviceaccount") < kinds.index("daemonset.apps"), deleted
+
+
+def test_with_remove_on_uninstall_off_the_rules_stay_until_the_documented_commands(
+        reported, control):
+    """dnatRule.removeOnUninstall=false: the rules outlive the agent (a pod's call is
+    refused, never the node's role) until docs/install.md's commands remove them."""
+    node = reported
+    seen = len(node.imds.requests)   # the steps before: calls after their uninstalls
+    helm(control, "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+         "-f", str(values_file(node, {"dnatRule": {"removeOnUninstall": False}})))
+    ready_agent_pod(node)
     helm(control, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
     wait_until(lambda: node.agent_pods() == [], timeout=120, interval=0.5,
                what="the agent pod gone")
-    rule = metadata_dnat(node)
-    assert rule, node.dnat_rules()   # kept on purpose: no pod may reach the node's role
+    rules = kiamfast_rules(node)
+    assert metadata_dnat(node) and len(rules) == 3, rules   # DNAT, INPUT and FORWARD
     orphan = node.create_pod("no-agent", role="no-agent")
     doc = orphan.result(timeout=180)
     assert doc["exit"] != 0 and "AccessKeyId" not in doc, doc
-    assert node.imds_credential_requests() == []
+    assert [r.path for r in node.imds.requests[seen:] if "security-credentials" in r.path] == []
     state = state_dir(node)
     assert (state / "table").exists()   # kept for a reinstall to adopt
-    # docs/install.md's removal commands for the rule and the state, run on the node.
+    # docs/install.md's removal commands for the rules and the state, run on the node.
     node.net.ns.run(["sh", "-ec", removal_commands(state)[0]], check=True)
-    assert metadata_dnat(node) == [], node.dnat_rules()
+    assert kiamfast_rules(node) == []
     assert not state.exists()

@@ -21,7 +21,8 @@ module, the steps in order, each starting where the last left the node:
    the backlog (a 10 s timeout here) and none is refused; only requests the killed worker
    had in hand may be lost;
 4. ``helm rollback`` to the surge release: a handover again, nothing refused;
-5. the release uninstalled and the node cleaned; kube2iam-chart installed with the real
+5. the release uninstalled (its agent removes its rules) and the state directory removed;
+   kube2iam-chart installed with the real
    kube2iam and a kube2iam user's values (kube2iam_image.py; fixtures shared with
    test_chart_switch_from_kube2iam.py), then the documented switch to kiamfast: the surge
    through the second port, kube2iam's pod stopping with its chart's preStop hook. Never
@@ -518,15 +519,16 @@ def test_helm_rollback_to_the_surge_release_hands_over_again(reported, control, 
 def test_the_switch_from_a_kube2iam_release_never_hands_out_the_nodes_role(reported, control,
                                                                            pods):
     node = reported
-    # The kiamfast release goes, and the node is cleaned: deploy/README.md's removal (the
-    # DNAT rule, the state directory), then the page's (the backstop).
+    # The kiamfast release goes: its agent removes its rules itself (an uninstall), and
+    # docs/install.md's removal commands the state directory.
     helm(control, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait")
     wait_until(lambda: node.agent_pods() == [], timeout=120, interval=0.5,
                what="the agent pod gone")
+    wait_until(lambda: metadata_dnat(node) == [] and filter_rules(node) == [], timeout=30,
+               interval=0.2, what="the uninstalled agent's rules removed")
     state = state_dir(node)
     node.net.ns.run(["sh", "-ec", removal_commands(state)[0]], check=True, timeout=60)
-    node.net.ns.run(["sh", "-ec", node_cleanup(state)], check=True, timeout=60)
-    assert metadata_dnat(node) == [] and filter_rules(node) == []
+    assert not state.exists()
     values = kube2iam_values(node)
     helm(control, "install", KUBE2IAM_RELEASE, str(THEIR_CHART), "--namespace", NAMESPACE,
          "-f", str(values))

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from kiamfast.kube import credentials as creds
-from kiamfast.kube.config import NO_CLUSTER, load_config
+from kiamfast.kube.cluster import NO_CLUSTER
+from kiamfast.kube.config import load_config
 from kiamfast.kube.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}

@@ -207,6 +207,11 @@ kiamfast's own flags come last.
 - --iptables-backstop
 {{- end }}
 - --iptables-check-interval={{ .Values.dnatRule.checkInterval }}
+{{- if .Values.dnatRule.removeOnUninstall }}
+- --iptables-remove-on-uninstall
+- --pod-name=$(POD_NAME)
+- --pod-namespace=$(POD_NAMESPACE)
+{{- end }}
 {{- end }}
 {{- with .Values.containerCredentials }}
 {{- if .enabled }}
@@ -316,4 +321,5 @@ rolling it without the surge. Run first by kiamfast.validate; idempotent.
 {{- range $key, $value := dict "maxSurge" "10%" "handoverPort" 8182 "socketKeeper" (dict "enabled" true "resources" (dict "requests" (dict "cpu" "1m" "memory" "8Mi") "limits" (dict "memory" "32Mi"))) "dnatRule" (dict "checkInterval" "10s" "backstop" true) -}}
 {{- if not (hasKey $.Values $key) }}{{ $_ := set $.Values $key $value }}{{ end -}}
 {{- end -}}
+{{- if not (hasKey .Values.dnatRule "removeOnUninstall") }}{{ $_ := set .Values.dnatRule "removeOnUninstall" true }}{{ end -}}
 {{- end -}}

@@ -54,6 +54,12 @@ it is Ready the DaemonSet deletes kube2iam's pod and kiamfast moves back to port
 NOTE: image.repository {{ .Values.image.repository }} is kube2iam's image; running
 {{ include "kiamfast.image" . }} instead.
 {{- end }}
+{{- if hasPrefix (printf "%s:" (include "kiamfast.defaultRepository" .)) (include "kiamfast.image" .) }}
+
+NOTE: {{ include "kiamfast.image" . }} is not published: until it is in a registry your nodes
+pull from, the agent's pods stay in ImagePullBackOff{{ if .Values.kube2iamChart }} and each node keeps its old pod{{ end }}.
+Publish it (deploy/release.sh; docs/install.md, "1. Get the image") and set image.repository.
+{{- end }}
 {{- if .Values.podSecurityPolicy.enabled }}
 
 NOTE: podSecurityPolicy.* is ignored: PodSecurityPolicy was removed in Kubernetes 1.25. The
