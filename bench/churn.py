@@ -49,7 +49,8 @@ Who tells the agent of step 3 is the runtime switch (``--runtime``):
 The pods' clients and the sum of what they saw are bench/churn_clients.py's.
 
     python bench/churn.py [--quick] [--runtime none|auto|containerd|crio|fault] [--requests N]
-        [--rate R] [--gap S] [--slots N] [--min-replacements N] [--agent kiamfast|kube2iam]
+        [--rate R] [--gap S] [--slots N] [--min-replacements N] [--max-seconds S]
+        [--agent kiamfast|kube2iam]
 """
 
 from __future__ import annotations
@@ -567,10 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gap", type=float)
     ap.add_argument("--slots", type=int)
     ap.add_argument("--min-replacements", type=int)
+    ap.add_argument("--max-seconds", type=float, help="stop a mode's churn after this long")
     ap.add_argument("--agent", choices=["kiamfast", "kube2iam"], default="kiamfast")
     args = ap.parse_args(argv)
     scenario = {k: v for k, v in (("rate", args.rate), ("gap", args.gap),
-                                  ("slots", args.slots)) if v is not None}
+                                  ("slots", args.slots), ("max_seconds", args.max_seconds))
+                if v is not None}
     with_runtime = args.runtime != API_ONLY
     min_rep = args.min_replacements if args.min_replacements is not None else (
         (20 if args.quick else 200) if with_runtime else 0)

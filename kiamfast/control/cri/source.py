@@ -69,6 +69,7 @@ class RuntimeSource:
         self.poller = self._poller(endpoint)
         self.netns = self._netns() if self.verbose and self.poller is not None else None
         self._netns_fd = -1
+        self._tracked: tuple[runtime.Sandbox, ...] | None = None   # the sandboxes tracked
 
     def _netns(self) -> NetnsWatch:
         """The kernel's witness, opened now: a runtime whose answers nothing can prove is
@@ -201,7 +202,9 @@ class RuntimeSource:
     def _on_view(self, view: runtime.RuntimeView) -> None:
         self.expected = True
         if self.netns is not None:    # the view's sandboxes' namespaces, read after the view
-            self.netns.track(view.sandboxes)
+            if view.sandboxes is not self._tracked:    # (an unchanged view shares its tuple)
+                self._tracked = view.sandboxes
+                self.netns.track(view.sandboxes)
             self._refresh_netns()
         self.model.apply_runtime(view)
         self.commit()
