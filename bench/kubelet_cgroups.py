@@ -140,11 +140,17 @@ class Hierarchy:
                 (path / "cpu.cfs_quota_us").write_text(str(quota))
         return path
 
-    def set_rt_runtime(self, rel: str, runtime_us: int) -> None:
+    def root_rt_runtime(self) -> int:
+        f = self.base / "cpu.rt_runtime_us"
+        return int(f.read_text()) if f.exists() else 0
+
+    def set_rt_runtime(self, rel: str, runtime_us: int, *, parents: bool = True) -> None:
         """v1 with CONFIG_RT_GROUP_SCHED: let ``rel``'s tasks run real-time for
-        ``runtime_us`` of every second (each parent gets as much first)."""
+        ``runtime_us`` of every period (its parents get as much first; ``parents=False``:
+        ``rel`` and its pod's group only, leaf first, to take it back)."""
         parts = rel.split("/")
-        for i in range(len(parts) + 1):
+        levels = range(len(parts) + 1) if parents else range(len(parts), len(parts) - 2, -1)
+        for i in levels:
             f = self.root.joinpath(*parts[:i]) / "cpu.rt_runtime_us"
             if f.exists():
                 f.write_text(str(runtime_us))
