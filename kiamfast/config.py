@@ -318,7 +318,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("workers", "int", 1, "Number of HTTP worker processes, 1-64; they share the listening "
        "socket the supervisor binds once (no other process can bind --app-port beside it)."),
     _f("worker-realtime", "bool", False, "Run the workers at real-time priority (SCHED_RR, the "
-       "lowest), each within 10% of a CPU per 100 ms, beyond which it runs at its fair share: "
+       "lowest), each within 10% of a CPU (earned and spent every 100 ms), beyond which it runs at "
+       "its fair share: "
        "credential requests are answered at once on a node whose CPUs are all busy. Needs "
        "CAP_SYS_NICE; without it the workers say so and stay at their fair share."),
     _f("wait-budget", "duration", 0.35, "How long a credential request may wait for an "

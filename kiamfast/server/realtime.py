@@ -7,10 +7,11 @@ waits tens of milliseconds behind the workload (docs/performance.md, "A saturate
 A worker at SCHED_RR (the lowest real-time priority) runs the moment a request arrives, and
 a request costs it tens of microseconds. What keeps it from taking the node:
 
-* **its own budget**: every ``window`` the worker reads the CPU time its thread used; past
-  ``budget`` of the window it drops to SCHED_OTHER for the next window, and comes back once
-  a window stays under the budget. A flood can take at most one window beyond the budget
-  before the worker competes at its fair weight like any process;
+* **its own budget**, a token bucket of CPU time: it earns ``budget`` (10 %) of every second,
+  holds at most one window's worth, and every ``window`` (100 ms) pays for the CPU time its
+  thread used at real-time priority. In debt, it drops to SCHED_OTHER and competes at its
+  fair weight like any process until the debt is paid. Over any stretch of time it takes at
+  most ``budget`` of a CPU ahead of the node's work, plus one window;
 * **the kernel's backstop**: RLIMIT_RTTIME: a real-time run of ``RTTIME_SOFT`` without
   sleeping sends SIGXCPU, upon which the worker drops to SCHED_OTHER at once (a loop stuck in
   one callback never reaches the window's check); the hard limit kills it (the supervisor
@@ -52,7 +53,9 @@ class RealtimeGovernor:
     set_scheduler: Callable[[int, int, Any], None] = os.sched_setscheduler
     realtime: bool = False
     demotions: int = 0
+    credit: float = 0.0             # CPU seconds it may still use at real-time priority
     _last_cpu: float = field(default=0.0, repr=False)
+    _demoted_mid_window: bool = field(default=False, repr=False)
 
     def start(self, loop: Any) -> bool:
         """Real time from now on, with the budget checked on ``loop``; False (said once in
@@ -65,25 +68,33 @@ class RealtimeGovernor:
             log.info("RLIMIT_RTTIME not set (%s): the worker's own budget still holds", e)
         loop.add_signal_handler(signal.SIGXCPU, self._ran_too_long)
         self._last_cpu = self.cpu_clock()
+        self.credit = self.budget * self.window
         self._loop = loop
         loop.call_later(self.window, self._tick)
-        log.info("worker runs at real-time priority (SCHED_RR %d), at most %.0f%% of a CPU "
-                 "per %.0f ms", PRIORITY, self.budget * 100, self.window * 1e3)
+        log.info("worker runs at real-time priority (SCHED_RR %d) within %.0f%% of a CPU",
+                 PRIORITY, self.budget * 100)
         return True
 
     def _tick(self) -> None:
+        """Earn this window's budget, pay what the window used at real-time priority (a
+        window is real time or not as a whole: the class changes here and at SIGXCPU, whose
+        window counts as real time)."""
         cpu = self.cpu_clock()
         used, self._last_cpu = cpu - self._last_cpu, cpu
-        if used > self.budget * self.window:
-            if self.realtime:
-                self._demote()
-        elif not self.realtime:
+        paid = used if (self.realtime or self._demoted_mid_window) else 0.0
+        self._demoted_mid_window = False
+        self.credit = min(self.credit + self.budget * self.window - paid,
+                          self.budget * self.window)
+        if self.credit <= 0 and self.realtime:
+            self._demote()
+        elif self.credit > 0 and not self.realtime:
             self._promote()
         self._loop.call_later(self.window, self._tick)
 
     def _ran_too_long(self) -> None:
         if self.realtime:
             self._demote()
+            self._demoted_mid_window = True
 
     def _promote(self) -> bool:
         try:

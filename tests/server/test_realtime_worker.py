@@ -33,18 +33,36 @@ def governor(cpu: list[float], calls: list, *, refuse: bool = False) -> Realtime
     return RealtimeGovernor(cpu_clock=lambda: cpu[0], set_scheduler=set_scheduler)
 
 
-def test_over_budget_the_worker_runs_at_its_fair_share_until_a_window_stays_under():
+def test_over_budget_the_worker_runs_at_its_fair_share_until_its_debt_is_paid():
     cpu, calls, loop = [0.0], [], Loop()
     g = governor(cpu, calls)
     assert g.start(loop) and calls == [os.SCHED_RR] and g.realtime
-    for used, realtime in ((0.005, True),     # 5 ms of a 100 ms window: within 10 %
-                           (0.050, False),    # a flood: back to SCHED_OTHER
-                           (0.060, False),    # still over (at its fair share now): stays
-                           (0.002, True)):    # quiet again: real time
+    cpu[0] += 0.005         # 5 ms of a 100 ms window: within its 10 %
+    loop.timers.pop(0)()
+    assert g.realtime
+    cpu[0] += 0.100         # a flood takes the whole window: 100 ms for 20 earned
+    loop.timers.pop(0)()
+    assert not g.realtime
+    windows = 0
+    while not g.realtime:   # at its fair share the flood goes on, costing nothing real-time
+        cpu[0] += 0.02
+        loop.timers.pop(0)()
+        windows += 1
+    assert windows == 8     # 10 ms earned per window: the 80 ms debt is paid in 800 ms
+    assert calls == [os.SCHED_RR, os.SCHED_OTHER, os.SCHED_RR] and g.demotions == 1
+
+
+def test_under_a_flood_real_time_takes_no_more_than_its_budget_and_a_window():
+    cpu, calls, loop = [0.0], [], Loop()
+    g = governor(cpu, calls)
+    g.start(loop)
+    realtime_cpu = 0.0
+    for _ in range(100):    # 10 s of a flood: at real time it takes all of each window
+        used = 0.1 if g.realtime else 0.02
+        realtime_cpu += used if g.realtime else 0.0
         cpu[0] += used
         loop.timers.pop(0)()
-        assert g.realtime is realtime, used
-    assert calls == [os.SCHED_RR, os.SCHED_OTHER, os.SCHED_RR] and g.demotions == 1
+    assert realtime_cpu <= 0.10 * 10 + 0.1
 
 
 def test_sigxcpu_a_real_time_run_too_long_drops_to_the_fair_share_at_once():
