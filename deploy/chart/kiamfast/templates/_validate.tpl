@@ -12,6 +12,7 @@ these lists equal to the CLI's flag table (--version excepted: it stops the agen
 debug insecure iptables auto-discover-base-arn auto-discover-default-role
 namespace-restrictions resolve-duplicate-cache-ips use-regional-sts-endpoint verbose
 kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6 iptables-backstop
+worker-realtime
 {{- end -}}
 
 {{- define "kiamfast.valueFlags" -}}
@@ -47,7 +48,7 @@ Every value kiamfast cannot mean the way kube2iam's chart did fails here, with t
 {{- include "kiamfast.containerCredentialsDefaults" . -}}
 {{- include "kiamfast.handoverDefaults" . -}}
 {{- include "kiamfast.kube2iamProbe" . -}}
-{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "kube2iamChart" "probe" "global" "maxSurge" "handoverPort" "socketKeeper" "dnatRule" -}}
+{{- $known := list "extraArgs" "extraEnv" "host" "prometheus" "image" "aws" "existingSecret" "nodeSelector" "affinity" "podAnnotations" "podLabels" "priorityClassName" "livenessProbe" "readinessProbe" "rbac" "resources" "lifecycle" "updateStrategy" "maxUnavailable" "verbose" "tolerations" "podSecurityPolicy" "nameOverride" "fullnameOverride" "workers" "startupTaint" "cri" "dnsPolicy" "terminationGracePeriodSeconds" "securityContext" "podSecurityContext" "extraVolumes" "extraVolumeMounts" "stateDir" "containerCredentials" "kube2iamChart" "probe" "global" "maxSurge" "handoverPort" "socketKeeper" "dnatRule" "realtimeWorkers" -}}
 {{- range $key, $_ := .Values -}}
 {{- if not (has $key $known) -}}
 {{- fail (printf "%s: not a value of kube2iam's chart nor of kiamfast's, so kiamfast cannot know what it means; remove it (values.yaml lists them all)" $key) -}}
