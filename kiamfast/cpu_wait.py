@@ -18,8 +18,8 @@ accounts and says it:
 
 :meth:`CpuWait.poll` reads them (a few small /proc files; the control process calls it at
 every publish) and keeps counters that never go back (a thread that exits leaves its share
-behind); :meth:`CpuWait.lines` renders the ``kiamfast_cpu_*`` series. Once a window holds
-enough worker wake-ups and their mean wait is over the threshold, one warning names the
+behind); :meth:`CpuWait.lines` renders the CPU-wait series (docs/metrics.md). Once a window
+holds enough worker wake-ups and their mean wait is over the threshold, one warning names the
 fix (the CPU request, or the CPU limit when the cgroup was throttled), at most once per
 ``warn_every``. A leaf module: it imports nothing of the agent's but the metrics text.
 """
@@ -157,6 +157,7 @@ class CpuWait:
     warn_every_s: float = WARN_EVERY_S
     proc: Path = Path("/proc")
     clock: Callable[[], float] = time.monotonic
+    policy_of: Callable[[int], int] = os.sched_getscheduler
     cgroup: CgroupFiles | None = None
     kinds: dict[str, _Kind] = field(default_factory=lambda: {k: _Kind() for k in KINDS})
     warnings: int = 0
@@ -243,13 +244,28 @@ class CpuWait:
         if throttled > throttled_before:
             fix = ("its cgroup was throttled in %d CPU periods: remove the agent's CPU limit "
                    "(chart: resources.limits.cpu)" % (throttled - throttled_before))
-        else:
-            fix = ("the node's CPUs are busy and the agent gets the CPU weight of its request: "
+        elif self.workers_realtime():
+            fix = ("the workers are at real-time priority and past their CPU budget (a flood?): "
                    "raise the agent's CPU request (chart: resources.requests.cpu; "
                    "docs/install.md, \"A saturated node\")")
+        else:
+            fix = ("the node's CPUs are busy and the agent gets the CPU weight of its request: "
+                   "run the workers at real-time priority (--worker-realtime: the chart's "
+                   "realtimeWorkers, with CAP_SYS_NICE) or raise the agent's CPU request "
+                   "(chart: resources.requests.cpu; docs/install.md, \"A saturated node\")")
         log.warning("the workers waited for the CPU %.1f ms per wake-up over the last %.0f s "
                     "(threshold %.1f ms): credential requests wait at least as long; %s",
                     wait * 1e3, now - start, self.threshold_s * 1e3, fix)
+
+    def workers_realtime(self) -> bool:
+        """Whether every worker runs at a real-time class now."""
+        workers = [pid for pid, kind in self.processes().items() if kind == "worker"]
+        try:
+            return bool(workers) and all(
+                self.policy_of(pid) & ~os.SCHED_RESET_ON_FORK
+                in (os.SCHED_RR, os.SCHED_FIFO) for pid in workers)
+        except OSError:
+            return False
 
     def throttled_periods(self) -> int:
         return self._stat.get("nr_throttled", 0)

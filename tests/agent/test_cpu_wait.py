@@ -3,6 +3,7 @@ warns and what the warning names (the starved real agent: test_cpu_wait_starved.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_one_warning_names_the_request_when_the_workers_wait_past_the_threshold(
     proc.children([200])
     clock = [0.0]
     w = CpuWait(supervisor_pid=100, proc=proc.root, cgroup=CgroupFiles(),
-                clock=lambda: clock[0])
+                clock=lambda: clock[0], policy_of=lambda pid: os.SCHED_OTHER)
     with caplog.at_level(logging.WARNING, logger="kiamfast.cpu_wait"):
         _starve(proc, w, clock, 1_000_000)        # 1 ms per wake-up: no warning
         assert not caplog.records
@@ -94,9 +95,23 @@ def test_one_warning_names_the_request_when_the_workers_wait_past_the_threshold(
     assert len(caplog.records) == 1 and w.warnings == 1
     text = caplog.records[0].getMessage()
     assert "waited for the CPU 30.0 ms per wake-up" in text
+    assert "run the workers at real-time priority (--worker-realtime" in text
     assert "raise the agent's CPU request (chart: resources.requests.cpu" in text
     assert series(w)['kiamfast_cpu_wait_per_timeslice_seconds{process="worker"}'] == \
         pytest.approx(0.03)
+
+
+def test_real_time_workers_still_waiting_are_past_their_budget(proc, caplog):
+    proc.process(200, "python -m kiamfast.server.worker", {200: (0, 0)})
+    proc.children([200])
+    clock = [0.0]
+    w = CpuWait(supervisor_pid=100, proc=proc.root, cgroup=CgroupFiles(),
+                clock=lambda: clock[0], policy_of=lambda pid: os.SCHED_RR)
+    with caplog.at_level(logging.WARNING, logger="kiamfast.cpu_wait"):
+        _starve(proc, w, clock, 30_000_000)
+    text = caplog.records[0].getMessage()
+    assert "at real-time priority and past their CPU budget" in text
+    assert "--worker-realtime" not in text
 
 
 def test_a_throttled_cgroup_is_told_to_drop_its_cpu_limit(proc, tmp_path, caplog):
@@ -106,7 +121,7 @@ def test_a_throttled_cgroup_is_told_to_drop_its_cpu_limit(proc, tmp_path, caplog
     proc.children([200])
     clock = [0.0]
     w = CpuWait(supervisor_pid=100, proc=proc.root, cgroup=CgroupFiles(cpu_stat=stat, version=1),
-                clock=lambda: clock[0])
+                clock=lambda: clock[0], policy_of=lambda pid: os.SCHED_OTHER)
     w.poll()
     stat.write_text("nr_periods 110\nnr_throttled 40\nthrottled_time 2500000000\n")
     with caplog.at_level(logging.WARNING, logger="kiamfast.cpu_wait"):
@@ -123,7 +138,7 @@ def test_few_wake_ups_are_not_judged(proc, caplog):
     proc.children([200])
     clock = [0.0]
     w = CpuWait(supervisor_pid=100, proc=proc.root, cgroup=CgroupFiles(),
-                clock=lambda: clock[0])
+                clock=lambda: clock[0], policy_of=lambda pid: os.SCHED_OTHER)
     w.poll()
     clock[0] += 11.0
     proc.process(200, "python -m kiamfast.server.worker", {200: (900_000_000, 3)})
