@@ -115,8 +115,10 @@ def default_cases() -> tuple[Case, ...]:
     """The chart's defaults idle and saturated, then each candidate alone, then kube2iam
     (its chart's default: no requests; and with a request)."""
     cases = (chart_case(saturated=False), chart_case(),
+             Case("kiamfast", 20, saturated=False),
              Case("kiamfast", 20), Case("kiamfast", 50), Case("kiamfast", 100),
              Case("kiamfast", 200),
+             Case("kiamfast", 20, defer_accept=True),
              Case("kiamfast", 20, slice_us=100),
              Case("kiamfast", 20, realtime=True),
              Case("kiamfast", 20, flood=True), Case("kiamfast", 20, realtime=True, flood=True),
@@ -588,7 +590,7 @@ def markdown(res: Result) -> str:
              f"run. The chart's default CPU request: {res.default_milli}m.", ""]
     for version in o["versions"]:
         if version in res.skipped:
-            lines += [f"**{version}**: not measured: {res.skipped[version]}.", ""]
+            lines += [f"**{version}**: skipped on this machine: {res.skipped[version]}.", ""]
             continue
         rows = [r for r in res.outcomes if r.version == version]
         if not rows:
