@@ -165,6 +165,7 @@ class Outcome:
     workload_cpus: float = float("nan")                # CPUs the workload got meanwhile
     flood_rps: float = float("nan")
     wakeups_per_call: float = float("nan")             # the workers' time slices per call
+    load: float = float("nan")                         # 1-min load average as it began
     throttled: int = 0
     agent_metric: dict = field(default_factory=dict)  # kiamfast's own CPU-wait series
     warned: bool = False            # kiamfast logged its CPU-wait warning
@@ -189,7 +190,7 @@ class Outcome:
         out.latency_ms = summarize_us(out.lat_us)
         out.round_p99_ms = [r.latency_ms.get("p99", float("nan")) for r in rounds]
         for name in ("run_delay_per_slice_ms", "metric_delay_per_slice_ms", "cpu_ms_per_s",
-                     "workload_cpus", "flood_rps", "wakeups_per_call"):
+                     "workload_cpus", "flood_rps", "wakeups_per_call", "load"):
             setattr(out, name, median([getattr(r, name) for r in rounds]))
         out.agent_metric = rounds[-1].agent_metric
         return out
@@ -471,6 +472,7 @@ def run_case(node: Node, case: Case, cluster, pods: list[tuple[str, str]], opts:
         apply_knobs(case, node, rel, agent)
         time.sleep(1.0)            # settle in its new place
         series0 = cpu_wait_series(agent.metrics()) if agent.metrics else {}
+        load = os.getloadavg()[0]
         before = (schedstat(agent.worker_pids()), sum(cpu_seconds(p) for p in agent.pids()),
                   node.h.stat(group), time.monotonic(), node.workload_cpu())
         flood = start_flood(node, agent.port, opts) if case.flood else None
@@ -479,6 +481,7 @@ def run_case(node: Node, case: Case, cluster, pods: list[tuple[str, str]], opts:
         after = (schedstat(agent.worker_pids()), sum(cpu_seconds(p) for p in agent.pids()),
                  node.h.stat(group), time.monotonic(), node.workload_cpu())
         out = judge(node.version, case, calls, cluster.access_keys())
+        out.load = load
         (d0, n0), (d1, n1) = before[0], after[0]
         elapsed = after[3] - before[3]
         out.run_delay_per_slice_ms = (d1 - d0) / max(n1 - n0, 1) / 1e6
@@ -601,8 +604,8 @@ def markdown(res: Result) -> str:
                               for k, v in w.items()) + ")", "",
                   "| agent, its CPU request | calls | over 1 s or failed | wrong role | p50 "
                   "| p99 | max | worker's run delay per wake-up: /proc (its own metric) "
-                  "| worker wake-ups per call | agent CPU | workload CPUs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| worker wake-ups per call | agent CPU | workload CPUs | load average |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lat = r.latency_ms
             own = ("" if r.case.agent != "kiamfast" else
@@ -614,7 +617,7 @@ def markdown(res: Result) -> str:
                 f"({'/'.join(f'{x:.0f}' for x in r.round_p99_ms)}) | {lat['max']:.1f} ms | "
                 f"{r.run_delay_per_slice_ms:.2f}{own} ms | {r.wakeups_per_call:.1f} | "
                 f"{r.cpu_ms_per_s:.0f} ms/s{flood} | "
-                f"{r.workload_cpus:.2f} |")
+                f"{r.workload_cpus:.2f} | {r.load:.1f} |")
         lines.append("")
     lines += ["Latency: from the connect to the whole answer, measured by the callers. The "
               "worker's run delay per wake-up: its threads' wait for a CPU each time they "
@@ -622,7 +625,10 @@ def markdown(res: Result) -> str:
               "in brackets the same from kiamfast's own kiamfast_cpu_run_delay_seconds_total "
               "and kiamfast_cpu_timeslices_total, \"warned\": it logged its CPU-wait "
               "warning). Agent CPU: all its processes; workload CPUs: what the busy "
-              "processes got meanwhile (the harm the agent did them is what they lost). "
+              "processes got meanwhile (the harm the agent did them is what they lost); load "
+              "average: the machine's 1-minute load as each round of the case began "
+              "(median): the machine is shared, and its other tenants run at the root "
+              "cgroup's weight beside kubepods. "
               "Knobs marked (bench) were set by the bench on the agent's threads."]
     return "\n".join(lines)
 
