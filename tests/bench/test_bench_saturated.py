@@ -29,7 +29,7 @@ def test_the_default_case_is_what_the_chart_renders():
     assert case.realtime is sn.chart_realtime() is True
     labels = [c.label for c in sn.default_cases()]
     assert len(labels) == len(set(labels))
-    assert {c.agent for c in sn.default_cases()} == {"kiamfast", "kube2iam"}
+    assert {c.agent for c in sn.default_cases()} == {"kiamfast", "kube2iam", sn.FLOOR}
 
 
 def test_a_call_counts_as_failed_when_late_or_not_the_document_and_wrong_when_another_role():
@@ -77,7 +77,7 @@ def test_a_quick_run_measures_both_agents_on_a_saturated_node_and_names_what_it_
             assert o.run_delay_per_slice_ms == o.run_delay_per_slice_ms
         if o.case.saturated:
             assert o.workload_cpus > 0
-    assert {o.case.agent for o in res.outcomes} == {"kiamfast", "kube2iam"}
+    assert {o.case.agent for o in res.outcomes} == {"kiamfast", "kube2iam", sn.FLOOR}
     text = sn.markdown(res)
     assert "not measured" not in text       # bench/run's word for a section that broke
     assert "| kube2iam, no request (BestEffort), saturated |" in text
