@@ -37,8 +37,8 @@ from typing import Any
 log = logging.getLogger("kiamfast.worker")
 
 PRIORITY = 1                 # the lowest real-time priority: every other real-time task wins
-BUDGET = 0.10                # of one CPU, per window, at real-time priority
-WINDOW = 0.1                 # seconds
+BUDGET = 0.10                # of one CPU at real-time priority, earned as time passes
+WINDOW = 0.1                 # seconds between two checks; one window's budget may be saved
 RTTIME_SOFT_US = 50_000      # one real-time run without sleeping: SIGXCPU, back to SCHED_OTHER
 RTTIME_HARD_US = 1_000_000   # and the kernel kills a worker stuck that long
 
@@ -56,6 +56,7 @@ class RealtimeGovernor:
     credit: float = 0.0             # CPU seconds it may still use at real-time priority
     _last_cpu: float = field(default=0.0, repr=False)
     _demoted_mid_window: bool = field(default=False, repr=False)
+    _loop: Any = field(default=None, repr=False)     # set once started
 
     def start(self, loop: Any) -> bool:
         """Real time from now on, with the budget checked on ``loop``; False (said once in
@@ -101,7 +102,7 @@ class RealtimeGovernor:
             self.set_scheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK,
                                os.sched_param(PRIORITY))
         except OSError as e:
-            if not hasattr(self, "_loop"):
+            if self._loop is None:      # refused at start: said once
                 log.warning("--worker-realtime: the kernel refused SCHED_RR (%s; it needs "
                             "CAP_SYS_NICE, and on kernels with CONFIG_RT_GROUP_SCHED real-time "
                             "runtime for the container's cgroup): the worker stays at its "
