@@ -23,7 +23,9 @@ agent's metadata path, a real kube-apiserver's TokenReview, and a flooding pod's
 the others), ``webhook`` (bench/webhook_load.py: the injection webhook's RSS and the API
 server's calls under large bodies and slow senders), ``handover`` (bench/handover.py: 30 pods asking through the DNAT during a
 surge handover, a rolling restart and a container crash, kube2iam's restart beside; the
-socket keeper's memory; the cost of re-asserting the DNAT rule; root only).
+socket keeper's memory; the cost of re-asserting the DNAT rule; root only), ``saturated``
+(bench/saturated_node.py: a node at full CPU in kubelet-shaped cgroups, v1 and v2, pods
+asking as SDKs do; kiamfast at each candidate setting and kube2iam in turn; root only).
 A section that fails or cannot run yet (the full agent is missing) says so in the report;
 the others still run. ``--quick`` shrinks every section so the whole run takes about two
 minutes (for tests; its figures are rough).
@@ -49,7 +51,7 @@ import numpy as np
 from benchutil import BENCH, ROOT, Unavailable, in_ci, machine_facts, median, summarize_us
 
 SECTIONS = ("hotpath", "churn", "node-start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
-            "container-credentials", "webhook", "handover")
+            "container-credentials", "webhook", "handover", "saturated")
 
 
 @dataclass
@@ -542,12 +544,26 @@ def section_handover(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_saturated(quick: bool, out: Path, log) -> Section:
+    import saturated_node as sn
+    res = sn.run(sn.QUICK if quick else sn.Options(), log=log)
+    sec = Section("A saturated node: credential calls while the workload takes every CPU")
+    sec.body = sn.markdown(res)
+    sec.headline = sn.headline(res)
+    sec.figures = sn.plot(res, out)
+    sec.raw = {"options": res.options, "skipped": res.skipped, "weights": res.weights,
+               "outcomes": [{k: v for k, v in o.__dict__.items() if k != "lat_us"}
+                            | {"case": o.case.label} for o in res.outcomes]}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node-start": section_node_start, "node_start": section_node_start,
            "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
            "container-credentials": section_container_credentials,
-           "webhook": section_webhook, "handover": section_handover}
+           "webhook": section_webhook, "handover": section_handover,
+           "saturated": section_saturated}
 
 
 # ---- the report ------------------------------------------------------------------------------

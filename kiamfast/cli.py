@@ -264,7 +264,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                              "min-credential-lifetime", "ready-prefetch-timeout",
                              "session-name-policy", "session-tags", "session-tag-keys",
                              "cluster-name")),
-    ("Serving pods", ("app-port", "metrics-port", "listen-host", "workers", "wait-budget",
+    ("Serving pods", ("app-port", "metrics-port", "listen-host", "workers", "worker-realtime",
+                      "wait-budget",
                       "imdsv2", "token-key-file", "metadata-addr", "passthrough-qps",
                       "passthrough-burst", "passthrough-concurrency")),
     ("The node: DNAT rule, container runtime, startup taint", (

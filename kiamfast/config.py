@@ -317,6 +317,11 @@ FLAGS: tuple[Flag, ...] = (
     # ---- kiamfast's own flags ------------------------------------------------------------
     _f("workers", "int", 1, "Number of HTTP worker processes, 1-64; they share the listening "
        "socket the supervisor binds once (no other process can bind --app-port beside it)."),
+    _f("worker-realtime", "bool", False, "Run the workers at real-time priority (SCHED_RR, the "
+       "lowest), each within 10% of a CPU (earned and spent every 100 ms), beyond which it runs at "
+       "its fair share: "
+       "credential requests are answered at once on a node whose CPUs are all busy. Needs "
+       "CAP_SYS_NICE; without it the workers say so and stay at their fair share."),
     _f("wait-budget", "duration", 0.35, "How long a credential request may wait for an "
        "unknown pod or for pending credentials before the agent answers 503 (keep it under "
        "the SDKs' 1s metadata timeout)."),
@@ -547,6 +552,7 @@ class Config:
     version: bool = _default("version")
     # kiamfast flags
     workers: int = _default("workers")
+    worker_realtime: bool = _default("worker-realtime")
     wait_budget: float = _default("wait-budget")
     passthrough_qps: float = _default("passthrough-qps")
     passthrough_burst: int = _default("passthrough-burst")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
@@ -40,6 +41,7 @@ from collections import Counter
 from typing import Any
 
 from kiamfast import __version__, channel, metrics_text, milestones
+from kiamfast.cpu_wait import CpuWait
 from kiamfast import table as tbl
 from kiamfast.config import Config
 from kiamfast.control import imds_client, iptables, writer_lock
@@ -88,6 +90,7 @@ class ControlProcess:
                              aux=self.aux)
         self._wake_scheduled = False
         self._stop = asyncio.Event()
+        self.cpu_wait = CpuWait(supervisor_pid=os.getppid())   # the agent's own processes
 
     # ---- waking the workers ---------------------------------------------------------------------
 
@@ -355,7 +358,9 @@ class ControlProcess:
     async def _publish(self) -> None:
         """Metrics text, denials and /debug/store for the workers to serve."""
         while True:
-            own = metrics_text.render(control_metrics.render(self._state()))
+            self.cpu_wait.poll()
+            own = metrics_text.render(control_metrics.render(self._state())
+                                      + self.cpu_wait.lines())
             self.aux.metrics(metrics_text.render(self.manager.metrics.lines()) + own, own)
             self.aux.denials(report.denials(self.model))
             if self.config.debug:

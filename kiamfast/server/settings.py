@@ -67,6 +67,8 @@ class WorkerSettings:
     # and hands every worker the same socket, so no other process can share the port.
     reuse_port: bool = False
     backlog: int = 2048
+    # --worker-realtime: SCHED_RR within a CPU budget (server/realtime.py)
+    realtime: bool = False
 
     def __post_init__(self) -> None:
         if self.imdsv2 not in IMDSV2_MODES:

@@ -171,6 +171,9 @@ async def _run(settings: WorkerSettings, table_path: str, channel_fd: int | None
                      metrics_sock=_inherited_socket(metrics_fd, "listen"),
                      extra_socks=extra,
                      start_serving=not paused)
+    if settings.realtime:
+        from kiamfast.server.realtime import RealtimeGovernor
+        RealtimeGovernor().start(loop)
     if ready_fd is not None and ready_fd >= 0:
         _say_ready(ready_fd)
     if paused:

@@ -42,6 +42,7 @@ def worker_settings(config: Config, *, token_key_fd: int,
         debug=config.debug,
         host_ip=config.host_ip,
         base_role_arn=config.base_role_arn,
+        realtime=config.worker_realtime,
     )
 
 

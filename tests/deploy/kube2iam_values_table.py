@@ -77,7 +77,8 @@ REASONS = {
                    "(and its own startup taint); an explicit list is kept",
     # ---- rendered with the same values ----
     "container.image": "kiamfast's image replaces kube2iam's (image.repository above)",
-    "container.args": "kiamfast's own flags after kube2iam's (workers, startup taint, "
+    "container.args": "kiamfast's own flags after kube2iam's (workers, real-time workers, "
+                      "startup taint, "
                       "runtime socket, table and token key in the node directory, the "
                       "handover socket and second port, the ready file, the socket keeper, "
                       "the DNAT rule kept in place), and `--host-ip` also without iptables",
@@ -101,7 +102,8 @@ REASONS = {
                            "+ 32Mi per worker): the shared table lives in the pod's memory); "
                            "no CPU limit",
     "container.securityContext": "NET_ADMIN and NET_RAW as root instead of privileged (and "
-                                 "with iptables off too: kube2iam rendered none then)",
+                                 "with iptables off too: kube2iam rendered none then), "
+                                 "SYS_NICE for the real-time workers (realtimeWorkers)",
     "container.volumeMounts": "the node directory with the credential table and token key, "
                               "/tmp, the xtables lock shared with kube-proxy, the pod's own "
                               "directory (ready file, socket keeper), the container "

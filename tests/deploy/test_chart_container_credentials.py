@@ -81,10 +81,13 @@ def test_the_agents_parser_accepts_what_the_chart_renders(tmp_path):
     ({"privileged": True}, ["NET_ADMIN", "NET_RAW"])])   # privileged has every capability
 def test_on_the_agent_may_bind_port_80(tmp_path, security, expected_add):
     # Root whose capabilities were dropped cannot bind a port under 1024 without this one
-    # (NET_BROADCAST: the runtime's, tests/deploy/test_chart.py).
-    objs = render(values_file(tmp_path, {**ON, "securityContext": security}))
+    # (NET_BROADCAST: the runtime's, tests/deploy/test_chart.py; real-time workers' SYS_NICE
+    # apart: tests/deploy/test_chart_realtime.py).
+    objs = render(values_file(tmp_path, {**ON, "securityContext": security,
+                                         "realtimeWorkers": False}))
     assert container(objs)["securityContext"]["capabilities"]["add"] == expected_add
-    off = render(values_file(tmp_path, {"securityContext": security}))
+    off = render(values_file(tmp_path, {"securityContext": security,
+                                        "realtimeWorkers": False}))
     own = (security.get("capabilities") or {}).get("add", ["NET_ADMIN", "NET_RAW"])
     assert container(off)["securityContext"].get("capabilities", {}).get("add") == (
         own if security.get("privileged") or "NET_BROADCAST" in own

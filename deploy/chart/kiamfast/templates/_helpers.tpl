@@ -190,6 +190,9 @@ kiamfast's own flags come last.
 - --app-port={{ .Values.host.port }}
 - --metrics-port={{ include "kiamfast.metricsPort" . }}
 - --workers={{ .Values.workers }}
+{{- if .Values.realtimeWorkers }}
+- --worker-realtime
+{{- end }}
 - --node-startup-taint={{ .Values.startupTaint.key }}
 - --cri-endpoint={{ include "kiamfast.criEndpoint" . }}
 - --table-path={{ .Values.stateDir }}/table

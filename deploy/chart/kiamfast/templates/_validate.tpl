@@ -18,7 +18,7 @@ these lists equal to the CLI's flag table (--version excepted: it stops the agen
 debug insecure iptables auto-discover-base-arn auto-discover-default-role
 namespace-restrictions resolve-duplicate-cache-ips use-regional-sts-endpoint verbose
 kubelet-insecure session-tags iptables-remove-on-exit metadata-ipv6 iptables-backstop
-iptables-remove-on-uninstall
+iptables-remove-on-uninstall worker-realtime
 {{- end -}}
 
 {{- define "kiamfast.valueFlags" -}}
@@ -80,7 +80,7 @@ work with the others; nothing when all is well.
 {{- if or (and (kindIs "bool" $value) (not $value)) (and (or (kindIs "float64" $value) (kindIs "int64" $value) (kindIs "int" $value)) (eq (float64 $value) 0.0)) -}}
 {{- printf "extraArgs.%s: %v: kube2iam's chart renders this as a bare --%s, which switches a boolean ON; kiamfast will not guess which you meant: write %s: true, or remove the key to keep the flag's default\n" $key $value $key $key -}}
 {{- end -}}
-{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" "handover-socket" "stateDir" "handover-port" "handoverPort" "socket-keeper" "socketKeeper.enabled" "ready-file" "readinessProbe" "iptables-backstop" "dnatRule.backstop" "iptables-check-interval" "dnatRule.checkInterval" "iptables-remove-on-uninstall" "dnatRule.removeOnUninstall" -}}
+{{- $owned := dict "workers" "workers" "node-startup-taint" "startupTaint.key" "cri-endpoint" "cri.enabled and cri.socketPath" "table-path" "stateDir" "token-key-file" "stateDir" "container-credentials-addr" "containerCredentials.enabled and containerCredentials.ipv6" "container-credentials-link" "containerCredentials.link" "container-credentials-audience" "containerCredentials.audience" "handover-socket" "stateDir" "handover-port" "handoverPort" "socket-keeper" "socketKeeper.enabled" "ready-file" "readinessProbe" "iptables-backstop" "dnatRule.backstop" "iptables-check-interval" "dnatRule.checkInterval" "iptables-remove-on-uninstall" "dnatRule.removeOnUninstall" "worker-realtime" "realtimeWorkers" -}}
 {{- if hasKey $owned $key -}}
 {{- printf "extraArgs.%s: the chart sets --%s from its own value (%s); set that instead\n" $key $key (get $owned $key) -}}
 {{- end -}}
