@@ -3,8 +3,10 @@
 Runs as a coroutine of the control process (docs/architecture.md, "Container credentials"):
 the pod view, the role decisions and the credential slots it answers from live there.  What
 keeps a hostile pod from slowing the table's writer or locking the other pods out: a
-bounded request head; a bound on connections per address and in all, where a newcomer takes
-the place of the longest idle connection of the address holding the most; TokenReview calls
+bounded request head; an answer its client has not read within `WRITE_TIMEOUT` ends the
+connection; a bound on connections per address and in all, where a newcomer takes the place
+of the longest idle connection of the address holding the most (idle: not making an answer,
+which every budget below bounds in time); TokenReview calls
 on their own few threads; a per-address budget of reviews (a cached verdict costs none); a
 per-pod budget of answers (a flood of valid tokens); and a per-address budget of refusals:
 past it, that address's requests are closed unread and its new connections reset as they
@@ -50,6 +52,7 @@ log = logging.getLogger("kiamfast.container_credentials")
 PATH = "/v1/credentials"        # what the EKS Pod Identity webhook puts in FULL_URI
 MAX_HEAD = 20480                # request line + headers (a token is at most 16 KiB)
 HEAD_TIMEOUT = 10.0             # a whole request head, once a connection is open or idle
+WRITE_TIMEOUT = 5.0             # an answer written and not read by then ends the connection
 MAX_CONNECTIONS = 512
 # As the supervisor binds the sockets: asyncio listens again, with 100 unless told, and a
 # burst of connections past the queue has its SYNs dropped (the client retries after 1 s).
@@ -160,8 +163,10 @@ class OwnershipView:
 
 
 class Connection:
-    """One connection's place: whose it is, whether a request of it is being answered, and
-    since when it has been idle (its accept, or its last answer)."""
+    """One connection's place: whose it is, whether an answer is being made for it (bounded
+    in time by the budgets of the request path), and since when it has been idle (its
+    accept, or its last answer written; an answer waiting for its client to read it is
+    idle: the client's to take, never the loop's)."""
     __slots__ = ("address", "transport", "busy", "idle_since")
 
     def __init__(self, address: str, transport: asyncio.BaseTransport, now: float) -> None:
@@ -206,20 +211,23 @@ class AddressLimits:
         return conn
 
     def _make_room(self, own: int) -> bool:
-        """At MAX_CONNECTIONS: close the connection idle longest of the address holding the
-        most, if that address holds at least two more than the newcomer's (`own`), as the
-        metadata path's workers do.  Addresses hoarding connections cannot keep a pod that
-        holds none out, and nobody is left with fewer than the newcomer."""
-        heaviest = max(self.connections.values(), key=len, default=None)
-        if heaviest is None or len(heaviest) < own + 2:
-            return False
-        idle = [c for c in heaviest if not c.busy]
+        """At MAX_CONNECTIONS: close an idle connection of an address holding at least two
+        more than the newcomer's (`own`): of the address holding the most, the one idle
+        longest, as the metadata path's workers do.  Any idle connection anywhere will do:
+        an address whose connections are all being answered cannot keep a pod that holds
+        none out, and nobody is left with fewer than the newcomer.  Only when every place
+        is making an answer (each bounded in time) is the newcomer turned away."""
+        idle = [c for conns in self.connections.values() if len(conns) >= own + 2
+                for c in conns if not c.busy]
         if not idle:
             return False
-        victim = min(idle, key=lambda c: c.idle_since)
+        victim = min(idle, key=lambda c: (-len(self.connections[c.address]), c.idle_since))
         self.close(victim)
         self.evicted += 1
-        victim.transport.close()      # its reader sees the end, its client a FIN
+        if victim.transport.get_write_buffer_size():
+            victim.transport.abort()  # an answer it is not reading: nothing to wait for
+        else:
+            victim.transport.close()  # its reader sees the end, its client a FIN
         return True
 
     def close(self, conn: Connection) -> None:
@@ -304,6 +312,10 @@ class _Gate(asyncio.StreamReaderProtocol):
 
 class BadRequest(Exception):
     pass
+
+
+class AnswerNotRead(Exception):
+    """The client did not read an answer within `WRITE_TIMEOUT`."""
 
 
 @dataclass(slots=True)
@@ -413,12 +425,20 @@ class ContainerCredentialsServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           conn: Connection) -> None:
+        transport = writer.transport
         try:
             await self._requests(conn, reader, writer)
+        except AnswerNotRead:
+            transport.abort()                   # its place is given up at once
+            return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
-        finally:
-            writer.close()
+        conn.busy = False
+        writer.close()
+        if transport.get_write_buffer_size():
+            # A last answer still queued: closing waits for the client to read it, and the
+            # place is held until then; it gets the time any answer gets.
+            asyncio.get_running_loop().call_later(WRITE_TIMEOUT, transport.abort)
 
     async def _requests(self, conn: Connection, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
@@ -438,12 +458,18 @@ class ContainerCredentialsServer:
             except BadRequest as e:
                 writer.write(self._error(address, 400, "BadRequest", str(e), keep_alive=False))
                 return
-            writer.write(await self.answer(request, address))
-            await writer.drain()
-            if not request.keep_alive:
-                return
+            answer = await self.answer(request, address)
             conn.busy = False
             conn.idle_since = self.limits.clock()
+            writer.write(answer)
+            try:
+                # A client that sends requests and never reads its answers (a pipelining
+                # client with a small receive buffer) would hold the connection for ever.
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise AnswerNotRead from None
+            if not request.keep_alive:
+                return
 
     # ---- one request -------------------------------------------------------------------------
 
