@@ -29,13 +29,20 @@ from typing import Any, Callable
 
 import orjson
 
+from kiamfast.container_credentials.review_queue import Job, QueueFull, ReviewQueue
+
 log = logging.getLogger("kiamfast.container_credentials")
 
 MAX_TOKEN_BYTES = 16384
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-REVIEW_TIMEOUT = 1.0           # the SDKs allow 1 s (JS) to 2 s (botocore) per attempt
+REVIEW_WAIT = 1.5              # a request waits this long for its verdict, queue included
+REVIEW_TIMEOUT = 2.0           # each socket operation of the API call (its verdict is cached
+                               # when it comes after its request gave up: the SDK retries)
+REVIEW_THREADS = 4
+MAX_PENDING_REVIEWS = 64       # reviews waiting or running, in all ...
+MAX_PENDING_PER_ADDRESS = 4    # ... and for one client address
 REJECTED_TTL = 60.0            # a refused token is refused again without asking
 CACHE_SIZE = 4096
 LOG_EVERY = 10.0               # one info line per kind of event this often; debug else
@@ -186,19 +193,23 @@ def token_review_call(client: Any) -> Callable[[str, str], dict[str, Any]]:
 
 
 class TokenReviewer:
-    """Reviews tokens with at most `concurrency` API calls at once, verdicts cached."""
+    """Reviews tokens with at most `REVIEW_THREADS` API calls at once, the rest waiting in a
+    bounded queue shared by address (`review_queue.py`); verdicts cached."""
 
     def __init__(self, call: Callable[[str, str], dict[str, Any]], *, audience: str,
-                 concurrency: int = 4, clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.call = call
         self.audience = audience
         self.clock = clock
-        self.pool = ThreadPoolExecutor(max_workers=concurrency,
+        self.pool = ThreadPoolExecutor(max_workers=REVIEW_THREADS,
                                        thread_name_prefix="tokenreview")
+        self.queue = ReviewQueue(threads=REVIEW_THREADS, limit=MAX_PENDING_REVIEWS,
+                                 per_address=MAX_PENDING_PER_ADDRESS)
         self._accepted: OrderedDict[bytes, BoundPod] = OrderedDict()
         self._rejected: OrderedDict[bytes, tuple[float, TokenRejected]] = OrderedDict()
-        self._inflight: dict[bytes, asyncio.Future] = {}
-        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0}
+        self._inflight: dict[bytes, Job] = {}
+        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0,
+                      "queue_full": 0, "dropped": 0}
         self.last_error = ""          # the last review that failed, until one succeeds
         self._undecided_logged = -LOG_EVERY
 
@@ -220,17 +231,40 @@ class TokenReviewer:
             del self._rejected[key]
         return None
 
-    async def review(self, token: str, claimed: BoundPod) -> BoundPod:
-        """The API server's verdict (one call per distinct token in flight)."""
+    async def review(self, token: str, claimed: BoundPod, *, address: str = "",
+                     wait: float = REVIEW_WAIT) -> BoundPod:
+        """The API server's verdict, waited for at most ``wait`` seconds (then 503); one
+        call per distinct token in flight, queued for ``address`` (429 when its share or
+        the queue is full)."""
         key = hashlib.sha256(token.encode()).digest()
-        pending = self._inflight.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(self._review(key, token, claimed))
-            self._inflight[key] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
-        return await asyncio.shield(pending)
+        job = self._inflight.get(key)
+        if job is None:
+            try:
+                job = self.queue.submit(address, lambda: self._review(key, token, claimed))
+            except QueueFull:
+                self.stats["queue_full"] += 1
+                raise TokenRejected(429, "TooManyRequests", "too many new tokens waiting "
+                                    "for review from this address") from None
+            self._inflight[key] = job
+        job.waiters += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), wait)
+        except asyncio.TimeoutError:
+            raise unavailable("the API server did not answer the TokenReview in time") \
+                from None
+        finally:
+            job.waiters -= 1
+            if not job.waiters and self.queue.abandon(job):
+                del self._inflight[key]           # nobody waits: never sent
+                self.stats["dropped"] += 1
 
     async def _review(self, key: bytes, token: str, claimed: BoundPod) -> BoundPod:
+        try:
+            return await self._call(key, token, claimed)
+        finally:
+            self._inflight.pop(key, None)
+
+    async def _call(self, key: bytes, token: str, claimed: BoundPod) -> BoundPod:
         loop = asyncio.get_running_loop()
         self.stats["reviews"] += 1
         try:

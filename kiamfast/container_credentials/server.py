@@ -36,7 +36,6 @@ import orjson
 
 from kiamfast import table as tbl
 from kiamfast.container_credentials.review import (
-    REVIEW_TIMEOUT,
     BoundPod,
     TokenRejected,
     TokenReviewer,
@@ -60,7 +59,6 @@ LISTEN_BACKLOG = 2048
 MAX_CONNECTIONS_PER_ADDRESS = 16
 REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
 REVIEW_BURST = 10
-MAX_PENDING_REVIEWS = 64
 REFUSAL_RATE = 10.0             # refused requests per second and address, after a burst of ...
 REFUSAL_BURST = 50
 POD_ANSWER_RATE = 50.0          # requests per second and reviewed pod, after a burst of ...
@@ -381,7 +379,6 @@ class ContainerCredentialsServer:
         self.wait_budget = wait_budget
         self.clock = clock
         self.limits = AddressLimits()
-        self.pending_reviews = 0
         self.answers: dict[int, int] = {}        # HTTP status -> count
         self._changed = asyncio.Event()
         self._logged: dict[tuple[int, str], float] = {}
@@ -507,16 +504,9 @@ class ContainerCredentialsServer:
         # run costs no review (another node's token, or a deleted pod's).
         if not await self._until(lambda: self.view.known(claimed.uid), self.wait_budget):
             raise forbidden(f"pod {claimed.namespace}/{claimed.name} is not on this node")
-        if self.pending_reviews >= MAX_PENDING_REVIEWS or not self.limits.allow_review(address):
+        if not self.limits.allow_review(address):
             raise TokenRejected(429, "TooManyRequests", "too many new tokens from this address")
-        self.pending_reviews += 1
-        try:
-            return await asyncio.wait_for(self.reviewer.review(token, claimed),
-                                          REVIEW_TIMEOUT + 0.5)
-        except asyncio.TimeoutError:
-            raise unavailable("the API server did not answer the TokenReview in time") from None
-        finally:
-            self.pending_reviews -= 1
+        return await self.reviewer.review(token, claimed, address=address)
 
     async def _resolve(self, pod: BoundPod) -> bytes:
         asked: set[int] = set()
@@ -590,6 +580,11 @@ class ContainerCredentialsServer:
                   "# TYPE kiamfast_token_reviews_total counter"]
         lines += [f'kiamfast_token_reviews_total{{kind="{k}"}} {v}'
                   for k, v in sorted(self.reviewer.stats.items())]
+        queue = self.reviewer.queue
+        lines += ["# HELP kiamfast_token_reviews_pending TokenReviews waiting for a thread "
+                  "or running now.",
+                  "# TYPE kiamfast_token_reviews_pending gauge",
+                  f"kiamfast_token_reviews_pending {queue.queued + queue.running}"]
         return lines
 
     def close(self) -> None:

@@ -1,0 +1,157 @@
+"""A slow API server and floods of forged tokens do not take the token path from honest pods.
+
+The whole agent against the real kube-apiserver, its API traffic through the test proxy
+(review_fault_proxy.py), which spends 1 s before passing each TokenReview on: an API server
+answering a review a second, however many run at once.  Three pods flood the listener with
+forged tokens naming themselves (signed with another key: each one new, so each costs a
+review) from their own addresses, as fast as the listener answers them, over several
+connections each, while 50 honest pods get a new token each (the kubelet's rotation) and ask
+with it as botocore's container provider does (2 s an attempt, 1 s between attempts).
+
+What a user checks: every honest pod's first call with its new token is answered with its
+credentials within 5 s.  Before the review queue (review_queue.py), the flood's reviews
+piled up in the reviewer's thread pool without bound, and every new token waited behind
+them until its request gave up.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import secrets
+import threading
+import time
+
+import pytest
+import yaml
+from podid import other_key, resigned
+from review_fault_proxy import ReviewFaultProxy
+from test_container_credentials import Node
+
+pytestmark = pytest.mark.kube_apiserver
+
+HONEST = 50
+ATTACKERS = 3
+FLOOD_CONNECTIONS = 6           # per attacker: more than its share of pending reviews
+REVIEW_DELAY = 1.0
+WITHIN = 5.0
+ROTATION_SPREAD = 20.0          # the honest pods' new tokens come over this many seconds
+ATTEMPT_TIMEOUT, ATTEMPT_SLEEP = 2.0, 1.0    # botocore's ContainerMetadataFetcher
+
+
+@pytest.fixture(scope="module")
+def slow(cluster, peers, tmp_path_factory):
+    proxy = ReviewFaultProxy(target_port=cluster.apiserver.port, ca=cluster.apiserver.ca)
+    token = yaml.safe_load(peers.kubeconfig.read_text())["users"][0]["user"]["token"]
+    via = cluster.kubeconfig_for(token, name=f"slow-{secrets.token_hex(3)}", server=proxy.url)
+    node = Node(cluster, peers, tmp_path_factory.mktemp("slow"),
+                lambda prefix: f"{prefix}-{secrets.token_hex(3)}",
+                extra=(f"--kubeconfig={via}",))
+    yield node, proxy
+    node.agent.stop()
+    proxy.close()
+
+
+def ask(node: Node, token: str, source: str, timeout: float) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=timeout,
+                                      source_address=(source, 0))
+    try:
+        conn.request("GET", "/v1/credentials", headers={"Authorization": token})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def like_botocore(node: Node, token: str, source: str) -> tuple[float, list]:
+    """Seconds from the first attempt to a 200 (inf if none within WITHIN), and what each
+    attempt got."""
+    started = time.monotonic()
+    attempts: list = []
+    while time.monotonic() - started < WITHIN:
+        try:
+            status, body = ask(node, token, source, ATTEMPT_TIMEOUT)
+        except (OSError, ValueError) as e:
+            attempts.append(type(e).__name__)
+        else:
+            attempts.append((status, body.get("Message", "")[:60]))
+            if status == 200 and body.get("AccessKeyId"):
+                return time.monotonic() - started, attempts
+        time.sleep(ATTEMPT_SLEEP)
+    return float("inf"), attempts
+
+
+def flood(node: Node, tokens: list[str], source: str, stop: threading.Event,
+          answers: dict) -> None:
+    """One connection's worth of forged tokens, each sent once, until ``stop``."""
+    i = 0
+    while not stop.is_set():
+        try:
+            status, _ = ask(node, tokens[i % len(tokens)], source, 5)
+        except (OSError, ValueError):
+            status = 0                         # reset while its address cools down
+            time.sleep(0.05)
+        answers[status] = answers.get(status, 0) + 1
+        i += 1
+
+
+def test_honest_pods_new_tokens_are_served_within_5_s_beside_forged_token_floods(
+        slow, tmp_path):
+    node, proxy = slow
+    honest = []
+    for i in range(HONEST):
+        uid = node.pod(f"honest-{i}", role="role-a")
+        node.next_source()
+        honest.append((f"honest-{i}", uid, node.source))
+    # Each honest pod served once, before the slow reviews: its credentials are ready, so
+    # what is measured below is the review of its next token.
+    first = {name: node.token(name, uid) for name, uid, _ in honest}
+    warm = {}
+    threads = [threading.Thread(target=lambda n=name, s=source: warm.__setitem__(
+        n, like_botocore(node, first[n], s))) for name, _, source in honest]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(seconds < WITHIN for seconds, _ in warm.values()), warm
+    key = other_key(tmp_path)
+    attackers = []
+    for i in range(ATTACKERS):
+        uid = node.pod(f"forger-{i}", role="role-a")
+        genuine = node.token(f"forger-{i}", uid)
+        node.next_source()
+        forged = [resigned(genuine, key, jti=secrets.token_hex(8)) for _ in range(400)]
+        attackers.append((node.source, forged))
+
+    proxy.review_delay = REVIEW_DELAY
+    stop = threading.Event()
+    answers: dict[int, int] = {}
+    floods = [threading.Thread(target=flood, args=(node, forged[c::FLOOD_CONNECTIONS], source,
+                                                   stop, answers), daemon=True)
+              for source, forged in attackers for c in range(FLOOD_CONNECTIONS)]
+    results: dict[str, tuple[float, list]] = {}
+
+    def rotate(name: str, uid: str, source: str, at: float) -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        results[name] = like_botocore(node, node.token(name, uid, seconds=700), source)
+
+    try:
+        for t in floods:
+            t.start()
+        time.sleep(3.0)                        # the floods' reviews queued first
+        start = time.monotonic()
+        rotations = [threading.Thread(target=rotate, args=(
+            name, uid, source, start + ROTATION_SPREAD * i / HONEST))
+            for i, (name, uid, source) in enumerate(honest)]
+        for t in rotations:
+            t.start()
+        for t in rotations:
+            t.join()
+    finally:
+        stop.set()
+        proxy.review_delay = 0.0
+        for t in floods:
+            t.join(10)
+    late = {name: r for name, r in results.items() if r[0] > WITHIN}
+    assert len(results) == HONEST and not late, late
+    assert sum(answers.values()) > 100, answers          # the floods did run throughout
+    assert 200 not in answers, answers                   # and got no credentials
