@@ -13,9 +13,10 @@ per connection is enough; what any pod can do to it is bounded:
   connection closed after `IDLE_TIMEOUT`;
 * a request head of at most `HEAD_LIMIT` bytes (431 beyond);
 * memory: bodies over `limits.MAX_REVIEW_BYTES` refused (413) by their Content-Length, and
-  every body held and parsed within the byte budgets of `limits.py` (429 with
+  every body held, parsed and answered within the byte budgets of `limits.py` (429 with
   ``Retry-After`` when they are full: the API server's client waits and retries within its
-  timeout).
+  timeout; a review whose answer could never fit is admitted unpatched, its ``warnings``
+  saying why).
 
 A refused call fails open at the API server (the chart's ``failurePolicy: Ignore``): the pod
 is created uninjected and uses IMDS by address; the agent's Event
@@ -36,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kiamfast.webhook import limits
-from kiamfast.webhook.review import answer, parse
+from kiamfast.webhook.review import answer, answer_cost, parse, unpatched
 from kiamfast.webhook.tls import ServingCertificate
 
 log = logging.getLogger("kiamfast.webhook")
@@ -189,6 +190,22 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             review = parse(body)
             del body
+            # What building the answer takes, reserved before it is built (a review of many
+            # empty containers parses cheaply and patches dearly).
+            containers, extra = answer_cost(review, **self.settings)
+            if not parsed.fits(cost + extra):
+                warning = (f"kiamfast: not injected: patching {containers} containers would "
+                           f"take {extra >> 20} MiB, over the webhook's budget")
+                self.server.refusals.note("too costly to answer", warning, self.client_address)
+                self._send(200, json.dumps(unpatched(review, warning)).encode(),
+                           "application/json")
+                return
+            if not parsed.reserve(extra, timeout=limits.BUDGET_WAIT, held=cost):
+                self.server.refusals.note("429", "answers being built at their budget",
+                                          self.client_address)
+                self._refuse(429, "busy, try again\n", drain=0, retry_after=True)
+                return
+            cost += extra
             out = json.dumps(answer(review, **self.settings)).encode()
             del review
             self._send(200, out, "application/json")

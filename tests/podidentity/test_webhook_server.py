@@ -289,3 +289,34 @@ def test_sigterm_stops_the_process_at_once_and_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def many_containers_review(uid: str, n: int) -> bytes:
+    """An opting-in pod of ``n`` empty containers: 3 bytes a container to send, two patch
+    operations each to answer."""
+    pod = {"metadata": {"name": "many", "annotations": {
+        "iam.amazonaws.com/role": "role-a", "kiamfast.io/container-credentials": "true"}},
+        "spec": {"serviceAccountName": "app", "containers": [{}] * n}}
+    return json.dumps({"request": {"uid": uid, "operation": "CREATE", "namespace": "ns",
+                                   "kind": {"kind": "Pod"}, "object": pod}},
+                      separators=(",", ":")).encode()
+
+
+def test_a_review_whose_answer_would_not_fit_the_budget_is_admitted_unpatched_with_why(server):
+    # 372 KB that parses within the budget; its patch took 330 MiB to build, 77 MiB to send.
+    from kiamfast.webhook import limits
+    body = many_containers_review("u-many", 124_000)
+    assert server.parsed.fits(limits.parse_cost(body))
+    status, answer = post(server, body, timeout=30)
+    assert status == 200 and len(answer) < 1024
+    response = json.loads(answer)["response"]
+    assert response["uid"] == "u-many" and response["allowed"] is True
+    assert "patch" not in response
+    (warning,) = response["warnings"]
+    assert "not injected" in warning and "124000 containers" in warning
+    assert len(warning) <= 120                 # what the API server passes on whole
+    assert server.parsed.used == 0
+    # An ordinary pod is patched as ever, and so is one of many containers that fits.
+    for uid, n in (("u-one", 1), ("u-hundred", 100)):
+        status, answer = post(server, many_containers_review(uid, n))
+        assert status == 200 and "patch" in json.loads(answer)["response"], uid
