@@ -5,7 +5,8 @@ The API server calls it for pod creations and sends each review whole at once, s
 per connection is enough; what any pod can do to it is bounded:
 
 * at most `MAX_CONNECTIONS` connections; a newcomer beyond them closes one that waits for a
-  request's bytes (in its handshake, idle, or sending slowly; never one being answered): of
+  request's bytes (in its handshake, idle, or sending its head slowly; never one being
+  answered, nor one whose whole head has come, for `BODY_GRACE` while its body comes): of
   the address holding the most slots, the one waiting longest;
 * a whole-request deadline: the TLS handshake and the first request within
   `REQUEST_DEADLINE` of the accept, each later request within it of its first byte (a
@@ -49,6 +50,8 @@ IDLE_TIMEOUT = 10.0             # a keep-alive connection between requests
 WRITE_TIMEOUT = 5.0
 HEAD_LIMIT = 32 << 10           # the API server's head is ~300 bytes
 ADMIT_WAIT = 1.0                # a newcomer waits this long for an evicted slot
+BODY_GRACE = 0.5                # a whole head's body is not cut for this long (the API
+                                # server sends it at once: 2 MiB in 0.5 s is 34 Mbit/s)
 RETRY_AFTER = "1"
 LOG_EVERY = 10.0
 
@@ -134,12 +137,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.connections.waiting(self.request)
 
     def do_GET(self) -> None:
+        self.server.connections.head_received(self.request)
         if self.path == "/healthz":
             self._send(200, b"ok\n", "text/plain")
         else:
             self._send(404, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
+        self.server.connections.head_received(self.request)
         if self.path.split("?", 1)[0] != "/mutate":
             self.close_connection = True        # its body, if any, is not read
             self._send(404, b"not found\n", "text/plain")
@@ -274,15 +279,20 @@ class _Refusals:
 
 class _Connections:
     """The connections holding a slot, their source addresses, and since when each has waited
-    for a request's bytes (none while its request is being answered).  At the cap a newcomer
-    closes a waiting connection of the address that holds the most slots, the one waiting
-    longest: a pod that opens many connections loses its own first, and the API server's
-    call, from an address of its own, is not cut by them however fast they come."""
+    for a request's bytes (none while its request is being answered, nor for `BODY_GRACE`
+    after its whole head came: the API server sends its body right behind its head, and an
+    address of attackers holding as many slots as it could otherwise cut that call).  At the
+    cap a newcomer closes a waiting connection of the address that holds the most slots, the
+    one waiting longest: a pod that opens many connections loses its own first, and the API
+    server's call is not cut by them however fast they come, nor kept out: a head whose body
+    does not follow is waiting again after `BODY_GRACE`, within the newcomer's
+    `ADMIT_WAIT`."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._address: dict[Any, str] = {}
         self._waiting: dict[Any, float] = {}
+        self._body: dict[Any, float] = {}       # whole head received (when), body coming
         # Closed for a newcomer, their threads not ended yet: no longer counted, so the
         # accept loop need not wait for them (at most `limit` of them).
         self._leaving: set[Any] = set()
@@ -294,23 +304,37 @@ class _Connections:
         return len(self._address) - len(self._leaving)
 
     def admit(self, sock: Any, address: str) -> bool:
+        deadline = time.monotonic() + ADMIT_WAIT
         with self._freed:
-            if self._held() >= self.limit and self._waiting \
-                    and len(self._leaving) < self.limit:
-                self._evict()
-            if not self._freed.wait_for(lambda: self._held() < self.limit, ADMIT_WAIT):
-                return False
+            while self._held() >= self.limit:
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                wait = deadline - now
+                if len(self._leaving) < self.limit:
+                    if self._evict(now):
+                        continue
+                    if self._body:          # a head's grace ends: it may be closed then
+                        wait = min(wait, max(0.001, min(self._body.values()) + BODY_GRACE
+                                             - now))
+                self._freed.wait(wait)
             self._address[sock] = address
             self._waiting[sock] = time.monotonic()
             return True
 
-    def _evict(self) -> None:
+    def _evict(self, now: float) -> bool:
+        """Close the connection the rule picks among those waiting; False if none is."""
+        since = {**self._waiting, **{s: t for s, t in self._body.items()
+                                    if now - t >= BODY_GRACE}}
+        if not since:
+            return False
         held: dict[str, int] = {}
         for sock, address in self._address.items():
             if sock not in self._leaving:
                 held[address] = held.get(address, 0) + 1
-        victim = min(self._waiting, key=lambda s: (-held[self._address[s]], self._waiting[s]))
-        del self._waiting[victim]
+        victim = min(since, key=lambda s: (-held[self._address[s]], since[s]))
+        self._waiting.pop(victim, None)
+        self._body.pop(victim, None)
         self._leaving.add(victim)
         self.evicted += 1
         try:            # the TCP socket under the TLS one: its reader wakes with EOF
@@ -322,19 +346,28 @@ class _Connections:
             log.warning("%d connections held: closing the ones of the addresses holding the "
                         "most that wait longest for a request (%d so far; last from %s) to "
                         "take new ones", self.limit, self.evicted, self._address[victim])
+        return True
+
+    def head_received(self, sock: Any) -> None:
+        with self._freed:
+            if self._waiting.pop(sock, None) is not None:
+                self._body[sock] = time.monotonic()
 
     def answering(self, sock: Any) -> None:
         with self._freed:
             self._waiting.pop(sock, None)
+            self._body.pop(sock, None)
 
     def waiting(self, sock: Any) -> None:
         with self._freed:
-            if sock in self._address:
+            self._body.pop(sock, None)
+            if sock in self._address and sock not in self._leaving:
                 self._waiting[sock] = time.monotonic()
 
     def release(self, sock: Any) -> None:
         with self._freed:
             self._waiting.pop(sock, None)
+            self._body.pop(sock, None)
             self._address.pop(sock, None)
             self._leaving.discard(sock)
             self._freed.notify()

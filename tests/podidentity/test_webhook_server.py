@@ -320,3 +320,54 @@ def test_a_review_whose_answer_would_not_fit_the_budget_is_admitted_unpatched_wi
     for uid, n in (("u-one", 1), ("u-hundred", 100)):
         status, answer = post(server, many_containers_review(uid, n))
         assert status == 200 and "patch" in json.loads(answer)["response"], uid
+
+
+def test_the_api_servers_call_is_not_cut_while_its_body_comes_by_pods_of_many_addresses(
+        tmp_path):
+    """The API server (127.0.0.2) has sent a whole request head and half its body; pods of
+    addresses of their own, as many as it holds connections, fill the other slots and keep
+    coming.  Each newcomer closes one of the pods' connections, never the API server's,
+    whose body then comes and is answered; once a head's body stops coming for
+    `BODY_GRACE`, it may be closed like any connection waiting for bytes."""
+    srv = start(tmp_path, max_connections=3)
+    pods = []
+    try:
+        api = tls_connection(srv, source=API)
+        body = review("u-api")
+        api.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body[:len(body) // 2])
+        time.sleep(0.05)
+        for i in range(4):                  # two fill the cap, two more evict
+            pods.append(tls_connection(srv, source=f"127.0.0.{10 + i}"))
+            time.sleep(0.05)
+        assert srv.connections.evicted == 2
+        api.sendall(body[len(body) // 2:])
+        api.settimeout(5)
+        answer = b""
+        while chunk := api.recv(65536):      # HTTP/1.0: the answer ends with the connection
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["response"]["uid"] == "u-api"
+    finally:
+        for conn in [api, *pods]:
+            conn.close()
+        stop(srv)
+
+
+def test_a_head_whose_body_never_comes_keeps_no_newcomer_out(tmp_path):
+    srv = start(tmp_path, max_connections=2)
+    try:
+        stalled = []
+        for i in range(2):                  # whole heads, no body: every slot protected
+            conn = tls_connection(srv, source=f"127.0.0.{20 + i}")
+            conn.sendall(b"POST /mutate HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+            stalled.append(conn)
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert post(srv, review("u-newcomer"), timeout=5, source=API)[0] == 200
+        assert time.monotonic() - started < webhook_server.ADMIT_WAIT + 1
+        assert srv.connections.evicted >= 1
+        for conn in stalled:
+            conn.close()
+    finally:
+        stop(srv)
