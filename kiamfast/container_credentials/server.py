@@ -123,6 +123,12 @@ class OwnershipView:
                 return Wait(unavailable("the agent has not synced this node's pods yet"))
             return Wait(forbidden(f"pod {pod.namespace}/{pod.name} is not on node "
                                   f"{self.node}"))
+        if not decision.service_account:
+            # Known from its sandbox only (the watch behind the runtime, or not synced after a
+            # restart with the API server down): whose account it runs as is not known yet.
+            return Wait(unavailable(f"the service account of pod {pod.namespace}/{pod.name} "
+                                    "is not known yet (the agent has not had it from the "
+                                    "API server)"))
         if decision.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")

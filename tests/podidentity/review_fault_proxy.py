@@ -76,13 +76,17 @@ class ReviewFaultProxy:
                     self._answer(resp, resp.read())
                 else:                                  # a watch: streamed, chunk by chunk
                     self._head(resp, [("Transfer-Encoding", "chunked")])
-                    while data := resp.read1(65536):
-                        if proxy.down(self.command, self.path):
-                            self.close_connection = True
-                            self.upstream.close()
-                            self.upstream = None
-                            return
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    try:
+                        while data := resp.read1(65536):
+                            if proxy.down(self.command, self.path):
+                                raise ConnectionAbortedError("the API server went down")
+                            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    except (http.client.HTTPException, OSError):
+                        # Ended by either side (the agent's process killed, say): so is this.
+                        self.close_connection = True
+                        self.upstream.close()
+                        self.upstream = None
+                        return
                     self.wfile.write(b"0\r\n\r\n")
 
             def _unavailable(self) -> None:
