@@ -7,7 +7,10 @@ the API server answered ``authenticated`` for our audience, whose user is the to
 ServiceAccount and whose extras name the bound pod.  The verdict is cached by the token's
 hash until the token expires (the kubelet rotates a projected token at 80 % of its life, so
 a pod brings a new token, and one review, every few minutes); whether the pod still exists
-on this node is asked of the pod view on every request, never cached here.
+on this node is asked of the pod view on every request, never cached here.  What is kept is
+what is live: an accepted verdict goes when its token expires or its pod is gone from the
+view (swept each time the cache has doubled since the last sweep), a refusal after
+`REJECTED_TTL`; `CACHE_SIZE` of each at most, and a verdict forgotten only costs a review.
 
 A review can also complete unauthenticated because the API server could not check the token
 right now (its own lookup of the ServiceAccount or pod failed): that is answered 503 and
@@ -44,7 +47,8 @@ REVIEW_THREADS = 4
 MAX_PENDING_REVIEWS = 64       # reviews waiting or running, in all ...
 MAX_PENDING_PER_ADDRESS = 4    # ... and for one client address
 REJECTED_TTL = 60.0            # a refused token is refused again without asking
-CACHE_SIZE = 4096
+CACHE_SIZE = 4096              # verdicts of each kind at most (the least recently used go)
+SWEEP_MIN = 128                # accepted verdicts past which expired and dead ones are swept
 LOG_EVERY = 10.0               # one info line per kind of event this often; debug else
 
 
@@ -206,8 +210,13 @@ class TokenReviewer:
         self.queue = ReviewQueue(threads=REVIEW_THREADS, limit=MAX_PENDING_REVIEWS,
                                  per_address=MAX_PENDING_PER_ADDRESS)
         self._accepted: OrderedDict[bytes, BoundPod] = OrderedDict()
-        self._rejected: OrderedDict[bytes, tuple[float, TokenRejected]] = OrderedDict()
+        # token hash -> (until, status, code, message), oldest first: the same TTL for all
+        self._rejected: OrderedDict[bytes, tuple[float, int, str, str]] = OrderedDict()
         self._inflight: dict[bytes, Job] = {}
+        # Whether a reviewed pod is still one to answer for (the server's pod view): the
+        # verdicts of the others are swept.
+        self.alive: Callable[[BoundPod], bool] = lambda pod: True
+        self._sweep_at = SWEEP_MIN
         self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0,
                       "queue_full": 0, "dropped": 0}
         self.last_error = ""          # the last review that failed, until one succeeds
@@ -225,9 +234,12 @@ class TokenReviewer:
             del self._accepted[key]
         refused = self._rejected.get(key)
         if refused is not None:
-            if refused[0] > now:
+            until, status, code, message = refused
+            if until > now:
                 self.stats["cached"] += 1
-                raise refused[1]
+                # A new exception each time: re-raising one object grows its traceback by
+                # the frames of every request that raises it.
+                raise TokenRejected(status, code, message)
             del self._rejected[key]
         return None
 
@@ -282,10 +294,25 @@ class TokenReviewer:
                 self.stats["undecided"] += 1
                 self._log_undecided(e.message)
             else:
-                self._remember(self._rejected, key, (self.clock() + REJECTED_TTL, e))
+                self._refused(key, e)
             raise
-        self._remember(self._accepted, key, pod)
+        self._accept(key, pod)
         return pod
+
+    def _accept(self, key: bytes, pod: BoundPod) -> None:
+        self._remember(self._accepted, key, pod)
+        if len(self._accepted) > self._sweep_at:
+            now = self.clock()
+            for k in [k for k, p in self._accepted.items()
+                      if p.expires <= now or not self.alive(p)]:
+                del self._accepted[k]
+            self._sweep_at = max(SWEEP_MIN, 2 * len(self._accepted))
+
+    def _refused(self, key: bytes, e: TokenRejected) -> None:
+        now = self.clock()
+        self._remember(self._rejected, key, (now + REJECTED_TTL, e.status, e.code, e.message))
+        while next(iter(self._rejected.values()))[0] <= now:    # expired, oldest first
+            self._rejected.popitem(last=False)
 
     def _log_undecided(self, message: str) -> None:
         now = time.monotonic()

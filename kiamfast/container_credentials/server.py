@@ -64,7 +64,7 @@ REFUSAL_BURST = 50
 POD_ANSWER_RATE = 50.0          # requests per second and reviewed pod, after a burst of ...
 POD_ANSWER_BURST = 200          # (an SDK asks once per process and credential refresh)
 COOL_DOWN = 2.0                 # past that: the address's connections closed unread this long
-BUCKETS = 4096                  # addresses whose budgets are remembered
+BUCKETS = 4096                  # addresses (or pods) whose budgets are remembered, at most
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
 
 
@@ -191,12 +191,12 @@ class AddressLimits:
         self.total = 0
         self.evicted = 0                          # idle connections closed for a newcomer
         self.turned_away = 0                      # connections refused: no place for them
-        # Kept across connections (a new connection must not bring a full bucket), the
-        # addresses seen longest ago forgotten first.
+        # Kept across connections (a new connection must not bring a full bucket) until the
+        # bucket is full again (then it is as if new), the least recently used first.
         self._reviews: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._answers: OrderedDict[str, tuple[float, float]] = OrderedDict()   # by pod uid
-        self._cooling: dict[str, float] = {}      # address -> until (clock)
+        self._cooling: OrderedDict[str, float] = OrderedDict()   # address -> until, in order
         self.cooled = 0                           # connections and requests closed unread
 
     def open(self, address: str, transport: asyncio.BaseTransport) -> Connection | None:
@@ -256,9 +256,10 @@ class AddressLimits:
         now = self.clock()
         if _take(self._refusals, address, now, REFUSAL_RATE, REFUSAL_BURST):
             return False
-        self._cooling[address] = now + COOL_DOWN
-        if len(self._cooling) > BUCKETS:      # only addresses still refusing stay
-            self._cooling = {a: t for a, t in self._cooling.items() if t > now}
+        self._cooling.pop(address, None)
+        self._cooling[address] = now + COOL_DOWN     # the latest last: the same COOL_DOWN
+        while next(iter(self._cooling.values())) <= now:     # only addresses still cooling
+            self._cooling.popitem(last=False)
         return True
 
     def cooling(self, address: str) -> bool:
@@ -274,7 +275,9 @@ class AddressLimits:
 
 def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: float,
           rate: float, burst: int) -> bool:
-    """One token from ``address``'s bucket, if it has one (LRU beyond BUCKETS addresses)."""
+    """One token from ``address``'s bucket, if it has one.  A bucket full again is dropped
+    (a missing one is a full one: nothing changes), so what is kept is the keys used in the
+    last ``burst / rate`` seconds; BUCKETS at most, the least recently used dropped."""
     tokens, last = buckets.get(address, (float(burst), now))
     tokens = min(float(burst), tokens + (now - last) * rate)
     allowed = tokens >= 1.0
@@ -282,7 +285,11 @@ def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: flo
     buckets.move_to_end(address)
     while len(buckets) > BUCKETS:
         buckets.popitem(last=False)
-    return allowed
+    while True:                  # least recently used first: full again, they are dropped
+        tokens, last = next(iter(buckets.values()))
+        if tokens + (now - last) * rate < burst:
+            return allowed
+        buckets.popitem(last=False)
 
 
 class _Gate(asyncio.StreamReaderProtocol):
@@ -382,6 +389,9 @@ class ContainerCredentialsServer:
         self.socks = list(socks)
         self.reviewer = reviewer
         self.view = view
+        # The verdicts of pods the view no longer knows (deleted, or gone from this node)
+        # are swept: what is kept is what is live.
+        reviewer.alive = lambda pod: view.known(pod.uid)
         self.wait_budget = wait_budget
         self.clock = clock
         self.limits = AddressLimits()
