@@ -21,6 +21,7 @@ import pytest
 from agent_process import http as agent_http
 from idle_clients import hoard, open_many
 from test_container_credentials import Node
+from token_clients import pipelined
 
 from kiamfast.container_credentials import server as srv
 
@@ -198,11 +199,6 @@ def test_a_deleted_pods_tokens_replayed_from_its_address_never_get_credentials(n
 
 
 # ---- clients that send more than they read ---------------------------------------------------
-
-def pipelined(tokens: list[str]) -> bytes:
-    return b"".join(f"GET /v1/credentials HTTP/1.1\r\nHost: 169.254.170.23\r\n"
-                    f"Authorization: {token}\r\n\r\n".encode() for token in tokens)
-
 
 def served_pods(node: Node, prefix: str, n: int) -> list[tuple[str, str]]:
     """``n`` pods of role-a, each token reviewed once (from an address of its own): (token,

@@ -15,8 +15,6 @@ them until its request gave up.
 """
 from __future__ import annotations
 
-import http.client
-import json
 import secrets
 import threading
 import time
@@ -26,6 +24,7 @@ import yaml
 from podid import other_key, resigned
 from review_fault_proxy import ReviewFaultProxy
 from test_container_credentials import Node
+from token_clients import forged_flood, like_botocore
 
 pytestmark = pytest.mark.kube_apiserver
 
@@ -35,7 +34,6 @@ FLOOD_CONNECTIONS = 6           # per attacker: more than its share of pending r
 REVIEW_DELAY = 1.0
 WITHIN = 5.0
 ROTATION_SPREAD = 20.0          # the honest pods' new tokens come over this many seconds
-ATTEMPT_TIMEOUT, ATTEMPT_SLEEP = 2.0, 1.0    # botocore's ContainerMetadataFetcher
 
 
 @pytest.fixture(scope="module")
@@ -51,49 +49,6 @@ def slow(cluster, peers, tmp_path_factory):
     proxy.close()
 
 
-def ask(node: Node, token: str, source: str, timeout: float) -> tuple[int, dict]:
-    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=timeout,
-                                      source_address=(source, 0))
-    try:
-        conn.request("GET", "/v1/credentials", headers={"Authorization": token})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
-
-
-def like_botocore(node: Node, token: str, source: str) -> tuple[float, list]:
-    """Seconds from the first attempt to a 200 (inf if none within WITHIN), and what each
-    attempt got."""
-    started = time.monotonic()
-    attempts: list = []
-    while time.monotonic() - started < WITHIN:
-        try:
-            status, body = ask(node, token, source, ATTEMPT_TIMEOUT)
-        except (OSError, ValueError) as e:
-            attempts.append(type(e).__name__)
-        else:
-            attempts.append((status, body.get("Message", "")[:60]))
-            if status == 200 and body.get("AccessKeyId"):
-                return time.monotonic() - started, attempts
-        time.sleep(ATTEMPT_SLEEP)
-    return float("inf"), attempts
-
-
-def flood(node: Node, tokens: list[str], source: str, stop: threading.Event,
-          answers: dict) -> None:
-    """One connection's worth of forged tokens, each sent once, until ``stop``."""
-    i = 0
-    while not stop.is_set():
-        try:
-            status, _ = ask(node, tokens[i % len(tokens)], source, 5)
-        except (OSError, ValueError):
-            status = 0                         # reset while its address cools down
-            time.sleep(0.05)
-        answers[status] = answers.get(status, 0) + 1
-        i += 1
-
-
 def test_honest_pods_new_tokens_are_served_within_5_s_beside_forged_token_floods(
         slow, tmp_path):
     node, proxy = slow
@@ -107,7 +62,8 @@ def test_honest_pods_new_tokens_are_served_within_5_s_beside_forged_token_floods
     first = {name: node.token(name, uid) for name, uid, _ in honest}
     warm = {}
     threads = [threading.Thread(target=lambda n=name, s=source: warm.__setitem__(
-        n, like_botocore(node, first[n], s))) for name, _, source in honest]
+        n, like_botocore(node.port, first[n], s, within=WITHIN)))
+        for name, _, source in honest]
     for t in threads:
         t.start()
     for t in threads:
@@ -125,14 +81,15 @@ def test_honest_pods_new_tokens_are_served_within_5_s_beside_forged_token_floods
     proxy.review_delay = REVIEW_DELAY
     stop = threading.Event()
     answers: dict[int, int] = {}
-    floods = [threading.Thread(target=flood, args=(node, forged[c::FLOOD_CONNECTIONS], source,
-                                                   stop, answers), daemon=True)
+    floods = [threading.Thread(target=forged_flood, args=(
+        node.port, forged[c::FLOOD_CONNECTIONS], source, stop, answers), daemon=True)
               for source, forged in attackers for c in range(FLOOD_CONNECTIONS)]
     results: dict[str, tuple[float, list]] = {}
 
     def rotate(name: str, uid: str, source: str, at: float) -> None:
         time.sleep(max(0.0, at - time.monotonic()))
-        results[name] = like_botocore(node, node.token(name, uid, seconds=700), source)
+        results[name] = like_botocore(node.port, node.token(name, uid, seconds=700), source,
+                                      within=WITHIN)
 
     try:
         for t in floods:
