@@ -63,12 +63,17 @@ def test_a_pod_known_only_from_the_runtime_after_a_restart_is_not_yet_then_serve
 
     proxy.down = lambda method, path: True               # the API server goes down
     [control] = node.agent.children("kiamfast.control")
+    statuses = runtime.calls["PodSandboxStatus"]
     os.kill(control, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while node.agent.children("kiamfast.control") in ([control], []):
         assert time.monotonic() < deadline, "no new control process"
         time.sleep(0.1)
-    time.sleep(2.0)                        # its first runtime poll: the sandbox is known
+    # The next one's first runtime poll read the sandbox (every sandbox is new to it).
+    while runtime.calls["PodSandboxStatus"] == statuses:
+        assert time.monotonic() < deadline, "the new control process never read the sandbox"
+        time.sleep(0.1)
+    time.sleep(0.5)                        # applied on its loop
 
     proxy.down = lambda method, path: not path.startswith(REVIEWS)   # reviews come back
     token = node.token("sandboxed", uid, seconds=700)     # a new token: reviewed again
