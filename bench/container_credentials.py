@@ -690,7 +690,7 @@ def churn_child(pods: int, conn) -> None:
     import tracemalloc
 
     from token_churn import Churn
-    points = sorted({max(1, pods // 10), pods // 2, pods})
+    points = sorted({max(1, pods * k // 10) for k in range(1, 11)})
     out: dict = {"kept": {}}
 
     async def go() -> None:
@@ -930,10 +930,12 @@ def attacks_markdown(res: Result) -> list[str]:
                   "of its own clock (each pod's token reviewed, cached, rotated, a forged one "
                   "every tenth pod, its token replayed after its deletion; 250 addresses "
                   "reused), tracemalloc's count of what the process holds beyond what it held "
-                  "after the warm-up:", "", "| pods replaced | bytes kept | per pod |",
-                  "|---:|---:|---:|"]
-        for pods, kept in sorted(churn["kept"].items()):
-            lines.append(f"| {pods:,} | {kept:,} | {kept / pods:.2f} |")
+                  "after the warm-up (the accepted verdicts swing between their sweeps: a "
+                  "flat series, not a rising one, is what matters):", "",
+                  "| pods replaced | " + " | ".join(f"{n:,}" for n in sorted(churn["kept"]))
+                  + " |", "|---|" + "---:|" * len(churn["kept"]),
+                  "| bytes kept | " + " | ".join(f"{churn['kept'][n]:,}"
+                                                 for n in sorted(churn["kept"])) + " |"]
     return lines
 
 
@@ -1012,11 +1014,12 @@ def headline(res: Result) -> list[tuple[str, str, str, str]]:
     if res.churn:
         kept = res.churn["kept"]
         first, last = min(kept), max(kept)
-        per_pod = (kept[last] - kept[first]) / (last - first) if last > first else 0.0
-        rows.append((f"token server: bytes kept after {last:,} replaced pods; growth a pod "
-                     f"from {first:,} to {last:,}", f"{kept[last]:,}; {per_pod:.2f}",
-                     "< 1 MiB; ≈ 0 (1 MiB over 1,000,000 pods is 1.05 a pod)",
-                     ok(kept[last] < 1 << 20 and per_pod < 1.05)))
+        early = max(kept[n] for n in kept if n <= last // 2)
+        rows.append((f"token server: bytes kept after {last:,} replaced pods; the most kept "
+                     f"in the first half ({first:,}–{last // 2:,})",
+                     f"{kept[last]:,}; {early:,}",
+                     "< 1 MiB; no more than in the first half, give or take a sweep (64 KiB)",
+                     ok(kept[last] < 1 << 20 and kept[last] <= early + (64 << 10))))
     failed = sum(res.fresh_failed.values()) + res.first_failed + sum(
         v["errors"] for v in res.keepalive.values())
     rows.append(("container credentials: failed or wrong answers to pods (paths, first calls)",
