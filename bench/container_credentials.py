@@ -103,7 +103,8 @@ class Options:
     # Pods whose cached tokens each pipeliner sends in turn: their budgets (200 answers,
     # then 50 a second each) let its answers fill the socket's buffers before any 429.
     pods_per_pipeliner: int = 15
-    unread_seconds: float = 20.0   # the other pods' calls during it (stuck, then let go)
+    unread_seconds: float = 20.0   # the other pods' calls during it, at least ...
+    unread_most: float = 120.0     # ... and until each connection was let go, at most
     rotating: int = 50             # pods rotating their tokens beside the forged floods
     rotation_spread: float = 20.0  # ... over this many seconds
     forgers: int = 3
@@ -113,7 +114,8 @@ class Options:
 
 
 QUICK = Options(duration=1.0, fresh=40, first_calls=8, events=4, victim_calls=40,
-                flood_processes=1, pipeliners=4, unread_seconds=6.0, rotating=8,
+                flood_processes=1, pipeliners=4, unread_seconds=6.0, unread_most=20.0,
+                rotating=8,
                 rotation_spread=4.0,
                 churn_pods=600)
 WITHIN = 5.0                   # a new token must be answered 200 this soon (issue 42)
@@ -429,10 +431,11 @@ def other_pods_calls(b: Bench, pods: list[TokenPod], calls: int, ph: Hostile | A
     them, or as many as ``seconds`` take."""
     reqs = [(token_request(p.token, keep_alive=False), p.source) for p in pods]
     until = time.monotonic() + seconds if seconds is not None else None
+    first = len(ph.calls_ms)              # a call again goes on with the next pod
     for i in itertools.count():
         if (i >= calls) if until is None else (time.monotonic() >= until):
             return
-        req, source = reqs[i % len(reqs)]
+        req, source = reqs[(first + i) % len(reqs)]
         ms, status = timed(port or b.cc_port, req, source)
         ph.calls_ms.append(ms)
         if status != 200:
@@ -536,10 +539,12 @@ CAP_ADDRESSES = [f"127.0.66.{1 + i}" for i in range(31)]    # 31 x 16 idle: ever
 SLOW_NODE = "n2"                                     # the second agent's: slow reviews
 
 
-def hold_every_place(port: int, tokens: list[str], pipeliners: int, stop, results) -> None:
+def hold_every_place(port: int, tokens: list[str], pipeliners: int, stop, let_go,
+                     results) -> None:
     """In a child process: ``pipeliners`` connections of PIPE_SOURCE pipelining ``tokens``'
     requests without reading, and CAP_ADDRESSES holding 16 idle connections each (opened
-    again 0.5 s after the listener closes one), until ``stop``; then what they got."""
+    again 0.5 s after the listener closes one), until ``stop``; ``let_go``: how many times
+    the listener ended a pipelining connection so far; then what they got."""
     import asyncio
 
     from idle_clients import hoard
@@ -556,6 +561,7 @@ def hold_every_place(port: int, tokens: list[str], pipeliners: int, stop, result
 
         async def watch() -> None:
             while not stop.is_set():
+                let_go.value = counts.get("let go", 0)
                 await asyncio.sleep(0.1)
             ended.set()
         watcher = asyncio.create_task(watch())
@@ -581,21 +587,27 @@ def unread_attack(b: Bench, opts: Options, pods: list[TokenPod]) -> Attack:
                      f"127.0.{67 + i // 250}.{1 + i % 250}")
         bulk.append(token)
     ctx = multiprocessing.get_context("fork")
-    stop, results = ctx.Event(), ctx.Queue()
+    stop, results, let_go = ctx.Event(), ctx.Queue(), ctx.Value("i", 0)
     child = ctx.Process(target=hold_every_place, daemon=True,
-                        args=(b.cc_port, bulk, opts.pipeliners, stop, results))
+                        args=(b.cc_port, bulk, opts.pipeliners, stop, let_go, results))
     child.start()
     deadline = time.monotonic() + 30
     while agent_metrics(b).get(HELD, 0) < 500 and time.monotonic() < deadline:
         time.sleep(0.2)
     before = agent_metrics(b)
-    other_pods_calls(b, pods, opts.victim_calls, at, seconds=opts.unread_seconds)
+    # Until every pipelining connection has been stuck and let go once (how soon depends
+    # on how fast this machine answers them), at least ``unread_seconds``.
+    started = time.monotonic()
+    while (time.monotonic() - started < opts.unread_seconds
+           or let_go.value < opts.pipeliners) and time.monotonic() - started < opts.unread_most:
+        other_pods_calls(b, pods, opts.victim_calls, at, seconds=1.0)
+    at.listener["seconds"] = time.monotonic() - started
     time.sleep(2.2)                       # one publication of the counters later
     after = agent_metrics(b)
     stop.set()
     at.attack = results.get(timeout=60)
     child.join(30)
-    at.listener = {"held": after.get(HELD, 0), **{
+    at.listener = {**at.listener, "held": after.get(HELD, 0), **{
         kind: after.get(name, 0) - before.get(name, 0) for kind, name in (
             ("evicted", EVICTED), ("turned away", TURNED_AWAY), ("cooled", COOLED))}}
     return at
