@@ -5,9 +5,9 @@ The API server calls it for pod creations and sends each review whole at once, s
 per connection is enough; what any pod can do to it is bounded:
 
 * at most `MAX_CONNECTIONS` connections; a newcomer beyond them closes one that waits for a
-  request's bytes (in its handshake, idle, or sending its head slowly; never one being
-  answered, nor one whose whole head has come, for `BODY_GRACE` while its body comes): of
-  the address holding the most slots, the one waiting longest;
+  request's bytes (in its handshake, idle, or sending slowly; never one being answered, and
+  one whose whole head has come and whose body is there unread only when no other waits):
+  of the address holding the most slots, the one waiting longest;
 * a whole-request deadline: the TLS handshake and the first request within
   `REQUEST_DEADLINE` of the accept, each later request within it of its first byte (a
   sender of a byte a second is cut there, whatever its reads do), an idle keep-alive
@@ -26,12 +26,15 @@ is created uninjected and uses IMDS by address; the agent's Event
 """
 from __future__ import annotations
 
+import array
+import fcntl
 import io
 import json
 import logging
 import socket
 import ssl
 import sys
+import termios
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,8 +53,6 @@ IDLE_TIMEOUT = 10.0             # a keep-alive connection between requests
 WRITE_TIMEOUT = 5.0
 HEAD_LIMIT = 32 << 10           # the API server's head is ~300 bytes
 ADMIT_WAIT = 1.0                # a newcomer waits this long for an evicted slot
-BODY_GRACE = 0.5                # a whole head's body is not cut for this long (the API
-                                # server sends it at once: 2 MiB in 0.5 s is 34 Mbit/s)
 RETRY_AFTER = "1"
 LOG_EVERY = 10.0
 
@@ -137,14 +138,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.connections.waiting(self.request)
 
     def do_GET(self) -> None:
-        self.server.connections.head_received(self.request)
         if self.path == "/healthz":
             self._send(200, b"ok\n", "text/plain")
         else:
             self._send(404, b"not found\n", "text/plain")
 
     def do_POST(self) -> None:
-        self.server.connections.head_received(self.request)
         if self.path.split("?", 1)[0] != "/mutate":
             self.close_connection = True        # its body, if any, is not read
             self._send(404, b"not found\n", "text/plain")
@@ -161,6 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
                                       f"{MAX_REVIEW_BYTES}", self.client_address)
             self._refuse(413, "review too large\n", drain=length)
             return
+        self.server.connections.head_received(self.request)
         held = length if length > limits.SMALL_BODY else 0
         if held and not self.server.bodies.reserve(held, timeout=limits.BUDGET_WAIT):
             self.server.refusals.note("429", "bodies being received at their budget",
@@ -279,14 +279,18 @@ class _Refusals:
 
 class _Connections:
     """The connections holding a slot, their source addresses, and since when each has waited
-    for a request's bytes (none while its request is being answered, nor for `BODY_GRACE`
-    after its whole head came: the API server sends its body right behind its head, and an
-    address of attackers holding as many slots as it could otherwise cut that call).  At the
-    cap a newcomer closes a waiting connection of the address that holds the most slots, the
-    one waiting longest: a pod that opens many connections loses its own first, and the API
-    server's call is not cut by them however fast they come, nor kept out: a head whose body
-    does not follow is waiting again after `BODY_GRACE`, within the newcomer's
-    `ADMIT_WAIT`."""
+    for a request's bytes (none while its request is being answered).  At the cap a
+    newcomer closes a waiting connection of the address that holds the most slots, the one
+    waiting longest: a pod that opens many connections loses its own first, and the API
+    server's call, from an address of its own, is not cut by them however fast they come.
+
+    A connection whose whole head has come and whose body is there, unread (`_unread`: in
+    the socket's buffer), is the API server's call in flight, waiting for us
+    (the body budget, a thread): the API server sends its body right behind its head.  It
+    is closed only when no other connection waits.  Before, it counted as waiting until its
+    body was read, and pods spread over more addresses than the API server holds
+    connections could cut it.  A head whose body does not come, or trickles, is read as it
+    comes and has nothing unread: waiting, as any slow sender."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -304,35 +308,35 @@ class _Connections:
         return len(self._address) - len(self._leaving)
 
     def admit(self, sock: Any, address: str) -> bool:
-        deadline = time.monotonic() + ADMIT_WAIT
         with self._freed:
-            while self._held() >= self.limit:
-                now = time.monotonic()
-                if now >= deadline:
-                    return False
-                wait = deadline - now
-                if len(self._leaving) < self.limit:
-                    if self._evict(now):
-                        continue
-                    if self._body:          # a head's grace ends: it may be closed then
-                        wait = min(wait, max(0.001, min(self._body.values()) + BODY_GRACE
-                                             - now))
-                self._freed.wait(wait)
+            if self._held() >= self.limit and len(self._leaving) < self.limit:
+                self._evict()
+            # Only while every slot is being answered (each within the request deadline).
+            if not self._freed.wait_for(lambda: self._held() < self.limit, ADMIT_WAIT):
+                return False
             self._address[sock] = address
             self._waiting[sock] = time.monotonic()
             return True
 
-    def _evict(self, now: float) -> bool:
-        """Close the connection the rule picks among those waiting; False if none is."""
-        since = {**self._waiting, **{s: t for s, t in self._body.items()
-                                    if now - t >= BODY_GRACE}}
-        if not since:
-            return False
+    def _evict(self) -> None:
+        """Close the connection the rule picks among those not being answered: of the
+        address holding the most, the one waiting longest; a call in flight (its whole
+        head come, its body there unread) only when no other is left."""
+        if not self._waiting and not self._body:
+            return
         held: dict[str, int] = {}
         for sock, address in self._address.items():
             if sock not in self._leaving:
                 held[address] = held.get(address, 0) + 1
-        victim = min(since, key=lambda s: (-held[self._address[s]], since[s]))
+
+        def rank(s: Any) -> tuple[int, int, float]:
+            since = self._waiting.get(s)
+            if since is None:
+                since = self._body[s]
+                if _unread(s):
+                    return 1, 0, since
+            return 0, -held[self._address[s]], since
+        victim = min([*self._waiting, *self._body], key=rank)
         self._waiting.pop(victim, None)
         self._body.pop(victim, None)
         self._leaving.add(victim)
@@ -346,7 +350,6 @@ class _Connections:
             log.warning("%d connections held: closing the ones of the addresses holding the "
                         "most that wait longest for a request (%d so far; last from %s) to "
                         "take new ones", self.limit, self.evicted, self._address[victim])
-        return True
 
     def head_received(self, sock: Any) -> None:
         with self._freed:
@@ -371,6 +374,17 @@ class _Connections:
             self._address.pop(sock, None)
             self._leaving.discard(sock)
             self._freed.notify()
+
+
+def _unread(sock: Any) -> int:
+    """Bytes the client sent that nobody has read yet, in the kernel's buffer (0 if the socket
+    is gone).  Not the TLS layer's: it belongs to the thread reading it."""
+    try:
+        count = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+        return count[0]
+    except (OSError, ValueError):
+        return 0
 
 
 class _BoundedServer(ThreadingHTTPServer):
