@@ -620,15 +620,13 @@ def slow_api_attack(b: Bench, opts: Options, stack: contextlib.ExitStack,
     first calls as botocore makes them, while ``forgers`` addresses flood forged tokens."""
     import secrets
 
-    import yaml
     from podid import create_pod, other_key, resigned
     from review_fault_proxy import ReviewFaultProxy
-    from token_clients import forged_flood, like_botocore
+    from token_clients import rotations_beside_forged_floods
     at = Attack()
     proxy = ReviewFaultProxy(target_port=b.cluster.apiserver.port, ca=b.cluster.apiserver.ca)
     stack.callback(proxy.close)
-    token = yaml.safe_load(Path(b.kubeconfig).read_text())["users"][0]["user"]["token"]
-    via = b.cluster.kubeconfig_for(token, name="slow-reviews", server=proxy.url)
+    via = proxy.kubeconfig(b.cluster, Path(b.kubeconfig), "slow-reviews")
     b.admin.create_node(SLOW_NODE)
     port = free_port()
     agent = stack.enter_context(b.node.agent(extra=[
@@ -657,32 +655,15 @@ def slow_api_attack(b: Bench, opts: Options, stack: contextlib.ExitStack,
                                                for _ in range(400)]))
     before = agent_metrics(b, agent.port)
     proxy.review_delay = opts.review_delay
-    stop, firsts = threading.Event(), []
-    floods = [threading.Thread(target=forged_flood, daemon=True, args=(
-        port, forged[c::opts.forger_connections], source, stop, at.attack))
-        for source, forged in forgers for c in range(opts.forger_connections)]
-
-    def rotate(name: str, uid: str, source: str, when: float) -> None:
-        time.sleep(max(0.0, when - time.monotonic()))
-        firsts.append(like_botocore(port, b.token(name, uid), source, within=WITHIN)[0])
     try:
-        for t in floods:
-            t.start()
-        time.sleep(3.0)                   # the floods' reviews queued first
-        start = time.monotonic()
-        rotations = [threading.Thread(target=rotate, args=(
-            name, uid, p.source, start + opts.rotation_spread * i / len(honest)))
-            for i, (name, uid, p) in enumerate(honest)]
-        for t in rotations:
-            t.start()
-        other_pods_calls(b, [p for _, _, p in honest], opts.victim_calls, at, port=port)
-        for t in rotations:
-            t.join()
+        got = rotations_beside_forged_floods(
+            port, [(lambda n=name, u=uid: b.token(n, u), p.source) for name, uid, p in honest],
+            forgers, connections=opts.forger_connections, spread=opts.rotation_spread,
+            within=WITHIN, answers=at.attack, meanwhile=lambda: other_pods_calls(
+                b, [p for _, _, p in honest], opts.victim_calls, at, port=port))
     finally:
-        stop.set()
         proxy.review_delay = 0.0
-        for t in floods:
-            t.join(10)
+    firsts = [seconds for seconds, _ in got]
     time.sleep(2.2)
     after = agent_metrics(b, agent.port)
     at.first_s = [s for s in firsts if s <= WITHIN]

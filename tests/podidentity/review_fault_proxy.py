@@ -120,6 +120,13 @@ class ReviewFaultProxy:
         threading.Thread(target=self.server.serve_forever, daemon=True,
                          name="review-fault-proxy").start()
 
+    def kubeconfig(self, cluster, identity: Path, name: str) -> Path:
+        """A kubeconfig of ``identity``'s (a kubeconfig's) token whose server is this proxy:
+        the agent's own identity, its API traffic through here."""
+        import yaml
+        token = yaml.safe_load(identity.read_text())["users"][0]["user"]["token"]
+        return cluster.kubeconfig_for(token, name=name, server=self.url)
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()

@@ -18,7 +18,6 @@ import signal
 import time
 
 import pytest
-import yaml
 from podid import create_pod
 from review_fault_proxy import ReviewFaultProxy
 from test_container_credentials import Node
@@ -34,9 +33,7 @@ REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 @pytest.fixture(scope="module")
 def restarting(cluster, peers, tmp_path_factory):
     proxy = ReviewFaultProxy(target_port=cluster.apiserver.port, ca=cluster.apiserver.ca)
-    token = yaml.safe_load(peers.kubeconfig.read_text())["users"][0]["user"]["token"]
-    via = cluster.kubeconfig_for(token, name=f"restart-{secrets.token_hex(3)}",
-                                 server=proxy.url)
+    via = proxy.kubeconfig(cluster, peers.kubeconfig, f"restart-{secrets.token_hex(3)}")
     workdir = tmp_path_factory.mktemp("restart")
     (workdir / "node").mkdir()
     with LoopbackNode(kubeconfig=via, workdir=workdir / "node",

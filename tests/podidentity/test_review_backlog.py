@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 
 import pytest
-import yaml
 from podid import other_key, resigned
 from review_fault_proxy import ReviewFaultProxy
 from test_container_credentials import Node
-from token_clients import forged_flood, like_botocore
+from token_clients import like_botocore, rotations_beside_forged_floods
 
 pytestmark = pytest.mark.kube_apiserver
 
@@ -39,8 +37,7 @@ ROTATION_SPREAD = 20.0          # the honest pods' new tokens come over this man
 @pytest.fixture(scope="module")
 def slow(cluster, peers, tmp_path_factory):
     proxy = ReviewFaultProxy(target_port=cluster.apiserver.port, ca=cluster.apiserver.ca)
-    token = yaml.safe_load(peers.kubeconfig.read_text())["users"][0]["user"]["token"]
-    via = cluster.kubeconfig_for(token, name=f"slow-{secrets.token_hex(3)}", server=proxy.url)
+    via = proxy.kubeconfig(cluster, peers.kubeconfig, f"slow-{secrets.token_hex(3)}")
     node = Node(cluster, peers, tmp_path_factory.mktemp("slow"),
                 lambda prefix: f"{prefix}-{secrets.token_hex(3)}",
                 extra=(f"--kubeconfig={via}",))
@@ -79,35 +76,16 @@ def test_honest_pods_new_tokens_are_served_within_5_s_beside_forged_token_floods
         attackers.append((node.source, forged))
 
     proxy.review_delay = REVIEW_DELAY
-    stop = threading.Event()
     answers: dict[int, int] = {}
-    floods = [threading.Thread(target=forged_flood, args=(
-        node.port, forged[c::FLOOD_CONNECTIONS], source, stop, answers), daemon=True)
-              for source, forged in attackers for c in range(FLOOD_CONNECTIONS)]
-    results: dict[str, tuple[float, list]] = {}
-
-    def rotate(name: str, uid: str, source: str, at: float) -> None:
-        time.sleep(max(0.0, at - time.monotonic()))
-        results[name] = like_botocore(node.port, node.token(name, uid, seconds=700), source,
-                                      within=WITHIN)
-
     try:
-        for t in floods:
-            t.start()
-        time.sleep(3.0)                        # the floods' reviews queued first
-        start = time.monotonic()
-        rotations = [threading.Thread(target=rotate, args=(
-            name, uid, source, start + ROTATION_SPREAD * i / HONEST))
-            for i, (name, uid, source) in enumerate(honest)]
-        for t in rotations:
-            t.start()
-        for t in rotations:
-            t.join()
+        got = rotations_beside_forged_floods(
+            node.port, [(lambda n=name, u=uid: node.token(n, u, seconds=700), source)
+                        for name, uid, source in honest], attackers,
+            connections=FLOOD_CONNECTIONS, spread=ROTATION_SPREAD, within=WITHIN,
+            answers=answers)
     finally:
-        stop.set()
         proxy.review_delay = 0.0
-        for t in floods:
-            t.join(10)
+    results = {name: r for (name, _, _), r in zip(honest, got)}
     late = {name: r for name, r in results.items() if r[0] > WITHIN}
     assert len(results) == HONEST and not late, late
     assert sum(answers.values()) > 100, answers          # the floods did run throughout

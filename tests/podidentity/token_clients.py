@@ -8,7 +8,9 @@ bench/container_credentials.py).
   listener answers;
 * `unread_pipeline`: one connection sending pipelined requests and never reading a byte of
   the answers (a small receive buffer), opened again 0.1 s after it is closed (not a
-  reconnect flood: bench/container_credentials.py measures those apart).
+  reconnect flood: bench/container_credentials.py measures those apart);
+* `rotations_beside_forged_floods`: pods asking with their new tokens, spread over a few
+  seconds, while addresses flood forged tokens.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 ATTEMPT_TIMEOUT, ATTEMPT_SLEEP = 2.0, 1.0    # botocore's ContainerMetadataFetcher
 
@@ -102,3 +105,42 @@ def unread_pipeline(port: int, tokens: list[str], source: str, stop: threading.E
         finally:
             client.close()
         time.sleep(0.1)
+
+
+def rotations_beside_forged_floods(port: int, rotations: list[tuple[Callable[[], str], str]],
+                                   forgers: list[tuple[str, list[str]]], *, connections: int,
+                                   spread: float, within: float, answers: dict,
+                                   meanwhile: Callable[[], None] = lambda: None
+                                   ) -> list[tuple[float, list]]:
+    """Each of ``forgers`` (its address, its forged tokens) floods over ``connections``
+    connections, 3 s first (their reviews queued first); then the i-th of ``rotations`` (how
+    its pod gets a new token, its address) asks with it as botocore does, ``spread`` * i / n
+    seconds later, while ``meanwhile()`` runs.  What each rotation got (`like_botocore`), in
+    order; ``answers`` counts the floods' answers."""
+    stop = threading.Event()
+    floods = [threading.Thread(target=forged_flood, daemon=True, args=(
+        port, forged[c::connections], source, stop, answers))
+        for source, forged in forgers for c in range(connections)]
+    got: list = [None] * len(rotations)
+
+    def rotate(i: int, new_token: Callable[[], str], source: str, when: float) -> None:
+        time.sleep(max(0.0, when - time.monotonic()))
+        got[i] = like_botocore(port, new_token(), source, within=within)
+    try:
+        for t in floods:
+            t.start()
+        time.sleep(3.0)
+        start = time.monotonic()
+        threads = [threading.Thread(target=rotate, args=(
+            i, new_token, source, start + spread * i / len(rotations)))
+            for i, (new_token, source) in enumerate(rotations)]
+        for t in threads:
+            t.start()
+        meanwhile()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(10)
+    return got
