@@ -516,7 +516,9 @@ def section_container_credentials(quick: bool, out: Path, log) -> Section:
                               "flood_requests": p.flood_requests, "flood_bad": p.flood_bad,
                               "flood_connects": p.flood_connects,
                               "control_cpu": p.control_cpu}
-                          for k, p in res.phases.items()}}
+                          for k, p in res.phases.items()},
+               "attacks": {k: a.__dict__ for k, a in res.attacks.items()},
+               "churn": res.churn}
     return sec
 
 

@@ -7,7 +7,10 @@ the API server answered ``authenticated`` for our audience, whose user is the to
 ServiceAccount and whose extras name the bound pod.  The verdict is cached by the token's
 hash until the token expires (the kubelet rotates a projected token at 80 % of its life, so
 a pod brings a new token, and one review, every few minutes); whether the pod still exists
-on this node is asked of the pod view on every request, never cached here.
+on this node is asked of the pod view on every request, never cached here.  What is kept is
+what is live: an accepted verdict goes when its token expires or its pod is gone from the
+view (swept each time the cache has doubled since the last sweep), a refusal after
+`REJECTED_TTL`; `CACHE_SIZE` of each at most, and a verdict forgotten only costs a review.
 
 A review can also complete unauthenticated because the API server could not check the token
 right now (its own lookup of the ServiceAccount or pod failed): that is answered 503 and
@@ -29,15 +32,23 @@ from typing import Any, Callable
 
 import orjson
 
+from kiamfast.container_credentials.review_queue import Job, QueueFull, ReviewQueue
+
 log = logging.getLogger("kiamfast.container_credentials")
 
 MAX_TOKEN_BYTES = 16384
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-REVIEW_TIMEOUT = 1.0           # the SDKs allow 1 s (JS) to 2 s (botocore) per attempt
+REVIEW_WAIT = 1.5              # a request waits this long for its verdict, queue included
+REVIEW_TIMEOUT = 2.0           # each socket operation of the API call (its verdict is cached
+                               # when it comes after its request gave up: the SDK retries)
+REVIEW_THREADS = 4
+MAX_PENDING_REVIEWS = 64       # reviews waiting or running, in all ...
+MAX_PENDING_PER_ADDRESS = 4    # ... and for one client address
 REJECTED_TTL = 60.0            # a refused token is refused again without asking
-CACHE_SIZE = 4096
+CACHE_SIZE = 4096              # verdicts of each kind at most (the least recently used go)
+SWEEP_MIN = 128                # accepted verdicts past which expired and dead ones are swept
 LOG_EVERY = 10.0               # one info line per kind of event this often; debug else
 
 
@@ -186,19 +197,28 @@ def token_review_call(client: Any) -> Callable[[str, str], dict[str, Any]]:
 
 
 class TokenReviewer:
-    """Reviews tokens with at most `concurrency` API calls at once, verdicts cached."""
+    """Reviews tokens with at most `REVIEW_THREADS` API calls at once, the rest waiting in a
+    bounded queue shared by address (`review_queue.py`); verdicts cached."""
 
     def __init__(self, call: Callable[[str, str], dict[str, Any]], *, audience: str,
-                 concurrency: int = 4, clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.call = call
         self.audience = audience
         self.clock = clock
-        self.pool = ThreadPoolExecutor(max_workers=concurrency,
+        self.pool = ThreadPoolExecutor(max_workers=REVIEW_THREADS,
                                        thread_name_prefix="tokenreview")
+        self.queue = ReviewQueue(threads=REVIEW_THREADS, limit=MAX_PENDING_REVIEWS,
+                                 per_address=MAX_PENDING_PER_ADDRESS)
         self._accepted: OrderedDict[bytes, BoundPod] = OrderedDict()
-        self._rejected: OrderedDict[bytes, tuple[float, TokenRejected]] = OrderedDict()
-        self._inflight: dict[bytes, asyncio.Future] = {}
-        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0}
+        # token hash -> (until, status, code, message), oldest first: the same TTL for all
+        self._rejected: OrderedDict[bytes, tuple[float, int, str, str]] = OrderedDict()
+        self._inflight: dict[bytes, Job] = {}
+        # Whether a reviewed pod is still one to answer for (the server's pod view): the
+        # verdicts of the others are swept.
+        self.alive: Callable[[BoundPod], bool] = lambda pod: True
+        self._sweep_at = SWEEP_MIN
+        self.stats = {"reviews": 0, "cached": 0, "review_errors": 0, "undecided": 0,
+                      "queue_full": 0, "dropped": 0}
         self.last_error = ""          # the last review that failed, until one succeeds
         self._undecided_logged = -LOG_EVERY
 
@@ -214,23 +234,49 @@ class TokenReviewer:
             del self._accepted[key]
         refused = self._rejected.get(key)
         if refused is not None:
-            if refused[0] > now:
+            until, status, code, message = refused
+            if until > now:
                 self.stats["cached"] += 1
-                raise refused[1]
+                # A new exception each time: re-raising one object grows its traceback by
+                # the frames of every request that raises it.
+                raise TokenRejected(status, code, message)
             del self._rejected[key]
         return None
 
-    async def review(self, token: str, claimed: BoundPod) -> BoundPod:
-        """The API server's verdict (one call per distinct token in flight)."""
+    async def review(self, token: str, claimed: BoundPod, *, address: str = "",
+                     wait: float = REVIEW_WAIT) -> BoundPod:
+        """The API server's verdict, waited for at most ``wait`` seconds (then 503); one
+        call per distinct token in flight, queued for ``address`` (429 when its share or
+        the queue is full)."""
         key = hashlib.sha256(token.encode()).digest()
-        pending = self._inflight.get(key)
-        if pending is None:
-            pending = asyncio.ensure_future(self._review(key, token, claimed))
-            self._inflight[key] = pending
-            pending.add_done_callback(lambda _: self._inflight.pop(key, None))
-        return await asyncio.shield(pending)
+        job = self._inflight.get(key)
+        if job is None:
+            try:
+                job = self.queue.submit(address, lambda: self._review(key, token, claimed))
+            except QueueFull:
+                self.stats["queue_full"] += 1
+                raise TokenRejected(429, "TooManyRequests", "too many new tokens waiting "
+                                    "for review from this address") from None
+            self._inflight[key] = job
+        job.waiters += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), wait)
+        except asyncio.TimeoutError:
+            raise unavailable("the API server did not answer the TokenReview in time") \
+                from None
+        finally:
+            job.waiters -= 1
+            if not job.waiters and self.queue.abandon(job):
+                del self._inflight[key]           # nobody waits: never sent
+                self.stats["dropped"] += 1
 
     async def _review(self, key: bytes, token: str, claimed: BoundPod) -> BoundPod:
+        try:
+            return await self._call(key, token, claimed)
+        finally:
+            self._inflight.pop(key, None)
+
+    async def _call(self, key: bytes, token: str, claimed: BoundPod) -> BoundPod:
         loop = asyncio.get_running_loop()
         self.stats["reviews"] += 1
         try:
@@ -248,10 +294,25 @@ class TokenReviewer:
                 self.stats["undecided"] += 1
                 self._log_undecided(e.message)
             else:
-                self._remember(self._rejected, key, (self.clock() + REJECTED_TTL, e))
+                self._refused(key, e)
             raise
-        self._remember(self._accepted, key, pod)
+        self._accept(key, pod)
         return pod
+
+    def _accept(self, key: bytes, pod: BoundPod) -> None:
+        self._remember(self._accepted, key, pod)
+        if len(self._accepted) > self._sweep_at:
+            now = self.clock()
+            for k in [k for k, p in self._accepted.items()
+                      if p.expires <= now or not self.alive(p)]:
+                del self._accepted[k]
+            self._sweep_at = max(SWEEP_MIN, 2 * len(self._accepted))
+
+    def _refused(self, key: bytes, e: TokenRejected) -> None:
+        now = self.clock()
+        self._remember(self._rejected, key, (now + REJECTED_TTL, e.status, e.code, e.message))
+        while next(iter(self._rejected.values()))[0] <= now:    # expired, oldest first
+            self._rejected.popitem(last=False)
 
     def _log_undecided(self, message: str) -> None:
         now = time.monotonic()

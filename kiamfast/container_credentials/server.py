@@ -3,8 +3,10 @@
 Runs as a coroutine of the control process (docs/architecture.md, "Container credentials"):
 the pod view, the role decisions and the credential slots it answers from live there.  What
 keeps a hostile pod from slowing the table's writer or locking the other pods out: a
-bounded request head; a bound on connections per address and in all, where a newcomer takes
-the place of the longest idle connection of the address holding the most; TokenReview calls
+bounded request head; an answer its client has not read within `WRITE_TIMEOUT` ends the
+connection; a bound on connections per address and in all, where a newcomer takes the place
+of the longest idle connection of the address holding the most (idle: not making an answer,
+which every budget below bounds in time); TokenReview calls
 on their own few threads; a per-address budget of reviews (a cached verdict costs none); a
 per-pod budget of answers (a flood of valid tokens); and a per-address budget of refusals:
 past it, that address's requests are closed unread and its new connections reset as they
@@ -34,7 +36,6 @@ import orjson
 
 from kiamfast import table as tbl
 from kiamfast.container_credentials.review import (
-    REVIEW_TIMEOUT,
     BoundPod,
     TokenRejected,
     TokenReviewer,
@@ -50,6 +51,7 @@ log = logging.getLogger("kiamfast.container_credentials")
 PATH = "/v1/credentials"        # what the EKS Pod Identity webhook puts in FULL_URI
 MAX_HEAD = 20480                # request line + headers (a token is at most 16 KiB)
 HEAD_TIMEOUT = 10.0             # a whole request head, once a connection is open or idle
+WRITE_TIMEOUT = 5.0             # an answer written and not read by then ends the connection
 MAX_CONNECTIONS = 512
 # As the supervisor binds the sockets: asyncio listens again, with 100 unless told, and a
 # burst of connections past the queue has its SYNs dropped (the client retries after 1 s).
@@ -57,13 +59,12 @@ LISTEN_BACKLOG = 2048
 MAX_CONNECTIONS_PER_ADDRESS = 16
 REVIEW_RATE = 2.0               # reviews per second and address, after a burst of ...
 REVIEW_BURST = 10
-MAX_PENDING_REVIEWS = 64
 REFUSAL_RATE = 10.0             # refused requests per second and address, after a burst of ...
 REFUSAL_BURST = 50
 POD_ANSWER_RATE = 50.0          # requests per second and reviewed pod, after a burst of ...
 POD_ANSWER_BURST = 200          # (an SDK asks once per process and credential refresh)
 COOL_DOWN = 2.0                 # past that: the address's connections closed unread this long
-BUCKETS = 4096                  # addresses whose budgets are remembered
+BUCKETS = 4096                  # addresses (or pods) whose budgets are remembered, at most
 LOG_EVERY = 10.0                # one info line per kind of refusal this often; debug else
 
 
@@ -122,6 +123,12 @@ class OwnershipView:
                 return Wait(unavailable("the agent has not synced this node's pods yet"))
             return Wait(forbidden(f"pod {pod.namespace}/{pod.name} is not on node "
                                   f"{self.node}"))
+        if not decision.service_account:
+            # Known from its sandbox only (the watch behind the runtime, or not synced after a
+            # restart with the API server down): whose account it runs as is not known yet.
+            return Wait(unavailable(f"the service account of pod {pod.namespace}/{pod.name} "
+                                    "is not known yet (the agent has not had it from the "
+                                    "API server)"))
         if decision.service_account != pod.service_account:
             raise forbidden(f"pod {pod.namespace}/{pod.name} does not run as service "
                             f"account {pod.service_account}")
@@ -160,8 +167,10 @@ class OwnershipView:
 
 
 class Connection:
-    """One connection's place: whose it is, whether a request of it is being answered, and
-    since when it has been idle (its accept, or its last answer)."""
+    """One connection's place: whose it is, whether an answer is being made for it (bounded
+    in time by the budgets of the request path), and since when it has been idle (its
+    accept, or its last answer written; an answer waiting for its client to read it is
+    idle: the client's to take, never the loop's)."""
     __slots__ = ("address", "transport", "busy", "idle_since")
 
     def __init__(self, address: str, transport: asyncio.BaseTransport, now: float) -> None:
@@ -182,12 +191,12 @@ class AddressLimits:
         self.total = 0
         self.evicted = 0                          # idle connections closed for a newcomer
         self.turned_away = 0                      # connections refused: no place for them
-        # Kept across connections (a new connection must not bring a full bucket), the
-        # addresses seen longest ago forgotten first.
+        # Kept across connections (a new connection must not bring a full bucket) until the
+        # bucket is full again (then it is as if new), the least recently used first.
         self._reviews: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._refusals: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._answers: OrderedDict[str, tuple[float, float]] = OrderedDict()   # by pod uid
-        self._cooling: dict[str, float] = {}      # address -> until (clock)
+        self._cooling: OrderedDict[str, float] = OrderedDict()   # address -> until, in order
         self.cooled = 0                           # connections and requests closed unread
 
     def open(self, address: str, transport: asyncio.BaseTransport) -> Connection | None:
@@ -206,20 +215,23 @@ class AddressLimits:
         return conn
 
     def _make_room(self, own: int) -> bool:
-        """At MAX_CONNECTIONS: close the connection idle longest of the address holding the
-        most, if that address holds at least two more than the newcomer's (`own`), as the
-        metadata path's workers do.  Addresses hoarding connections cannot keep a pod that
-        holds none out, and nobody is left with fewer than the newcomer."""
-        heaviest = max(self.connections.values(), key=len, default=None)
-        if heaviest is None or len(heaviest) < own + 2:
-            return False
-        idle = [c for c in heaviest if not c.busy]
+        """At MAX_CONNECTIONS: close an idle connection of an address holding at least two
+        more than the newcomer's (`own`): of the address holding the most, the one idle
+        longest, as the metadata path's workers do.  Any idle connection anywhere will do:
+        an address whose connections are all being answered cannot keep a pod that holds
+        none out, and nobody is left with fewer than the newcomer.  Only when every place
+        is making an answer (each bounded in time) is the newcomer turned away."""
+        idle = [c for conns in self.connections.values() if len(conns) >= own + 2
+                for c in conns if not c.busy]
         if not idle:
             return False
-        victim = min(idle, key=lambda c: c.idle_since)
+        victim = min(idle, key=lambda c: (-len(self.connections[c.address]), c.idle_since))
         self.close(victim)
         self.evicted += 1
-        victim.transport.close()      # its reader sees the end, its client a FIN
+        if victim.transport.get_write_buffer_size():
+            victim.transport.abort()  # an answer it is not reading: nothing to wait for
+        else:
+            victim.transport.close()  # its reader sees the end, its client a FIN
         return True
 
     def close(self, conn: Connection) -> None:
@@ -244,9 +256,10 @@ class AddressLimits:
         now = self.clock()
         if _take(self._refusals, address, now, REFUSAL_RATE, REFUSAL_BURST):
             return False
-        self._cooling[address] = now + COOL_DOWN
-        if len(self._cooling) > BUCKETS:      # only addresses still refusing stay
-            self._cooling = {a: t for a, t in self._cooling.items() if t > now}
+        self._cooling.pop(address, None)
+        self._cooling[address] = now + COOL_DOWN     # the latest last: the same COOL_DOWN
+        while next(iter(self._cooling.values())) <= now:     # only addresses still cooling
+            self._cooling.popitem(last=False)
         return True
 
     def cooling(self, address: str) -> bool:
@@ -262,7 +275,9 @@ class AddressLimits:
 
 def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: float,
           rate: float, burst: int) -> bool:
-    """One token from ``address``'s bucket, if it has one (LRU beyond BUCKETS addresses)."""
+    """One token from ``address``'s bucket, if it has one.  A bucket full again is dropped
+    (a missing one is a full one: nothing changes), so what is kept is the keys used in the
+    last ``burst / rate`` seconds; BUCKETS at most, the least recently used dropped."""
     tokens, last = buckets.get(address, (float(burst), now))
     tokens = min(float(burst), tokens + (now - last) * rate)
     allowed = tokens >= 1.0
@@ -270,7 +285,11 @@ def _take(buckets: OrderedDict[str, tuple[float, float]], address: str, now: flo
     buckets.move_to_end(address)
     while len(buckets) > BUCKETS:
         buckets.popitem(last=False)
-    return allowed
+    while True:                  # least recently used first: full again, they are dropped
+        tokens, last = next(iter(buckets.values()))
+        if tokens + (now - last) * rate < burst:
+            return allowed
+        buckets.popitem(last=False)
 
 
 class _Gate(asyncio.StreamReaderProtocol):
@@ -304,6 +323,10 @@ class _Gate(asyncio.StreamReaderProtocol):
 
 class BadRequest(Exception):
     pass
+
+
+class AnswerNotRead(Exception):
+    """The client did not read an answer within `WRITE_TIMEOUT`."""
 
 
 @dataclass(slots=True)
@@ -366,10 +389,12 @@ class ContainerCredentialsServer:
         self.socks = list(socks)
         self.reviewer = reviewer
         self.view = view
+        # The verdicts of pods the view no longer knows (deleted, or gone from this node)
+        # are swept: what is kept is what is live.
+        reviewer.alive = lambda pod: view.known(pod.uid)
         self.wait_budget = wait_budget
         self.clock = clock
         self.limits = AddressLimits()
-        self.pending_reviews = 0
         self.answers: dict[int, int] = {}        # HTTP status -> count
         self._changed = asyncio.Event()
         self._logged: dict[tuple[int, str], float] = {}
@@ -413,12 +438,20 @@ class ContainerCredentialsServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           conn: Connection) -> None:
+        transport = writer.transport
         try:
             await self._requests(conn, reader, writer)
+        except AnswerNotRead:
+            transport.abort()                   # its place is given up at once
+            return
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
-        finally:
-            writer.close()
+        conn.busy = False
+        writer.close()
+        if transport.get_write_buffer_size():
+            # A last answer still queued: closing waits for the client to read it, and the
+            # place is held until then; it gets the time any answer gets.
+            asyncio.get_running_loop().call_later(WRITE_TIMEOUT, transport.abort)
 
     async def _requests(self, conn: Connection, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
@@ -438,12 +471,18 @@ class ContainerCredentialsServer:
             except BadRequest as e:
                 writer.write(self._error(address, 400, "BadRequest", str(e), keep_alive=False))
                 return
-            writer.write(await self.answer(request, address))
-            await writer.drain()
-            if not request.keep_alive:
-                return
+            answer = await self.answer(request, address)
             conn.busy = False
             conn.idle_since = self.limits.clock()
+            writer.write(answer)
+            try:
+                # A client that sends requests and never reads its answers (a pipelining
+                # client with a small receive buffer) would hold the connection for ever.
+                await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise AnswerNotRead from None
+            if not request.keep_alive:
+                return
 
     # ---- one request -------------------------------------------------------------------------
 
@@ -481,16 +520,9 @@ class ContainerCredentialsServer:
         # run costs no review (another node's token, or a deleted pod's).
         if not await self._until(lambda: self.view.known(claimed.uid), self.wait_budget):
             raise forbidden(f"pod {claimed.namespace}/{claimed.name} is not on this node")
-        if self.pending_reviews >= MAX_PENDING_REVIEWS or not self.limits.allow_review(address):
+        if not self.limits.allow_review(address):
             raise TokenRejected(429, "TooManyRequests", "too many new tokens from this address")
-        self.pending_reviews += 1
-        try:
-            return await asyncio.wait_for(self.reviewer.review(token, claimed),
-                                          REVIEW_TIMEOUT + 0.5)
-        except asyncio.TimeoutError:
-            raise unavailable("the API server did not answer the TokenReview in time") from None
-        finally:
-            self.pending_reviews -= 1
+        return await self.reviewer.review(token, claimed, address=address)
 
     async def _resolve(self, pod: BoundPod) -> bytes:
         asked: set[int] = set()
@@ -564,6 +596,11 @@ class ContainerCredentialsServer:
                   "# TYPE kiamfast_token_reviews_total counter"]
         lines += [f'kiamfast_token_reviews_total{{kind="{k}"}} {v}'
                   for k, v in sorted(self.reviewer.stats.items())]
+        queue = self.reviewer.queue
+        lines += ["# HELP kiamfast_token_reviews_pending TokenReviews waiting for a thread "
+                  "or running now.",
+                  "# TYPE kiamfast_token_reviews_pending gauge",
+                  f"kiamfast_token_reviews_pending {queue.queued + queue.running}"]
         return lines
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ PROVIDER_VARIABLES = frozenset({
     "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"})
 REASON = "ContainerCredentialsNotInjected"
-REMEMBERED = 4096               # uids already reported, oldest forgotten first
+REMEMBERED = 4096               # uids reported and still live, oldest forgotten first
 
 
 def asked_but_not_injected(pod: Mapping[str, Any], *, role_key: str) -> bool:
@@ -96,15 +96,20 @@ class UninjectedPods:
         self.failing = False
 
     def seen(self, pod: Mapping[str, Any]) -> None:
-        uid = (pod.get("metadata") or {}).get("uid")
-        if not uid or uid in self._reported \
-                or not asked_but_not_injected(pod, role_key=self.role_key):
+        metadata = pod.get("metadata") or {}
+        uid = metadata.get("uid")
+        if not uid:
+            return
+        if metadata.get("deletionTimestamp") \
+                or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            self._reported.pop(uid, None)   # never reported again: nothing kept for it
+            return
+        if uid in self._reported or not asked_but_not_injected(pod, role_key=self.role_key):
             return
         self._reported[uid] = None
         while len(self._reported) > REMEMBERED:
             self._reported.popitem(last=False)
         self.reported += 1
-        metadata = pod["metadata"]
         log.warning("pod %s/%s asked for container credentials but was created without "
                     "them (the injection webhook was down or refused it): it uses IMDS by "
                     "address; Event %s posted", metadata.get("namespace"),

@@ -30,6 +30,10 @@ VOLUME = "kiamfast-container-credentials-token"
 MOUNT_PATH = "/var/run/secrets/kiamfast.io/container-credentials"
 TOKEN_FILE = "token"
 
+# A role ARN is at most 2048 characters (IAM); the agent denies longer ones.  Bounds what a
+# role annotation copied from the account adds to an answer.
+MAX_ROLE = 2048
+
 # Any of these means the container chose its own container-provider settings.
 PROVIDER_VARIABLES = frozenset({
     "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
@@ -64,7 +68,8 @@ def effective_role(pod: dict[str, Any], *, role_key: str,
     opt_in = own[OPT_IN_ANNOTATION] if OPT_IN_ANNOTATION in own \
         else inherited.get(OPT_IN_ANNOTATION)
     role = own.get(role_key) if role_key in own else inherited.get(role_key)
-    return role if opt_in == "true" and role and isinstance(role, str) else None
+    return role if opt_in == "true" and role and isinstance(role, str) \
+        and len(role) <= MAX_ROLE else None
 
 
 def _token_volume(audience: str, expiration: int) -> dict[str, Any]:

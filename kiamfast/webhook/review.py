@@ -12,8 +12,16 @@ import json
 import logging
 from typing import Any
 
+from kiamfast.webhook import limits
 from kiamfast.webhook.accounts import AccountAnnotations
-from kiamfast.webhook.patch import MalformedReview, decided_by_pod, pod_name, pod_patch
+from kiamfast.webhook.patch import (
+    FULL_URI,
+    MalformedReview,
+    decided_by_pod,
+    effective_role,
+    pod_name,
+    pod_patch,
+)
 
 log = logging.getLogger("kiamfast.webhook")
 
@@ -25,6 +33,45 @@ def _answer(uid: str, ops: list[dict]) -> dict[str, Any]:
         response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "response": response}
+
+
+def containers_to_patch(review: Any, *, role_key: str,
+                        accounts: AccountAnnotations | None = None, **_: Any) -> int:
+    """How many containers the answer to a parsed ``review`` may patch: every container and
+    init container of a pod creation that may opt in (its own annotations, or its account's
+    when they are read); 0 for anything else (a review it cannot read is answered
+    unpatched)."""
+    try:
+        request = review["request"]
+        kind = request.get("kind") or {}
+        if request.get("operation") != "CREATE" or kind.get("kind") != "Pod" \
+                or request.get("subResource"):
+            return 0
+        pod = request["object"]
+        if (accounts is None or decided_by_pod(pod, role_key=role_key)) \
+                and effective_role(pod, role_key=role_key) is None:
+            return 0
+        spec = pod.get("spec") or {}
+        return sum(len(spec[k]) for k in ("initContainers", "containers")
+                   if isinstance(spec.get(k), list))
+    except (AttributeError, KeyError, TypeError, MalformedReview):
+        return 0
+
+
+def answer_cost(review: Any, *, full_uri: str = FULL_URI, **settings: Any) -> tuple[int, int]:
+    """(containers it may patch, an upper bound of the bytes building its answer takes)."""
+    containers = containers_to_patch(review, **settings)
+    return containers, limits.answer_cost(containers, full_uri)
+
+
+def unpatched(review: Any, warning: str) -> dict[str, Any]:
+    """The answer admitting the pod of ``review`` unchanged, ``warning`` saying why (the API
+    server hands it to the client: kubectl prints it)."""
+    request = review.get("request") if isinstance(review, dict) else None
+    uid = request.get("uid") if isinstance(request, dict) else None
+    out = _answer(uid if isinstance(uid, str) else "", [])
+    out["response"]["warnings"] = [warning]
+    return out
 
 
 def _account(request: dict[str, Any], pod: dict[str, Any], role_key: str,

@@ -5,17 +5,19 @@ The API server calls it for pod creations and sends each review whole at once, s
 per connection is enough; what any pod can do to it is bounded:
 
 * at most `MAX_CONNECTIONS` connections; a newcomer beyond them closes one that waits for a
-  request's bytes (in its handshake, idle, or sending slowly; never one being answered): of
-  the address holding the most slots, the one waiting longest;
+  request's bytes (in its handshake, idle, or sending slowly; never one being answered, and
+  one whose whole head has come and whose body is there unread only when no other waits):
+  of the address holding the most slots, the one waiting longest;
 * a whole-request deadline: the TLS handshake and the first request within
   `REQUEST_DEADLINE` of the accept, each later request within it of its first byte (a
   sender of a byte a second is cut there, whatever its reads do), an idle keep-alive
   connection closed after `IDLE_TIMEOUT`;
 * a request head of at most `HEAD_LIMIT` bytes (431 beyond);
 * memory: bodies over `limits.MAX_REVIEW_BYTES` refused (413) by their Content-Length, and
-  every body held and parsed within the byte budgets of `limits.py` (429 with
+  every body held, parsed and answered within the byte budgets of `limits.py` (429 with
   ``Retry-After`` when they are full: the API server's client waits and retries within its
-  timeout).
+  timeout; a review whose answer could never fit is admitted unpatched, its ``warnings``
+  saying why).
 
 A refused call fails open at the API server (the chart's ``failurePolicy: Ignore``): the pod
 is created uninjected and uses IMDS by address; the agent's Event
@@ -24,19 +26,22 @@ is created uninjected and uses IMDS by address; the agent's Event
 """
 from __future__ import annotations
 
+import array
+import fcntl
 import io
 import json
 import logging
 import socket
 import ssl
 import sys
+import termios
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kiamfast.webhook import limits
-from kiamfast.webhook.review import answer, parse
+from kiamfast.webhook.review import answer, answer_cost, parse, unpatched
 from kiamfast.webhook.tls import ServingCertificate
 
 log = logging.getLogger("kiamfast.webhook")
@@ -155,6 +160,7 @@ class _Handler(BaseHTTPRequestHandler):
                                       f"{MAX_REVIEW_BYTES}", self.client_address)
             self._refuse(413, "review too large\n", drain=length)
             return
+        self.server.connections.head_received(self.request)
         held = length if length > limits.SMALL_BODY else 0
         if held and not self.server.bodies.reserve(held, timeout=limits.BUDGET_WAIT):
             self.server.refusals.note("429", "bodies being received at their budget",
@@ -189,6 +195,22 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             review = parse(body)
             del body
+            # What building the answer takes, reserved before it is built (a review of many
+            # empty containers parses cheaply and patches dearly).
+            containers, extra = answer_cost(review, **self.settings)
+            if not parsed.fits(cost + extra):
+                warning = (f"kiamfast: not injected: patching {containers} containers would "
+                           f"take {extra >> 20} MiB, over the webhook's budget")
+                self.server.refusals.note("too costly to answer", warning, self.client_address)
+                self._send(200, json.dumps(unpatched(review, warning)).encode(),
+                           "application/json")
+                return
+            if not parsed.reserve(extra, timeout=limits.BUDGET_WAIT, held=cost):
+                self.server.refusals.note("429", "answers being built at their budget",
+                                          self.client_address)
+                self._refuse(429, "busy, try again\n", drain=0, retry_after=True)
+                return
+            cost += extra
             out = json.dumps(answer(review, **self.settings)).encode()
             del review
             self._send(200, out, "application/json")
@@ -257,15 +279,24 @@ class _Refusals:
 
 class _Connections:
     """The connections holding a slot, their source addresses, and since when each has waited
-    for a request's bytes (none while its request is being answered).  At the cap a newcomer
-    closes a waiting connection of the address that holds the most slots, the one waiting
-    longest: a pod that opens many connections loses its own first, and the API server's
-    call, from an address of its own, is not cut by them however fast they come."""
+    for a request's bytes (none while its request is being answered).  At the cap a
+    newcomer closes a waiting connection of the address that holds the most slots, the one
+    waiting longest: a pod that opens many connections loses its own first, and the API
+    server's call, from an address of its own, is not cut by them however fast they come.
+
+    A connection whose whole head has come and whose body is there, unread (`_unread`: in
+    the socket's buffer), is the API server's call in flight, waiting for us
+    (the body budget, a thread): the API server sends its body right behind its head.  It
+    is closed only when no other connection waits.  Before, it counted as waiting until its
+    body was read, and pods spread over more addresses than the API server holds
+    connections could cut it.  A head whose body does not come, or trickles, is read as it
+    comes and has nothing unread: waiting, as any slow sender."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._address: dict[Any, str] = {}
         self._waiting: dict[Any, float] = {}
+        self._body: dict[Any, float] = {}       # whole head received (when), body coming
         # Closed for a newcomer, their threads not ended yet: no longer counted, so the
         # accept loop need not wait for them (at most `limit` of them).
         self._leaving: set[Any] = set()
@@ -278,9 +309,9 @@ class _Connections:
 
     def admit(self, sock: Any, address: str) -> bool:
         with self._freed:
-            if self._held() >= self.limit and self._waiting \
-                    and len(self._leaving) < self.limit:
+            if self._held() >= self.limit and len(self._leaving) < self.limit:
                 self._evict()
+            # Only while every slot is being answered (each within the request deadline).
             if not self._freed.wait_for(lambda: self._held() < self.limit, ADMIT_WAIT):
                 return False
             self._address[sock] = address
@@ -288,12 +319,26 @@ class _Connections:
             return True
 
     def _evict(self) -> None:
+        """Close the connection the rule picks among those not being answered: of the
+        address holding the most, the one waiting longest; a call in flight (its whole
+        head come, its body there unread) only when no other is left."""
+        if not self._waiting and not self._body:
+            return
         held: dict[str, int] = {}
         for sock, address in self._address.items():
             if sock not in self._leaving:
                 held[address] = held.get(address, 0) + 1
-        victim = min(self._waiting, key=lambda s: (-held[self._address[s]], self._waiting[s]))
-        del self._waiting[victim]
+
+        def rank(s: Any) -> tuple[int, int, float]:
+            since = self._waiting.get(s)
+            if since is None:
+                since = self._body[s]
+                if _unread(s):
+                    return 1, 0, since
+            return 0, -held[self._address[s]], since
+        victim = min([*self._waiting, *self._body], key=rank)
+        self._waiting.pop(victim, None)
+        self._body.pop(victim, None)
         self._leaving.add(victim)
         self.evicted += 1
         try:            # the TCP socket under the TLS one: its reader wakes with EOF
@@ -306,21 +351,40 @@ class _Connections:
                         "most that wait longest for a request (%d so far; last from %s) to "
                         "take new ones", self.limit, self.evicted, self._address[victim])
 
+    def head_received(self, sock: Any) -> None:
+        with self._freed:
+            if self._waiting.pop(sock, None) is not None:
+                self._body[sock] = time.monotonic()
+
     def answering(self, sock: Any) -> None:
         with self._freed:
             self._waiting.pop(sock, None)
+            self._body.pop(sock, None)
 
     def waiting(self, sock: Any) -> None:
         with self._freed:
-            if sock in self._address:
+            self._body.pop(sock, None)
+            if sock in self._address and sock not in self._leaving:
                 self._waiting[sock] = time.monotonic()
 
     def release(self, sock: Any) -> None:
         with self._freed:
             self._waiting.pop(sock, None)
+            self._body.pop(sock, None)
             self._address.pop(sock, None)
             self._leaving.discard(sock)
             self._freed.notify()
+
+
+def _unread(sock: Any) -> int:
+    """Bytes the client sent that nobody has read yet, in the kernel's buffer (0 if the socket
+    is gone).  Not the TLS layer's: it belongs to the thread reading it."""
+    try:
+        count = array.array("i", [0])
+        fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+        return count[0]
+    except (OSError, ValueError):
+        return 0
 
 
 class _BoundedServer(ThreadingHTTPServer):

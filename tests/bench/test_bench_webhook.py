@@ -22,8 +22,13 @@ def test_the_quick_section_runs_every_scenario_and_the_api_server_is_always_answ
     assert p.returncode == 0, p.stderr[-3000:]
     raw = json.loads((tmp_path / "results.json").read_text())
     (sec,) = raw["sections"].values()
-    assert {"idle", "one 4 MiB body", "200 slow senders", "200 slow heads"} <= set(sec)
+    assert {"idle", "one 4 MiB body", "200 slow senders", "200 slow heads",
+            "one review of 124,000 empty containers",
+            "one review filling the parse and answer budgets"} <= set(sec)
     assert sec["one 4 MiB body"]["attack"] == {"413": 1}
+    # Answered (unpatched, with a warning: its answer does not fit), not refused.
+    assert sec["one review of 124,000 empty containers"]["attack"] == {"200": 1}
+    assert sec["one review filling the parse and answer budgets"]["attack"] == {"200": 1}
     for name, outcome in sec.items():
         assert outcome["api_sent"] > 0, name
         assert outcome["api_answered"] == outcome["api_sent"], (name, outcome)

@@ -11,6 +11,7 @@ after each, a good pod is answered at once from its own address and from the bad
 from __future__ import annotations
 
 import asyncio
+import json
 import resource
 import secrets
 import socket
@@ -20,6 +21,7 @@ import pytest
 from agent_process import http as agent_http
 from idle_clients import hoard, open_many
 from test_container_credentials import Node
+from token_clients import pipelined
 
 from kiamfast.container_credentials import server as srv
 
@@ -194,6 +196,74 @@ def test_a_deleted_pods_tokens_replayed_from_its_address_never_get_credentials(n
         for token in (used, unused):
             assert node.ask(token, source=pod_address)[0] == 403
     assert_others_unaffected(node, pod_address)
+
+
+# ---- clients that send more than they read ---------------------------------------------------
+
+def served_pods(node: Node, prefix: str, n: int) -> list[tuple[str, str]]:
+    """``n`` pods of role-a, each token reviewed once (from an address of its own): (token,
+    the AccessKeyId it is answered with)."""
+    out = []
+    for i in range(n):
+        uid = node.pod(f"{prefix}-{i}", role="role-a")
+        token = node.token(f"{prefix}-{i}", uid)
+        node.next_source()
+        status, body = node.answered(token)
+        assert status == 200, body
+        out.append((token, body["AccessKeyId"]))
+    return out
+
+
+def test_a_pipelining_client_gets_every_answer_in_order(node):
+    pods = served_pods(node, "piped", 2) + [(node.steady, node.ask(node.steady)[1]["AccessKeyId"])]
+    order = [pods[i % len(pods)] for i in range(30)]
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10,
+                                  source_address=(fresh_source(node), 0)) as s:
+        s.sendall(pipelined([token for token, _ in order]))
+        reader = s.makefile("rb")
+        for _, key in order:
+            assert reader.readline().startswith(b"HTTP/1.1 200 ")
+            length = 0
+            while (line := reader.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            assert json.loads(reader.read(length))["AccessKeyId"] == key
+
+
+def test_a_client_that_pipelines_and_never_reads_is_let_go(node):
+    """Requests sent without reading a byte (a small receive buffer), until the agent stops
+    reading them: its answers wait in the socket's buffers.  The connection, busy for ever
+    before, is closed once an answer has waited `WRITE_TIMEOUT` to be read; the agent holds
+    no place for it, and others are served meanwhile."""
+    tokens = [token for token, _ in served_pods(node, "unread", 60)]
+    bad = fresh_source(node)
+    held = settled_metric(node, "kiamfast_container_credentials_connections")
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.bind((bad, 0))
+    client.connect(("127.0.0.1", node.port))
+    client.setblocking(False)
+    data = pipelined(tokens)
+    try:
+        last_sent, left = time.monotonic(), memoryview(data)
+        while time.monotonic() - last_sent < 1.0:
+            try:
+                left = left[client.send(left):] or memoryview(data)   # whole requests only
+                last_sent = time.monotonic()
+            except BlockingIOError:
+                time.sleep(0.05)
+            except ConnectionError:
+                break                                   # let go already
+        stuck = time.monotonic()
+        status, body = node.ask(node.steady, source=fresh_source(node))   # another pod
+        assert status == 200, body
+        wait_metric(node, "kiamfast_container_credentials_connections", lambda v: v <= held,
+                    timeout=srv.WRITE_TIMEOUT + 10)
+        assert time.monotonic() - stuck < srv.WRITE_TIMEOUT + 10
+    finally:
+        client.close()
+    time.sleep(srv.COOL_DOWN)         # its 429s, past the pods' budgets, may have cooled it
+    assert_others_unaffected(node, bad)
 
 
 # ---- connections -------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class FakeView:
 
 
 class Listener:
-    def __init__(self) -> None:
+    def __init__(self, *, wait_budget: float = 0.05) -> None:
         self.api = FakeApi()
         self.view = FakeView()
         self.sock = socket.socket()
@@ -79,7 +79,7 @@ class Listener:
         self.port = self.sock.getsockname()[1]
         self.server = srv.ContainerCredentialsServer(
             [self.sock], reviewer=TokenReviewer(self.api, audience=AUDIENCE), view=self.view,
-            wait_budget=0.05)
+            wait_budget=wait_budget)
 
     async def raw(self, data: bytes, source: str = "127.0.0.1") -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port,
@@ -94,13 +94,14 @@ class Listener:
         auth = f"Authorization: {tok}\r\n" if tok is not None else ""
         out = await self.raw(f"GET /v1/credentials HTTP/1.1\r\nHost: x\r\n{auth}"
                              "Connection: close\r\n\r\n".encode(), source)
+        assert out, "closed unanswered"
         head, _, body = out.partition(b"\r\n\r\n")
         return int(head.split()[1]), json.loads(body), head
 
 
-def serving(body):
+def serving(body, **options):
     async def main():
-        listener = Listener()
+        listener = Listener(**options)
         task = asyncio.create_task(listener.server.run())
         try:
             await body(listener)
@@ -181,7 +182,8 @@ def test_an_api_server_outage_is_503_and_shows_in_health():
 
 def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_are_served():
     async def body(ls):
-        flood = "127.0.0.20"
+        ls.server.limits.clock = lambda: 1000.0      # no refill while the test runs (a loaded
+        flood = "127.0.0.20"                         # machine took 100 ms: one more answer)
         # A flood over one keep-alive connection: answered until the budget is used, then
         # closed unread (the request after the one that used the budget gets no answer).
         reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
@@ -373,3 +375,76 @@ async def closed_unanswered(reader, writer) -> bool:
         return await asyncio.wait_for(reader.read(), 5) == b""
     except ConnectionResetError:
         return True
+
+
+def test_a_client_that_never_reads_its_answers_is_let_go_within_the_write_timeout():
+    """A client that pipelines requests and never reads (a small receive buffer) fills the
+    socket's buffers; its connection, kept busy for ever before, is closed once an answer
+    has waited `WRITE_TIMEOUT` to be read, and its place given up."""
+    async def body(ls):
+        ls.view.resolve = lambda pod, now: b'{"AccessKeyId":"' + b"A" * 8192 + b'"}'
+        tokens = [token(uid=f"uid-unread-{i}") for i in range(8)]
+        for i, tok in enumerate(tokens):        # reviewed (and cached) from addresses of their own
+            assert (await ls.ask(tok, source=f"127.0.7.{i + 1}"))[0] == 200
+        pipelined = b"".join(f"GET /v1/credentials HTTP/1.1\r\nAuthorization: {tok}\r\n\r\n"
+                             .encode() for tok in tokens)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.bind(("127.0.7.100", 0))
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(client, ("127.0.0.1", ls.port))
+        try:
+            # Until the listener stops reading: it waits for its answers to be read.
+            last_sent, left = time.monotonic(), memoryview(pipelined)
+            while time.monotonic() - last_sent < 1.0:
+                try:
+                    left = left[client.send(left):] or memoryview(pipelined)   # whole requests
+                    last_sent = time.monotonic()
+                except BlockingIOError:
+                    await asyncio.sleep(0.05)
+                except ConnectionError:
+                    break                     # let go already
+            assert ls.server.answers.get(200, 0) > 100       # it did answer for a while
+            await until(lambda: "127.0.7.100" not in ls.server.limits.connections,
+                        timeout=srv.WRITE_TIMEOUT + 5)
+        finally:
+            client.close()
+        assert (await ls.ask(tokens[0], source="127.0.7.101"))[0] == 200
+    serving(body)
+
+
+def test_at_the_cap_a_newcomer_takes_an_idle_place_when_the_busiest_address_is_all_busy():
+    """16 connections of one address each wait for an answer (its credentials are being
+    fetched) and 31 addresses hold 16 idle connections each: every place is taken, and the
+    address holding the most (the first) has no idle connection.  A pod holding none still
+    gets in, in place of an idle connection of another address."""
+    async def body(ls):
+        ls.view.resolve = lambda pod, now: (srv.Wait(srv.unavailable("being fetched"))
+                                            if pod.uid == "uid-slow" else CREDS)
+        slow = token(uid="uid-slow")
+        busy = []
+        for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS):
+            reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
+                                                           local_addr=("127.0.8.1", 0))
+            writer.write(f"GET /v1/credentials HTTP/1.1\r\nAuthorization: {slow}\r\n\r\n"
+                         .encode())
+            busy.append((reader, writer))
+        await until(lambda: sum(c.busy for conns in ls.server.limits.connections.values()
+                                for c in conns) == srv.MAX_CONNECTIONS_PER_ADDRESS)
+        idle = []
+        for i in range(srv.MAX_CONNECTIONS // srv.MAX_CONNECTIONS_PER_ADDRESS - 1):
+            for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS):
+                idle.append(await asyncio.open_connection(
+                    "127.0.0.1", ls.port, local_addr=(f"127.0.9.{i + 1}", 0)))
+        await until(lambda: ls.server.limits.total == srv.MAX_CONNECTIONS)
+        status, _, _ = await ls.ask(token(uid="uid-newcomer"), source="127.0.8.200")
+        assert status == 200
+        assert ls.server.limits.evicted == 1
+        # The busy ones were not cut: each gets its answer (503 once its wait is over).
+        for reader, _ in busy:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 503 ")
+        for _, w in busy + idle:
+            w.close()
+    serving(body, wait_budget=3.0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import secrets
 
 import pytest
-import yaml
 from review_fault_proxy import ReviewFaultProxy
 from test_container_credentials import Node
 
@@ -32,8 +31,7 @@ FAULTS = {
 @pytest.fixture(scope="module")
 def faulty(cluster, peers, tmp_path_factory):
     proxy = ReviewFaultProxy(target_port=cluster.apiserver.port, ca=cluster.apiserver.ca)
-    token = yaml.safe_load(peers.kubeconfig.read_text())["users"][0]["user"]["token"]
-    via = cluster.kubeconfig_for(token, name=f"faulty-{secrets.token_hex(3)}", server=proxy.url)
+    via = proxy.kubeconfig(cluster, peers.kubeconfig, f"faulty-{secrets.token_hex(3)}")
     node = Node(cluster, peers, tmp_path_factory.mktemp("faulty"),
                 lambda prefix: f"{prefix}-{secrets.token_hex(3)}",
                 extra=(f"--kubeconfig={via}",))

@@ -102,3 +102,41 @@ def test_each_pod_is_reported_once_and_a_failing_post_is_logged_once(caplog):
     reporter.seen(stored("d", "uid-d"))
     assert caplog.text.count("cannot post Events") == 1
     assert reporter.reported == 4 and posted == ["a"]
+
+
+def test_a_reported_pod_once_deleting_or_finished_is_no_longer_remembered(caplog):
+    """Nothing kept per pod once it goes (issue 45): 5,000 pods reported, each then seen
+    deleting (or finished) as the watch shows it, leave the reporter as it was."""
+    import gc
+    import tracemalloc
+    # The test's log capture keeps every record: no records, so that only the reporter's
+    # own memory is measured.
+    caplog.set_level(logging.CRITICAL, logger="kiamfast.container_credentials")
+    reporter = uninjected.UninjectedPods(role_key=ROLE_KEY, node="n",
+                                         create_event=lambda body: None,
+                                         run_in_thread=lambda post: post())
+
+    def churn(start: int, n: int) -> None:
+        for i in range(start, start + n):
+            live = stored(f"p-{i}", f"uid-{i:08d}")
+            reporter.seen(live)
+            if i % 2:
+                live["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+            else:
+                live["status"] = {"phase": "Succeeded"}
+            reporter.seen(live)
+
+    tracemalloc.start(1)
+    try:
+        churn(0, 100)
+        gc.collect()
+        before = tracemalloc.take_snapshot()
+        churn(100, 5000)
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    kept = sum(s.size_diff for s in after.compare_to(before, "filename")
+               if "container_credentials" in str(s.traceback))
+    assert reporter.reported == 5100
+    assert kept < 4096, [str(s) for s in after.compare_to(before, "lineno")[:5]]

@@ -75,3 +75,74 @@ def test_a_budget_waits_then_says_no_and_keeps_room_for_small_reservations():
     threading.Timer(0.1, budget.release, (70,)).start()
     assert budget.reserve(50, timeout=5)
     assert budget.used == 60
+
+
+def answer_shapes() -> dict[str, tuple[dict, dict]]:
+    """(review, settings) of the reviews whose answer costs the most per byte: many empty
+    containers (two operations each), containers with env and mounts already (three each,
+    paths of their own), init containers, a long --full-uri, a role from the account."""
+    from kiamfast.webhook import patch
+    opted = {"iam.amazonaws.com/role": "role-a", patch.OPT_IN_ANNOTATION: "true"}
+    full = {"name": "c", "env": [{"name": "A", "value": "1"}],
+            "volumeMounts": [{"name": "v", "mountPath": "/v"}]}
+    settings = {"role_key": "iam.amazonaws.com/role",
+                "audience": "kiamfast.io/container-credentials", "expiration": 600}
+
+    def review(spec: dict, annotations: dict = opted) -> dict:
+        return {"request": {"uid": "u", "operation": "CREATE", "namespace": "ns",
+                            "kind": {"kind": "Pod"}, "object": {
+                                "metadata": {"name": "p", "annotations": annotations},
+                                "spec": {"serviceAccountName": "app", **spec}}}}
+    out = {}
+    for n in (1, 10, 1000, 20000):
+        out[f"{n} empty containers"] = (review({"containers": [{} for _ in range(n)]}),
+                                        settings)
+        out[f"{n} containers with env and mounts"] = (
+            review({"containers": [json.loads(json.dumps(full)) for _ in range(n)]}), settings)
+    out["init containers and containers"] = (review({
+        "initContainers": [{} for _ in range(5000)], "containers": [{} for _ in range(5000)]}),
+        settings)
+    out["a long --full-uri"] = (review({"containers": [{} for _ in range(2000)]}),
+                                {**settings, "full_uri": "http://169.254.170.23/" + "v" * 500})
+
+    class Account:                        # the ServiceAccount's role, the longest allowed
+        def get(self, namespace, name):
+            return {"iam.amazonaws.com/role": "r" * patch.MAX_ROLE,
+                    patch.OPT_IN_ANNOTATION: "true"}
+    out["a role from the account"] = (review({"containers": [{}]}, annotations={}),
+                                      {**settings, "accounts": Account()})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(answer_shapes()))
+def test_the_answer_cost_bounds_what_building_the_answer_takes(name):
+    """What the server does between its reservation and its reply: the answer, its JSON and
+    bytes; what `answer_cost` reserves for it bounds it (tracemalloc sees every Python
+    allocation)."""
+    from kiamfast.webhook import review as webhook_review
+    parsed, settings = answer_shapes()[name]
+    containers, cost = webhook_review.answer_cost(parsed, **settings)
+    assert containers == sum(len(parsed["request"]["object"]["spec"].get(k, []))
+                             for k in ("initContainers", "containers"))
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = json.dumps(webhook_review.answer(parsed, **settings)).encode()
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert b'"patch"' in out
+    assert peak <= cost, (name, containers, peak, cost)
+
+
+def test_a_review_that_cannot_be_patched_costs_nothing_to_answer():
+    from kiamfast.webhook import review as webhook_review
+    settings = {"role_key": "iam.amazonaws.com/role", "audience": "a", "expiration": 600}
+    many = {"containers": [{} for _ in range(1000)]}
+    for review in ({"request": {"uid": "u", "operation": "UPDATE", "kind": {"kind": "Pod"},
+                                "object": {"spec": many}}},
+                   {"request": {"uid": "u", "operation": "CREATE", "kind": {"kind": "Pod"},
+                                "object": {"metadata": {}, "spec": many}}},     # not opted in
+                   "not a review", {"request": {"uid": "u", "object": []}}):
+        assert webhook_review.answer_cost(review, **settings) == (0, limits.ANSWER_FIXED)

@@ -289,3 +289,92 @@ def test_sigterm_stops_the_process_at_once_and_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def many_containers_review(uid: str, n: int) -> bytes:
+    """An opting-in pod of ``n`` empty containers: 3 bytes a container to send, two patch
+    operations each to answer."""
+    pod = {"metadata": {"name": "many", "annotations": {
+        "iam.amazonaws.com/role": "role-a", "kiamfast.io/container-credentials": "true"}},
+        "spec": {"serviceAccountName": "app", "containers": [{}] * n}}
+    return json.dumps({"request": {"uid": uid, "operation": "CREATE", "namespace": "ns",
+                                   "kind": {"kind": "Pod"}, "object": pod}},
+                      separators=(",", ":")).encode()
+
+
+def test_a_review_whose_answer_would_not_fit_the_budget_is_admitted_unpatched_with_why(server):
+    # 372 KB that parses within the budget; its patch took 330 MiB to build, 77 MiB to send.
+    from kiamfast.webhook import limits
+    body = many_containers_review("u-many", 124_000)
+    assert server.parsed.fits(limits.parse_cost(body))
+    status, answer = post(server, body, timeout=30)
+    assert status == 200 and len(answer) < 1024
+    response = json.loads(answer)["response"]
+    assert response["uid"] == "u-many" and response["allowed"] is True
+    assert "patch" not in response
+    (warning,) = response["warnings"]
+    assert "not injected" in warning and "124000 containers" in warning
+    assert len(warning) <= 120                 # what the API server passes on whole
+    assert server.parsed.used == 0
+    # An ordinary pod is patched as ever, and so is one of many containers that fits.
+    for uid, n in (("u-one", 1), ("u-hundred", 100)):
+        status, answer = post(server, many_containers_review(uid, n))
+        assert status == 200 and "patch" in json.loads(answer)["response"], uid
+
+
+def test_the_api_servers_call_waiting_for_us_is_not_cut_by_pods_of_many_addresses(
+        tmp_path, monkeypatch):
+    """The API server (127.0.0.2) sends a large review whole, at once; its handler waits for
+    the body budget (full here), the body unread in the socket.  Pods of addresses of their
+    own, as many as it holds connections, fill the other slots and keep coming: each
+    newcomer closes one of the pods' connections, never the API server's, which is answered
+    once the budget has room (before, it counted as waiting until its body was read: the
+    oldest of equals, it was the one closed)."""
+    from kiamfast.webhook import limits
+    monkeypatch.setattr(limits, "BUDGET_WAIT", 5.0)
+    srv = start(tmp_path, max_connections=3)
+    pods = []
+    held = srv.bodies.total
+    assert srv.bodies.reserve(held, timeout=0)       # as other large bodies would
+    try:
+        api = tls_connection(srv, source=API)
+        body = review("u-api", padding=2 * limits.SMALL_BODY)
+        api.sendall(f"POST /mutate HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+                    .encode() + body)
+        time.sleep(0.2)
+        for i in range(4):                  # two fill the cap, two more evict
+            pods.append(tls_connection(srv, source=f"127.0.0.{10 + i}"))
+            time.sleep(0.05)
+        assert srv.connections.evicted == 2
+        srv.bodies.release(held)
+        held = 0
+        api.settimeout(10)
+        answer = b""
+        while chunk := api.recv(65536):      # HTTP/1.0: the answer ends with the connection
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.0 200"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["response"]["uid"] == "u-api"
+    finally:
+        srv.bodies.release(held)
+        for conn in [api, *pods]:
+            conn.close()
+        stop(srv)
+
+
+def test_a_head_whose_body_never_comes_keeps_no_newcomer_out(tmp_path):
+    srv = start(tmp_path, max_connections=2)
+    try:
+        stalled = []
+        for i in range(2):                  # whole heads, no body: every slot protected
+            conn = tls_connection(srv, source=f"127.0.0.{20 + i}")
+            conn.sendall(b"POST /mutate HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+            stalled.append(conn)
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert post(srv, review("u-newcomer"), timeout=5, source=API)[0] == 200
+        assert time.monotonic() - started < webhook_server.ADMIT_WAIT
+        assert srv.connections.evicted >= 1
+        for conn in stalled:
+            conn.close()
+    finally:
+        stop(srv)
