@@ -125,7 +125,7 @@ def fill_table(table_path: str, ips: list[str], *, roles: int) -> dict[str, str]
     roles' credentials, pod ``i`` at ``ips[i]`` with role ``i % roles``, ready. The access
     key of each role -> its name."""
     from kiamfast import table as tbl
-    from kiamfast.control.iam import render
+    from kiamfast import credential_parts
 
     t = tbl.Table.create(table_path, ip_capacity=4096, cred_capacity=256, value_size=16384,
                          aux_count=4, aux_size=1 << 16, max_workers=8)
@@ -134,7 +134,7 @@ def fill_table(table_path: str, ips: list[str], *, roles: int) -> dict[str, str]
     for r in range(roles):
         key = f"ASIABENCH{r:011d}"
         keys[key] = role_name(r)
-        t.write_cred(r, render.render_credentials(
+        t.write_cred(r, credential_parts.render_credentials(
             role_arn=BASE_ARN + role_name(r), access_key_id=key, secret_access_key="s" * 40,
             session_token="FwoGZXIvYXdzE" + "x" * 600, expiration=now + 3600,
             last_updated=now, base_role_arn=BASE_ARN), serve_until=now + 2700)

@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, replace
 import orjson
 
 from kiamfast import table as tbl
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.keys import CredentialRequest
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.sts import StsClient
@@ -177,7 +177,7 @@ class RecordingTable:
 
     def access_key(self, slot: int) -> str | None:
         _, _, parts = self.table.read_cred(slot)
-        status, _, body = render.parse_response(parts[tbl.PART_DOCUMENT])
+        status, _, body = credential_parts.parse_response(parts[tbl.PART_DOCUMENT])
         doc = orjson.loads(body)
         return doc.get("AccessKeyId") if status == 200 else None
 

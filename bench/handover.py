@@ -296,7 +296,7 @@ def keeper_memory(res: Result, tmp: Path) -> None:
     """The keeper started both ways, each holding one deposited socket."""
     from kiamfast import fdpass
     from kiamfast.sockets import listen_socket
-    forms = {"python -m kiamfast.keeper": [sys.executable, "-m", "kiamfast.keeper"]}
+    forms = {"python -m kiamfast.socket_keeper": [sys.executable, "-m", "kiamfast.socket_keeper"]}
     script = shutil.which("kiamfast", path=os.path.dirname(sys.executable))
     if script:
         forms["kiamfast keep-sockets (console script)"] = [script, "keep-sockets"]

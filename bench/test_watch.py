@@ -56,7 +56,7 @@ def child_main(url: str, token: str, table_path: str) -> None:
     from kiamfast import table as tablemod
     from kiamfast.control.mappings.model import NodeModel
     from kiamfast.control.k8s.source import ApiSource
-    from kiamfast.control.iam.policy import RolePolicy
+    from kiamfast.control.mappings.policy import RolePolicy
 
     class Sink:   # stands in for the credential manager: one slot per role
         def __init__(self):

@@ -14,7 +14,7 @@ The parser is generated from :data:`kiamfast.config.FLAGS`, as are ``--help`` an
 
 ``kiamfast demo ...`` runs the demo (:mod:`kiamfast.demo`), ``kiamfast webhook ...`` the
 injection webhook (:mod:`kiamfast.webhook`), ``kiamfast keep-sockets ...`` the socket
-keeper (:mod:`kiamfast.keeper`); anything else parses the
+keeper (:mod:`kiamfast.socket_keeper`); anything else parses the
 flags and hands the :class:`~kiamfast.config.Config` to :func:`kiamfast.supervisor.run`. All are
 imported only when needed, so ``--help`` and ``--version`` work without them.
 """
@@ -359,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kiamfast.webhook import cli as webhook
         return webhook.main(args[1:])
     if args and args[0] == "keep-sockets":
-        from kiamfast import keeper
-        return keeper.main(args[1:])
+        from kiamfast import socket_keeper
+        return socket_keeper.main(args[1:])
     try:
         values = _scan(args)
         if values.get("version"):

@@ -62,7 +62,7 @@ DEFAULT_PATH = "/dev/shm/kiamfast-table"
 def files_beside(path: str) -> tuple[str, str]:
     """The files an agent keeps beside its table at ``path``: the writers' lock (the
     supervisor's, supervisor/statefiles.py) and the sandboxes the runtime last listed (the
-    control process's, control/cri/known.py).  Whoever removes a table removes them too."""
+    control process's, control/cri/kept_sandboxes.py).  Whoever removes a table removes them too."""
     return f"{path}.lock", f"{path}.sandboxes"
 
 # Size of each aux blob: the largest is the control process's metrics text, whose size is

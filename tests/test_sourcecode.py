@@ -148,7 +148,7 @@ SHAPE = [
                               "kiamfast.control.publish", "kiamfast.control.process",
                               "kiamfast.kube")),
     ("kiamfast/control/iam/schedule.py", ("kiamfast.control", "kiamfast.table")),
-    ("kiamfast/control/iptables_rules.py", ("kiamfast.control", "subprocess", "asyncio")),
+    ("kiamfast/iptables/rules.py", ("kiamfast.control", "subprocess", "asyncio")),
     # Only the node model writes the table: the other mappings modules decide and report.
     *[(str(f.relative_to(ROOT)), ("kiamfast.control.publish",))
       for f in sorted((ROOT / "kiamfast/control/mappings").glob("*.py")) if f.name != "model.py"],
@@ -193,7 +193,7 @@ import kiamfast.supervisor
 for info in pkgutil.walk_packages(kiamfast.supervisor.__path__, "kiamfast.supervisor."):
     importlib.import_module(info.name)
 print(" ".join(sorted(m for m in sys.modules if m == "asyncio"
-                      or m == "kiamfast.control.rule_keeper")))
+                      or m == "kiamfast.iptables.keeper")))
 """
 
 

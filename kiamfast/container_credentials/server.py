@@ -35,15 +35,15 @@ from typing import Any, Callable, Protocol, Sequence
 import orjson
 
 from kiamfast import table as tbl
-from kiamfast.container_credentials.review import (
+from kiamfast.container_credentials.token_review import (
     BoundPod,
     TokenRejected,
     TokenReviewer,
     precheck,
     unavailable,
 )
-from kiamfast.control.iam.render import account_id, parse_response
-from kiamfast.control.mappings.decisions import IdentityKind
+from kiamfast.credential_parts import account_id, parse_response
+from kiamfast.decisions import IdentityKind
 from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.container_credentials")
@@ -612,7 +612,7 @@ def from_config(config: Any, socks: Sequence[socket.socket], *, model: Any, mana
     """The listeners of --container-credentials-addr.  Reviews go through ``client``'s
     blocking calls, on the reviewer's own threads and connections: they never queue behind
     the pod watch's streams."""
-    from kiamfast.container_credentials.review import token_review_call
+    from kiamfast.container_credentials.token_review import token_review_call
     reviewer = TokenReviewer(token_review_call(client),
                              audience=config.container_credentials_audience)
     view = OwnershipView(model=model, manager=manager, table=table, node=config.node)

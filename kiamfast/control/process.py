@@ -44,17 +44,18 @@ from kiamfast import __version__, channel, metrics_text, milestones
 from kiamfast.cpu_wait import CpuWait
 from kiamfast import table as tbl
 from kiamfast.config import Config
-from kiamfast.control import imds_client, iptables, writer_lock
-from kiamfast.control.rule_keeper import RuleKeeper
+from kiamfast.control import imds_client, writer_lock
+from kiamfast.iptables import runner
+from kiamfast.iptables.keeper import RuleKeeper
 from kiamfast.control.health import WAITING_CREDENTIALS, WAITING_RUNTIME, Health
-from kiamfast.control.cri import known as known_sandboxes
+from kiamfast.control.cri import kept_sandboxes as known_sandboxes
 from kiamfast.control.cri.source import RuntimeSource
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.control.mappings import report
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.publish import metrics as control_metrics
-from kiamfast.control.publish.aux import AuxPublisher
+from kiamfast.control.publish.blobs import AuxPublisher
 
 log = logging.getLogger("kiamfast.control")
 
@@ -412,7 +413,7 @@ class ControlProcess:
             await self.api.close()
         if remove:
             try:
-                iptables.remove_rules(self.config)
-            except iptables.IptablesError as e:
+                runner.remove_rules(self.config)
+            except runner.IptablesError as e:
                 log.error("could not remove the DNAT rule: %s", e)
         log.info("control process stopped")

@@ -20,7 +20,8 @@ from typing import Any
 from kiamfast import logs
 from kiamfast import table as tbl
 from kiamfast.config import EXIT_CONFIG, Config, config_from_json
-from kiamfast.control import imds_client, iptables, writer_lock
+from kiamfast.control import imds_client, writer_lock
+from kiamfast.iptables import runner
 from kiamfast.control.iam.sts import StsClient
 from kiamfast.control.cri.source import NetnsUnavailable
 from kiamfast.control.process import ControlProcess, ControlTaskFailed
@@ -102,16 +103,16 @@ def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
                   "NET_ADMIN and NET_BROADCAST capabilities in the host's network namespace "
                   "(the chart gives both), or run with --cri-endpoint=none", e)
         return EXIT_CONFIG
-    except iptables.IptablesNotFound as e:
+    except runner.IptablesNotFound as e:
         log.error("cannot start: --iptables: %s: install iptables (kiamfast's image has it), or "
                   "run with --iptables=false", e)
         return EXIT_CONFIG
-    except iptables.IptablesNotPermitted as e:
+    except runner.IptablesNotPermitted as e:
         log.error("cannot start: --iptables: the kernel refused the DNAT rule (%s): the agent "
                   "needs the NET_ADMIN capability in the host's network namespace "
                   "(hostNetwork: true), or run with --iptables=false", e)
         return EXIT_CONFIG
-    except iptables.IptablesError as e:
+    except runner.IptablesError as e:
         log.error("--iptables: cannot install the DNAT rule: %s", e)
         return 1
     except imds_client.ImdsError as e:

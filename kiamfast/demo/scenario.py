@@ -6,7 +6,7 @@ and why, in the words the demo prints; the judge (:mod:`kiamfast.demo.check`) ho
 agent to exactly that.
 
 The expectations are written out by hand, not computed with kiamfast's own role rules
-(:mod:`kiamfast.control.iam.policy`): a demo that asked the code under test what the right answer
+(:mod:`kiamfast.control.mappings.policy`): a demo that asked the code under test what the right answer
 is could never catch it being wrong.
 """
 

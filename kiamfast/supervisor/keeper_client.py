@@ -1,4 +1,4 @@
-"""The supervisor's side of the socket keeper (``--socket-keeper``, kiamfast/keeper.py).
+"""The supervisor's side of the socket keeper (``--socket-keeper``, kiamfast/socket_keeper.py).
 
 At start the supervisor asks the keeper for what it holds: listening sockets mean this
 container was restarted while the pod lived on (the kernel queued pods' connections in

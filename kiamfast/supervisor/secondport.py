@@ -28,7 +28,8 @@ import logging
 import time
 from typing import Any, Protocol
 
-from kiamfast.control import iptables, iptables_rules
+from kiamfast.iptables import runner
+from kiamfast.iptables import rules
 from kiamfast.sockets import ListenError, listen_socket
 from kiamfast.supervisor.listeners import APP, SECOND, Listener, Listeners
 
@@ -49,25 +50,25 @@ BIND_EVERY = 0.2     # how often the app port is tried while the old process hol
 DRAIN = 5.0          # the second port stays open this long after its rule is gone
 
 
-def second_port_rules(config) -> list[iptables_rules.Rule]:
+def second_port_rules(config) -> list[rules.Rule]:
     """The DNAT rules to --handover-port (the app-port rules with the other port)."""
     if not config.iptables:
         return []
-    return [iptables_rules.Rule(r.metadata_addr, r.host_ip, config.handover_port,
+    return [rules.Rule(r.metadata_addr, r.host_ip, config.handover_port,
                                 r.host_interface, r.family)
-            for r in iptables_rules.rules_for_config(config)]
+            for r in rules.rules_for_config(config)]
 
 
 def remove_stale_rules(config) -> None:
     """A second-port rule a stopped agent left points at a port nobody listens on: gone."""
-    rules = second_port_rules(config)
-    if not rules:
+    stale = second_port_rules(config)
+    if not stale:
         return
     try:
-        backend = iptables.resolve_backend(config.iptables_backend)
-        for rule in rules:
-            iptables.remove_rule(rule, backend=backend)
-    except iptables.IptablesError as e:
+        backend = runner.resolve_backend(config.iptables_backend)
+        for rule in stale:
+            runner.remove_rule(rule, backend=backend)
+    except runner.IptablesError as e:
         log.error("cannot remove a stale second-port rule: %s", e)
 
 
@@ -103,9 +104,9 @@ class SecondPort:
     def _divert(self) -> None:
         """Step 2: new connections to the second port, ahead of the old process's rule."""
         if self.rules:
-            self.backend = iptables.resolve_backend(self.config.iptables_backend)
+            self.backend = runner.resolve_backend(self.config.iptables_backend)
             for rule in self.rules:
-                iptables.insert_rule(rule, backend=self.backend, position=1)
+                runner.insert_rule(rule, backend=self.backend, position=1)
         log.info("ready on --handover-port %d: pods' new connections come here",
                  self.config.handover_port)
         self.state = "diverted"
@@ -121,8 +122,8 @@ class SecondPort:
                                         sock))
         self.sup.swap_workers()
         if self.rules:
-            for rule in iptables_rules.rules_for_config(self.config):
-                iptables.ensure_rule(rule, backend=self.backend)
+            for rule in rules.rules_for_config(self.config):
+                runner.ensure_rule(rule, backend=self.backend)
             self.remove_rules()
         self.drain_until = time.monotonic() + DRAIN
         self.state = "draining"
@@ -142,8 +143,8 @@ class SecondPort:
     def remove_rules(self) -> None:
         for rule in self.rules:
             try:
-                iptables.remove_rule(rule, backend=self.backend)
-            except iptables.IptablesError as e:
+                runner.remove_rule(rule, backend=self.backend)
+            except runner.IptablesError as e:
                 log.error("cannot remove the second-port rule %s: %s", rule, e)
 
     def stop(self) -> None:

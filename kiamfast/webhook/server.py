@@ -41,7 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kiamfast.webhook import limits
-from kiamfast.webhook.review import answer, answer_cost, parse, unpatched
+from kiamfast.webhook.admission import answer, answer_cost, parse, unpatched
 from kiamfast.webhook.tls import ServingCertificate
 
 log = logging.getLogger("kiamfast.webhook")

@@ -8,7 +8,7 @@ from control_support import BASE, Clock, SlotSink
 
 from kiamfast import table as tablemod
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 
 
 @pytest.fixture

@@ -1,10 +1,10 @@
 """The ownership model: which pod owns which address, as written into a real table file."""
 from kiamfast import table as tablemod
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.control.mappings import report
-from kiamfast.control.mappings.decisions import IdentityKind
+from kiamfast.decisions import IdentityKind
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.mappings.addresses import canonical_ip, pod_ips
+from kiamfast.control.mappings.canonical import canonical_ip, pod_ips
 
 from control_support import (BASE, NS_KEY, ROLE_KEY, Kernel, lookup, namespace, pod,
                              runtime_view, sandbox)

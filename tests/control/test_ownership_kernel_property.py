@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from kiamfast import table as tablemod
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.control.mappings.model import NodeModel
 
 POOL = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]

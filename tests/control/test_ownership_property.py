@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 from kiamfast import table as tablemod
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.iam.policy import RolePolicy
-from kiamfast.control.mappings.decisions import IdentityKind
+from kiamfast.control.mappings.policy import RolePolicy
+from kiamfast.decisions import IdentityKind
 from kiamfast.control.cri.client import RuntimeView, Sandbox
 
 POOL = ["10.0.0.1", "10.0.0.2"]

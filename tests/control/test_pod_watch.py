@@ -14,7 +14,7 @@ from kiamfast import table as tablemod
 from kiamfast.control.cri.client import RuntimeView, Sandbox
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.k8s.source import ApiSource
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
 NODE = "node-1"

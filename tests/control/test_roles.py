@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiamfast.control.iam.patterns import (GoRegexpError, compile_go_regexp, go_glob,
+from kiamfast.control.mappings.patterns import (GoRegexpError, compile_go_regexp, go_glob,
                                            translate_go_regexp)
-from kiamfast.control.iam.policy import InvalidBaseArn, RolePolicy
-from kiamfast.control.mappings.decisions import NO_ROLE, IdentityKind, PodIdentity
+from kiamfast.control.mappings.policy import InvalidBaseArn, RolePolicy
+from kiamfast.decisions import NO_ROLE, IdentityKind, PodIdentity
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from kiamfast.control.iam.policy import RolePolicy
-from kiamfast.control.mappings.decisions import IdentityKind
+from kiamfast.control.mappings.policy import RolePolicy
+from kiamfast.decisions import IdentityKind
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"
@@ -29,7 +29,7 @@ DECISION_BOUND_S = 0.050   # generous: RE2 takes well under a millisecond here
 
 TIMED_DECISION = r"""
 import json, sys, time
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 args = json.loads(sys.argv[1])
 policy = RolePolicy(**args["policy"])
 rules = policy.namespace_rules("team", args["namespace"])
@@ -102,7 +102,7 @@ def test_the_cap_is_stss_limit_exactly():
 def test_the_log_line_names_the_pod_and_length_not_the_annotation(caplog):
     p = RolePolicy(**REGEXP)
     role = role_of_length(32 * 1024)
-    with caplog.at_level(logging.WARNING, logger="kiamfast.control.iam.policy"):
+    with caplog.at_level(logging.WARNING, logger="kiamfast.control.mappings.policy"):
         p.decide({ROLE_KEY: role}, p.namespace_rules("team", {NS_KEY: '[".*"]'}),
                  namespace="team", pod="attacker")
     lines = [r.getMessage() for r in caplog.records]
@@ -113,7 +113,7 @@ def test_the_log_line_names_the_pod_and_length_not_the_annotation(caplog):
 
 def test_a_pattern_re2_rejects_is_logged_and_skipped(caplog):
     p = RolePolicy(**REGEXP)
-    with caplog.at_level(logging.ERROR, logger="kiamfast.control.iam.policy"):
+    with caplog.at_level(logging.ERROR, logger="kiamfast.control.mappings.policy"):
         rules = p.namespace_rules("team", {NS_KEY: '["(a)\\\\1", "(?=x)y", "app"]'})
     assert caplog.text.count("skipping") == 2
     assert len(rules.allowed_regexps) == 1

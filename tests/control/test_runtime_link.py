@@ -103,7 +103,7 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     from kiamfast import table as tablemod
     from kiamfast.control.cri.source import RuntimeSource
     from kiamfast.control.mappings.model import NodeModel
-    from kiamfast.control.iam.policy import RolePolicy
+    from kiamfast.control.mappings.policy import RolePolicy
     from control_support import SlotSink
 
     monkeypatch.setattr(runtime, "DEFAULT_ENDPOINTS", (f"unix://{tmp_path}/none.sock",))

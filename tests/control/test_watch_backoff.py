@@ -19,7 +19,7 @@ from control_support import BASE, SlotSink, lookup
 
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.k8s.source import ApiSource
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.testing.apiserver import ApiServer
 
 NODE = "node-1"

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kiamfast import table as tbl
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.keys import CredentialRequest
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.sts import StsClient
@@ -122,7 +122,7 @@ class Harness:
     def document(self, slot: int) -> dict:
         import orjson
         parts = self.table.read_cred(slot)[2]
-        status, headers, body = render.parse_response(parts[tbl.PART_DOCUMENT])
+        status, headers, body = credential_parts.parse_response(parts[tbl.PART_DOCUMENT])
         assert status == 200
         return orjson.loads(body)
 

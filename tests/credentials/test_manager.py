@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from kiamfast import table as tbl
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.keys import fnv32a
 from kiamfast.control.iam.manager import CredentialManager
 from kiamfast.control.iam.slots import CredentialSlotsExhausted
@@ -82,11 +82,11 @@ def test_a_pod_request_is_served_through_the_table(h):
     for name in (b"app", b"team/app", h.role("team/app").encode()):
         status, n = h.table.lookup(key, tbl.PART_DOCUMENT, out, match=name)
         assert status == tbl.READY
-        assert render.parse_response(bytes(out[:n]))[0] == 200
+        assert credential_parts.parse_response(bytes(out[:n]))[0] == 200
     status, n = h.table.lookup(key, tbl.PART_DOCUMENT, out, match=b"other")
     assert status == tbl.MISMATCH
     status, n = h.table.lookup(key, tbl.PART_LISTING, out)
-    assert render.parse_response(bytes(out[:n]))[2] == b"app"
+    assert credential_parts.parse_response(bytes(out[:n]))[2] == b"app"
 
 
 def test_one_sts_call_for_a_hundred_concurrent_users_of_a_cold_key(h):
@@ -160,7 +160,7 @@ def test_rotation_at_half_life_and_identical_credentials_until_then(h):
     assert len(calls) == 2 and stats["refreshes"] == 1
     assert second[2] != first[2] and second[0] == tbl.CRED_READY
     assert second[1] > first[1]
-    new = render.parse_response(second[2][tbl.PART_DOCUMENT])[2]
+    new = credential_parts.parse_response(second[2][tbl.PART_DOCUMENT])[2]
     assert calls[1].access_key_id.encode() in new
 
 
@@ -288,9 +288,9 @@ def test_access_denied_is_the_imds_error_document_cached_for_error_ttl(h):
 
     slot, state, within, after_ttl = h.run(main())
     assert state[0] == tbl.CRED_READY
-    status, _, body = render.parse_response(state[2][tbl.PART_DOCUMENT])
+    status, _, body = credential_parts.parse_response(state[2][tbl.PART_DOCUMENT])
     assert status == 200 and b'"Code":"AssumeRoleUnauthorizedAccess"' in body
-    assert render.parse_response(state[2][tbl.PART_LISTING])[2] == b"locked"
+    assert credential_parts.parse_response(state[2][tbl.PART_LISTING])[2] == b"locked"
     assert b"not authorized" not in body  # STS's message (node identity) is not passed on
     assert within == 1 and after_ttl == 2
     assert h.document(slot)["Code"] == "Success"
@@ -671,7 +671,7 @@ def test_every_pod_only_ever_sees_credentials_of_its_own_key(h, seed):
                         continue
                     names = parts[tbl.PART_NAMES].decode().split("\n")
                     assert names[0] == role_name
-                    body = render.parse_response(parts[tbl.PART_DOCUMENT])[2]
+                    body = credential_parts.parse_response(parts[tbl.PART_DOCUMENT])[2]
                     if b'"Code":"Success"' not in body:
                         continue  # the error document (denied)
                     key_id = h.document(slot)["AccessKeyId"]

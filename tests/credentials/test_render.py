@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kiamfast import table as tbl
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 
 ARN = "arn:aws:iam::123456789012:role/team/app"
 BASE = "arn:aws:iam::123456789012:role/"
@@ -24,34 +24,34 @@ def creds_parts(**kw):
                 secret_access_key="secret/+=", session_token="token==", expiration=EXP,
                 last_updated=NOW)
     args.update(kw)
-    return render.render_credentials(**args)
+    return credential_parts.render_credentials(**args)
 
 
 def test_the_response_parts_come_before_the_key_part():
-    # The five response parts; the manager adds PART_KEY (render.key_part) after them.
+    # The five response parts; the manager adds PART_KEY (credential_parts.key_part) after them.
     assert tbl.PART_KEY == len(creds_parts())
-    assert render.PART_COUNT == tbl.PART_KEY + 1 <= tbl.MAX_PARTS
+    assert credential_parts.PART_COUNT == tbl.PART_KEY + 1 <= tbl.MAX_PARTS
 
 
 def test_names_listing_name_first_then_kube2iam_form_then_arn():
     names = creds_parts()[tbl.PART_NAMES].decode().split("\n")
     assert names == ["app", "team/app", ARN]
     # no base ARN, or another account: the name and the full ARN
-    assert render.role_names(ARN) == ["app", ARN]
+    assert credential_parts.role_names(ARN) == ["app", ARN]
     other = "arn:aws:iam::999999999999:role/app"
-    assert render.role_names(other, BASE) == ["app", other]
+    assert credential_parts.role_names(other, BASE) == ["app", other]
     # no path: the relative form equals the name, listed once
-    assert render.role_names(BASE + "app", BASE) == ["app", BASE + "app"]
+    assert credential_parts.role_names(BASE + "app", BASE) == ["app", BASE + "app"]
     # base ARN given without the trailing slash
-    assert render.role_names(ARN, BASE.rstrip("/")) == ["app", "team/app", ARN]
+    assert credential_parts.role_names(ARN, BASE.rstrip("/")) == ["app", "team/app", ARN]
 
 
 @given(st.text(alphabet=st.characters(codec="ascii", exclude_characters="\n\r"),
                min_size=1, max_size=600))
 def test_names_always_fit_the_tables_matcher(path):
-    names = render.role_names(BASE + path, BASE)
+    names = credential_parts.role_names(BASE + path, BASE)
     assert names
-    assert len("\n".join(names).encode()) <= render.NAMES_LIMIT
+    assert len("\n".join(names).encode()) <= credential_parts.NAMES_LIMIT
 
 
 def test_every_response_is_a_complete_imds_style_http_response():
@@ -60,18 +60,18 @@ def test_every_response_is_a_complete_imds_style_http_response():
                   tbl.PART_INFO):
         raw = parts[index]
         assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
-        status, headers, body = render.parse_response(raw)
+        status, headers, body = credential_parts.parse_response(raw)
         assert headers["content-type"] == "text/plain"
         assert headers["server"] == "EC2ws"
         assert headers["accept-ranges"] == "none"
         assert headers["last-modified"] == "Fri, 08 May 2026 11:30:07 GMT"
         assert int(headers["content-length"]) == len(body)
         assert "date" not in headers and "connection" not in headers
-    assert render.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
+    assert credential_parts.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
 
 
 def test_document_fields_order_and_formats():
-    body = render.parse_response(creds_parts()[tbl.PART_DOCUMENT])[2]
+    body = credential_parts.parse_response(creds_parts()[tbl.PART_DOCUMENT])[2]
     doc = orjson.loads(body)
     assert list(doc) == ["Code", "LastUpdated", "Type", "AccessKeyId", "SecretAccessKey",
                          "Token", "Expiration"]
@@ -85,37 +85,37 @@ def test_document_fields_order_and_formats():
 def test_expiration_in_another_timezone_is_written_in_utc():
     cet = dt.timezone(dt.timedelta(hours=2))
     parts = creds_parts(expiration=EXP.astimezone(cet))
-    doc = orjson.loads(render.parse_response(parts[tbl.PART_DOCUMENT])[2])
+    doc = orjson.loads(credential_parts.parse_response(parts[tbl.PART_DOCUMENT])[2])
     assert doc["Expiration"] == "2026-05-08T12:30:00Z"
-    with pytest.raises(render.RenderError):
+    with pytest.raises(credential_parts.RenderError):
         creds_parts(expiration=EXP.replace(tzinfo=None))
 
 
 def test_extended_document_adds_the_account_of_the_role():
     parts = creds_parts()
-    doc = orjson.loads(render.parse_response(parts[tbl.PART_DOCUMENT])[2])
-    ext = orjson.loads(render.parse_response(parts[tbl.PART_EXT_DOCUMENT])[2])
+    doc = orjson.loads(credential_parts.parse_response(parts[tbl.PART_DOCUMENT])[2])
+    ext = orjson.loads(credential_parts.parse_response(parts[tbl.PART_EXT_DOCUMENT])[2])
     assert ext == {**doc, "AccountId": "123456789012"}
 
 
 def test_info_names_an_instance_profile_for_the_pods_role():
-    info = orjson.loads(render.parse_response(creds_parts()[tbl.PART_INFO])[2])
+    info = orjson.loads(credential_parts.parse_response(creds_parts()[tbl.PART_INFO])[2])
     assert info["Code"] == "Success"
     assert info["InstanceProfileArn"] == "arn:aws:iam::123456789012:instance-profile/app"
     assert info["InstanceProfileId"].startswith("AIPA") and len(info["InstanceProfileId"]) == 21
-    assert info["InstanceProfileId"] == render.instance_profile_id(ARN)
-    assert render.instance_profile_id(ARN) != render.instance_profile_id(BASE + "other")
+    assert info["InstanceProfileId"] == credential_parts.instance_profile_id(ARN)
+    assert credential_parts.instance_profile_id(ARN) != credential_parts.instance_profile_id(BASE + "other")
     cn = "arn:aws-cn:iam::123456789012:role/app"
-    assert render.instance_profile_arn(cn) == "arn:aws-cn:iam::123456789012:instance-profile/app"
+    assert credential_parts.instance_profile_arn(cn) == "arn:aws-cn:iam::123456789012:instance-profile/app"
 
 
 def test_error_parts_list_the_name_and_carry_the_imds_error_document():
-    parts = render.render_error(role_arn=ARN, base_role_arn=BASE, code="AccessDenied",
+    parts = credential_parts.render_error(role_arn=ARN, base_role_arn=BASE, code="AccessDenied",
                                 last_updated=NOW)
     assert parts[tbl.PART_NAMES] == creds_parts()[tbl.PART_NAMES]
-    assert render.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
+    assert credential_parts.parse_response(parts[tbl.PART_LISTING])[2] == b"app"
     for index in (tbl.PART_DOCUMENT, tbl.PART_EXT_DOCUMENT):
-        status, _, body = render.parse_response(parts[index])
+        status, _, body = credential_parts.parse_response(parts[index])
         doc = orjson.loads(body)
         assert status == 200
         assert doc["Code"] == "AssumeRoleUnauthorizedAccess"
@@ -156,7 +156,7 @@ def test_botocore_loads_the_rendered_document(imds_stub, path):
 
 
 def test_botocore_gets_no_credentials_from_the_error_document(imds_stub):
-    parts = render.render_error(role_arn=ARN, base_role_arn=BASE, code="AccessDenied",
+    parts = credential_parts.render_error(role_arn=ARN, base_role_arn=BASE, code="AccessDenied",
                                 last_updated=NOW)
     with imds_stub(lambda: parts) as stub:
         fetcher = InstanceMetadataFetcher(timeout=2, num_attempts=1, base_url=stub.url, env={})
@@ -164,13 +164,13 @@ def test_botocore_gets_no_credentials_from_the_error_document(imds_stub):
 
 
 def test_key_part_round_trips_and_garbage_is_refused():
-    part = render.key_part(role_arn="arn:aws:iam::1:role/a", external_id="x", session="node",
+    part = credential_parts.key_part(role_arn="arn:aws:iam::1:role/a", external_id="x", session="node",
                            tags=(("kiamfast-pod", "p"),), access_key_id="ASIA1",
                            expiration=2000.0, fetched_at=1000.0)
     assert b"secret" not in part.lower()
-    rec = render.parse_key_part([b""] * tbl.PART_KEY + [part])
+    rec = credential_parts.parse_key_part([b""] * tbl.PART_KEY + [part])
     assert rec["role_arn"] == "arn:aws:iam::1:role/a" and rec["tags"] == [("kiamfast-pod", "p")]
     assert rec["expiration"] == 2000.0 and rec["denied"] is False
     for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"role_arn":"a"}'):
-        assert render.parse_key_part([b""] * tbl.PART_KEY + [junk]) is None
-    assert render.parse_key_part([b""] * 3) is None
+        assert credential_parts.parse_key_part([b""] * tbl.PART_KEY + [junk]) is None
+    assert credential_parts.parse_key_part([b""] * 3) is None

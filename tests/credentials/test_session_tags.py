@@ -18,9 +18,9 @@ import pytest
 
 from kiamfast import table as tbl
 from kiamfast.config import Config, ConfigError
-from kiamfast.container_credentials.review import TokenRejected
+from kiamfast.container_credentials.token_review import TokenRejected
 from kiamfast.container_credentials.server import container_document
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.manager import CredentialManager
 
 from test_manager import _slots, settle
@@ -158,13 +158,13 @@ def test_a_tag_value_sts_cannot_take_denies_that_pod_without_a_call(h, caplog):
     bad, good = h.run(main())
     assert [c.tags["kubernetes-pod-uid"] for c in h.proxy.assume_role_calls()] == [UID_B]
     document = h.document(bad)
-    assert document["Code"] == render.ERROR_CODE
+    assert document["Code"] == credential_parts.ERROR_CODE
     assert "InvalidSessionTag" in document["Message"]
     assert "kubernetes-service-account" in document["Message"]
     assert any("web-0" in r.getMessage() and "kubernetes-service-account" in r.getMessage()
                for r in caplog.records)
     with pytest.raises(TokenRejected) as refused:      # the container-credentials answer
-        container_document(render.parse_response(
+        container_document(credential_parts.parse_response(
             h.state(bad)[2][tbl.PART_DOCUMENT])[2], h.role("app"))
     assert refused.value.status == 403 and "InvalidSessionTag" in refused.value.message
 
@@ -188,7 +188,7 @@ def test_sts_refusing_tags_is_denied_with_the_tagsession_hint_never_untagged(h, 
     assert "AccessDenied" in message and "sts:TagSession" in message
     assert any("sts:TagSession" in r.getMessage() for r in caplog.records)
     with pytest.raises(TokenRejected) as refused:
-        container_document(render.parse_response(
+        container_document(credential_parts.parse_response(
             h.state(slot)[2][tbl.PART_DOCUMENT])[2], h.role("app"))
     assert refused.value.status == 403 and "sts:TagSession" in refused.value.message
 

@@ -1,5 +1,5 @@
 """The sandboxes a control process saw, kept beside the table for the next one
-(kiamfast/control/cri/known.py): a restart's first poll asks the runtime for the status of
+(kiamfast/control/cri/kept_sandboxes.py): a restart's first poll asks the runtime for the status of
 new sandboxes only, and a saved entry never keeps an owner the runtime no longer lists.
 
 Against the CRI fault double (the real runtime.v1 protocol on a unix socket), which counts
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from kiamfast.control.cri import known
+from kiamfast.control.cri import kept_sandboxes as known
 from kiamfast.control.cri.client import RuntimeClient
 from kiamfast.testing.cri_fault import fake_sandbox
 

@@ -71,7 +71,7 @@ def test_the_socket_keeper_shares_the_pods_directory_and_the_agents_user():
     assert [c["name"] for c in spec["containers"]] == ["kiamfast", "socket-keeper"]
     assert "initContainers" not in spec   # a plain container: every supported kubelet runs it
     assert kept["image"] == agent["image"]
-    assert kept["command"] == ["python", "-m", "kiamfast.keeper"]
+    assert kept["command"] == ["python", "-m", "kiamfast.socket_keeper"]
     assert kept["args"] == ["--socket", cfg.socket_keeper]
     assert cfg.socket_keeper == "/run/kiamfast-pod/keeper.sock"
     assert {m["name"]: m["mountPath"] for m in kept["volumeMounts"]} == {
@@ -101,7 +101,7 @@ def test_the_socket_keeper_logs_as_the_agent_does(tmp_path):
     assert keeper(verbose)["args"][2:] == ["--log-level=debug"]
     for n, args in enumerate((keeper(objs)["args"], keeper(verbose)["args"])):
         path = tmp_path / f"keeper-{n}.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "kiamfast.keeper", "--socket",
+        proc = subprocess.Popen([sys.executable, "-m", "kiamfast.socket_keeper", "--socket",
                                  str(path), *args[2:]], stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 30

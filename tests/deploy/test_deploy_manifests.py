@@ -131,7 +131,7 @@ def test_daemonset_args_parse_with_our_parser(kustomization):
         "maxSurge": "10%", "maxUnavailable": 0}}
     assert cfg.handover_socket == "/run/kiamfast/handover.sock"
     keeper = pod["containers"][1]
-    assert keeper["command"] == ["python", "-m", "kiamfast.keeper"]
+    assert keeper["command"] == ["python", "-m", "kiamfast.socket_keeper"]
     assert keeper["args"] == ["--socket", cfg.socket_keeper]
     assert cfg.iptables_backstop is True and cfg.iptables_check_interval == 10.0
     # An uninstall (its DaemonSet deleted) removes the rules; the pod's name says whose.

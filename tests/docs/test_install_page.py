@@ -26,7 +26,7 @@ def test_the_node_may_assume_exactly_the_roles_under_the_base_path():
     (statement,) = node["Statement"]
     assert statement["Effect"] == "Allow" and statement["Action"] == ["sts:AssumeRole"]
     # The ARN the agent assumes for `iam.amazonaws.com/role: my-app` with this base ARN.
-    from kiamfast.control.iam.policy import RolePolicy
+    from kiamfast.control.mappings.policy import RolePolicy
     policy = RolePolicy.from_config(Config(base_role_arn=BASE))
     assumed = policy.role_arn("my-app")
     assert assumed == BASE + "my-app"

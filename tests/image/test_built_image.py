@@ -7,7 +7,7 @@
   the commit it was built from; a bad flag is one line naming it, exit 2;
 * its iptables works with the node's backend, nft and legacy: in the node's network
   namespace a kube-proxy's hint chain says which backend the node uses, the agent's own
-  detection (kiamfast.control.iptables, as --iptables-backend=auto) picks it from inside the
+  detection (kiamfast.iptables.runner, as --iptables-backend=auto) picks it from inside the
   container and installs the DNAT rule there, and the node sees exactly that rule in that
   backend's nat table and nothing in the other's.
 """
@@ -158,8 +158,8 @@ RULE = ("169.254.169.254", "10.89.0.1", 8181, "kfc+")
 DNAT = ("-A PREROUTING -d 169.254.169.254/32 -i kfc+ -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination 10.89.0.1:8181")
 INSTALL = f"""
-from kiamfast.control.iptables import ensure_rule, resolve_backend
-from kiamfast.control.iptables_rules import Rule
+from kiamfast.iptables.runner import ensure_rule, resolve_backend
+from kiamfast.iptables.rules import Rule
 backend = resolve_backend("auto")
 ensure_rule(Rule(*{RULE!r}), backend=backend)
 print(backend)

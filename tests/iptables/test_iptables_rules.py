@@ -17,9 +17,10 @@ import uuid
 import pytest
 
 from kiamfast.config import Config
-from kiamfast.control import iptables, iptables_rules
-from kiamfast.control.iptables import InterfaceNotFound, IptablesError, IptablesNotFound
-from kiamfast.control.iptables_rules import Rule
+from kiamfast.iptables import runner
+from kiamfast.iptables import rules
+from kiamfast.iptables.runner import InterfaceNotFound, IptablesError, IptablesNotFound
+from kiamfast.iptables.rules import Rule
 from needs import missing_tool, not_root_reason
 
 # --------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ def test_rule_spec_is_kube2iams_rule():
     rule = Rule("169.254.169.254", "10.0.0.7", 8181, "eni+")
     assert str(rule) == ("iptables -t nat -A PREROUTING -p tcp -d 169.254.169.254 --dport 80 "
                          "-j DNAT --to-destination 10.0.0.7:8181 -i eni+")
-    assert iptables.command("-C", rule) == [
+    assert runner.command("-C", rule) == [
         "iptables", "-w", "5", "-t", "nat", "-C", "PREROUTING", "-p", "tcp", "-d",
         "169.254.169.254", "--dport", "80", "-j", "DNAT", "--to-destination",
         "10.0.0.7:8181", "-i", "eni+"]
@@ -39,30 +40,30 @@ def test_rule_spec_is_kube2iams_rule():
 
 def test_negated_interface_and_ipv6_and_prefixes():
     rule = Rule("fd00:ec2::254", "fd00:1::1", 8181, "!eth0", family=6)
-    argv = iptables.command("-A", rule, backend="legacy", netns="kf-x")
+    argv = runner.command("-A", rule, backend="legacy", netns="kf-x")
     assert argv[:5] == ["ip", "netns", "exec", "kf-x", "ip6tables-legacy"]
     assert argv[-5:] == ["--to-destination", "[fd00:1::1]:8181", "!", "-i", "eth0"]
-    assert iptables_rules.saved_form(rule) == (
+    assert rules.saved_form(rule) == (
         "-A PREROUTING -d fd00:ec2::254/128 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination [fd00:1::1]:8181")
     with pytest.raises(ValueError):
-        iptables.command("-F", rule)
+        runner.command("-F", rule)
 
 
 def test_rules_for_config():
     cfg = Config(iptables=True, host_ip="10.0.0.7", host_interface="cali+", app_port=8282,
                  metadata_addr="169.254.169.254:80")
-    assert iptables_rules.rules_for_config(cfg) == [
+    assert rules.rules_for_config(cfg) == [
         Rule("169.254.169.254", "10.0.0.7", 8282, "cali+", 4)]
     both = cfg.replace(metadata_ipv6=True, host_ipv6="fd00:1::7")
-    assert [r.family for r in iptables_rules.rules_for_config(both)] == [4, 6]
-    assert iptables_rules.rules_for_config(both)[1].host_ip == "fd00:1::7"
+    assert [r.family for r in rules.rules_for_config(both)] == [4, 6]
+    assert rules.rules_for_config(both)[1].host_ip == "fd00:1::7"
     # No IPv6 address known: the IPv6 rule is skipped, the IPv4 one stays.
-    assert len(iptables_rules.rules_for_config(cfg.replace(metadata_ipv6=True))) == 1
+    assert len(rules.rules_for_config(cfg.replace(metadata_ipv6=True))) == 1
     v6_only = Config(iptables=True, host_ip="fd00:1::7", host_interface="eni+")
     with pytest.raises(IptablesError, match="IPv6"):
-        iptables_rules.rules_for_config(v6_only)
-    assert iptables_rules.rules_for_config(v6_only.replace(metadata_ipv6=True)) == [
+        rules.rules_for_config(v6_only)
+    assert rules.rules_for_config(v6_only.replace(metadata_ipv6=True)) == [
         Rule("fd00:ec2::254", "fd00:1::7", 8181, "eni+", 6)]
 
 
@@ -121,21 +122,21 @@ def test_ensure_is_idempotent_and_exact(netns, backend):
     ns = netns()
     binary = f"iptables-{backend}" if backend else "iptables"
     rule = Rule("169.254.169.254", "10.213.0.1", 8181, "eni+")
-    assert not iptables.rule_present(rule, backend=backend, netns=ns)
-    assert iptables.ensure_rule(rule, backend=backend, netns=ns) is True
-    assert iptables.ensure_rule(rule, backend=backend, netns=ns) is False
-    assert iptables.rule_present(rule, backend=backend, netns=ns)
+    assert not runner.rule_present(rule, backend=backend, netns=ns)
+    assert runner.ensure_rule(rule, backend=backend, netns=ns) is True
+    assert runner.ensure_rule(rule, backend=backend, netns=ns) is False
+    assert runner.rule_present(rule, backend=backend, netns=ns)
     assert nat_rules(ns, binary) == [
         "-A PREROUTING -d 169.254.169.254/32 -i eni+ -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination 10.213.0.1:8181"]
-    assert nat_rules(ns, binary) == [iptables_rules.saved_form(rule)]
+    assert nat_rules(ns, binary) == [rules.saved_form(rule)]
     # A second copy (say, left by kube2iam and then added by hand) is removed too.
-    sh("ip", "netns", "exec", ns, *iptables.command("-A", rule, backend=backend)[0:],
+    sh("ip", "netns", "exec", ns, *runner.command("-A", rule, backend=backend)[0:],
        check=True)
     assert len(nat_rules(ns, binary)) == 2
-    assert iptables.remove_rule(rule, backend=backend, netns=ns) == 2
+    assert runner.remove_rule(rule, backend=backend, netns=ns) == 2
     assert nat_rules(ns, binary) == []
-    assert iptables.remove_rule(rule, backend=backend, netns=ns) == 0
+    assert runner.remove_rule(rule, backend=backend, netns=ns) == 0
 
 
 @pytest.mark.root
@@ -144,10 +145,10 @@ def test_other_rules_are_left_alone(netns):
     ns = netns()
     other = Rule("169.254.169.254", "10.213.0.9", 9999, "cni0")
     ours = Rule("169.254.169.254", "10.213.0.1", 8181, "cni0")
-    iptables.ensure_rule(other, netns=ns)
-    iptables.ensure_rule(ours, netns=ns)
-    iptables.remove_rule(ours, netns=ns)
-    assert nat_rules(ns) == [iptables_rules.saved_form(other)]
+    runner.ensure_rule(other, netns=ns)
+    runner.ensure_rule(ours, netns=ns)
+    runner.remove_rule(ours, netns=ns)
+    assert nat_rules(ns) == [rules.saved_form(other)]
 
 
 @pytest.mark.root
@@ -156,8 +157,8 @@ def test_install_rules_from_config_wildcard_negated_and_ipv6(netns):
     ns = netns()
     cfg = Config(iptables=True, host_ip="10.213.0.1", host_interface="!eth0",
                  metadata_ipv6=True, host_ipv6="fd00:213::1", iptables_backend="auto")
-    rules = iptables.install_rules(cfg, netns=ns)
-    iptables.install_rules(cfg, netns=ns)
+    rules = runner.install_rules(cfg, netns=ns)
+    runner.install_rules(cfg, netns=ns)
     assert nat_rules(ns) == [
         "-A PREROUTING -d 169.254.169.254/32 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination 10.213.0.1:8181"]
@@ -165,12 +166,12 @@ def test_install_rules_from_config_wildcard_negated_and_ipv6(netns):
         "-A PREROUTING -d fd00:ec2::254/128 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination [fd00:213::1]:8181"]
     assert len(rules) == 2
-    assert iptables.remove_rules(cfg, netns=ns) == 2
+    assert runner.remove_rules(cfg, netns=ns) == 2
     assert nat_rules(ns) == [] and nat_rules(ns, "ip6tables") == []
 
     wildcard = cfg.replace(host_interface="veth+", metadata_ipv6=False)
-    iptables.install_rules(wildcard, netns=ns)  # no veth exists: a wildcard is not checked
-    assert nat_rules(ns) == [iptables_rules.saved_form(iptables_rules.rules_for_config(wildcard)[0])]
+    runner.install_rules(wildcard, netns=ns)  # no veth exists: a wildcard is not checked
+    assert nat_rules(ns) == [rules.saved_form(rules.rules_for_config(wildcard)[0])]
 
 
 @pytest.mark.root
@@ -179,12 +180,12 @@ def test_missing_interface_is_a_clear_error(netns):
     ns = netns()
     cfg = Config(iptables=True, host_ip="10.213.0.1", host_interface="docker0")
     with pytest.raises(InterfaceNotFound, match='"docker0" does not exist'):
-        iptables.install_rules(cfg, netns=ns)
+        runner.install_rules(cfg, netns=ns)
     assert nat_rules(ns) == []
-    iptables.check_interface("lo", netns=ns)
-    iptables.check_interface("lo")  # our own namespace, no subprocess
+    runner.check_interface("lo", netns=ns)
+    runner.check_interface("lo")  # our own namespace, no subprocess
     with pytest.raises(InterfaceNotFound):
-        iptables.check_interface("kf-no-such0")
+        runner.check_interface("kf-no-such0")
 
 
 @pytest.mark.root
@@ -196,9 +197,9 @@ def test_missing_binary_is_not_mistaken_for_an_absent_rule(netns, tmp_path, monk
     (tmp_path / "ip").symlink_to(shutil.which("ip"))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(IptablesNotFound, match="iptables"):
-        iptables.rule_present(rule, netns=ns)
+        runner.rule_present(rule, netns=ns)
     with pytest.raises(IptablesNotFound, match="not found on PATH"):
-        iptables.ensure_rule(rule)
+        runner.ensure_rule(rule)
 
 
 @pytest.mark.root
@@ -207,7 +208,7 @@ def test_iptables_error_carries_the_message(netns):
     ns = netns()
     bad = Rule("169.254.169.254", "10.213.0.1", 8181, "much-too-long-interface-name")
     with pytest.raises(IptablesError, match="failed"):
-        iptables.ensure_rule(bad, netns=ns)
+        runner.ensure_rule(bad, netns=ns)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def _connect_through_rule(netns, *, family: int) -> str:
 
     cfg = Config(iptables=True, host_ip="10.213.7.1", host_interface=veth_node,
                  app_port=8181, metadata_ipv6=family == 6, host_ipv6="fd00:213:7::1")
-    rules = iptables.install_rules(cfg, netns=node)
+    rules = runner.install_rules(cfg, netns=node)
     assert [r.family for r in rules] == ([4, 6] if family == 6 else [4])
 
     server = subprocess.Popen(

@@ -17,7 +17,7 @@ from typing import Any
 from kiamfast import table as tablemod
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.control.k8s.source import ApiSource
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 
 BASE = "arn:aws:iam::123456789012:role/"
 ROLE_KEY = "iam.amazonaws.com/role"

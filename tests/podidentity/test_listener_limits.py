@@ -14,7 +14,7 @@ import socket
 import time
 
 from kiamfast.container_credentials import server as srv
-from kiamfast.container_credentials.review import POD_NAME_EXTRA, POD_UID_EXTRA, TokenReviewer
+from kiamfast.container_credentials.token_review import POD_NAME_EXTRA, POD_UID_EXTRA, TokenReviewer
 
 AUDIENCE = "kiamfast.io/container-credentials"
 CREDS = b'{"AccessKeyId":"ASIATEST"}'

@@ -24,7 +24,7 @@ import time
 import pytest
 from podid import AUDIENCE, create_service_account, other_key, pod_token, resigned
 
-from kiamfast.container_credentials.review import (
+from kiamfast.container_credentials.token_review import (
     TokenRejected,
     TokenReviewer,
     bound_pod,

@@ -119,7 +119,7 @@ def test_the_answer_cost_bounds_what_building_the_answer_takes(name):
     """What the server does between its reservation and its reply: the answer, its JSON and
     bytes; what `answer_cost` reserves for it bounds it (tracemalloc sees every Python
     allocation)."""
-    from kiamfast.webhook import review as webhook_review
+    from kiamfast.webhook import admission as webhook_review
     parsed, settings = answer_shapes()[name]
     containers, cost = webhook_review.answer_cost(parsed, **settings)
     assert containers == sum(len(parsed["request"]["object"]["spec"].get(k, []))
@@ -137,7 +137,7 @@ def test_the_answer_cost_bounds_what_building_the_answer_takes(name):
 
 
 def test_a_review_that_cannot_be_patched_costs_nothing_to_answer():
-    from kiamfast.webhook import review as webhook_review
+    from kiamfast.webhook import admission as webhook_review
     settings = {"role_key": "iam.amazonaws.com/role", "audience": "a", "expiration": 600}
     many = {"containers": [{} for _ in range(1000)]}
     for review in ({"request": {"uid": "u", "operation": "UPDATE", "kind": {"kind": "Pod"},

@@ -15,7 +15,7 @@ import pytest
 
 from kiamfast.webhook import cli as webhook_cli
 from kiamfast.webhook import patch
-from kiamfast.webhook import review as webhook_review
+from kiamfast.webhook import admission as webhook_review
 
 ROLE_KEY = "iam.amazonaws.com/role"
 SETTINGS = {"role_key": ROLE_KEY, "audience": "kiamfast.io/container-credentials",

@@ -26,7 +26,7 @@ import json
 import socket
 
 from kiamfast.container_credentials import server as srv
-from kiamfast.container_credentials.review import (
+from kiamfast.container_credentials.token_review import (
     POD_NAME_EXTRA,
     POD_UID_EXTRA,
     BoundPod,

@@ -21,7 +21,7 @@ from typing import Any
 import httptools
 
 from kiamfast import channel, table
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.server.settings import WorkerSettings
 from kiamfast.server.worker import listen_socket, serve
 
@@ -335,12 +335,12 @@ class Pods:
         key = access_key or f"ASIAPOD{slot:013d}"
         self.keys[arn] = key
         if error_code is not None:
-            parts = render.render_error(role_arn=arn, code=error_code, last_updated=now,
+            parts = credential_parts.render_error(role_arn=arn, code=error_code, last_updated=now,
                                         base_role_arn=BASE_ARN)
         elif state == table.CRED_PENDING:
             parts = []
         else:
-            parts = render.render_credentials(
+            parts = credential_parts.render_credentials(
                 role_arn=arn, access_key_id=key, secret_access_key="secret/" + key,
                 session_token="session-token-" + key, expiration=now + lifetime,
                 last_updated=now, base_role_arn=BASE_ARN)

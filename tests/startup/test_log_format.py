@@ -115,7 +115,7 @@ def test_every_process_of_the_agent_logs_json(tmp_path, fakes):
     worker = [r for r in json_records(agent.log()) if "per-address limit" in r["msg"]]
     assert worker and worker[0]["level"] == "warning", agent.log()
     kept = json_records(keeper_log.read_text())
-    assert {r["logger"] for r in kept} == {"kiamfast.keeper"}
+    assert {r["logger"] for r in kept} == {"kiamfast.socket_keeper"}
     assert any(r["msg"].startswith("holding") for r in kept), kept
     assert kept[-1]["msg"] == "received SIGTERM, exiting", kept
 

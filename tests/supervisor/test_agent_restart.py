@@ -203,7 +203,7 @@ def test_with_a_runtime_the_first_poll_confirms_the_adopted_owners_before_the_ap
             assert (role, after) == (ROLE, before), new_log()
             assert "start: pods listed" not in new_log()   # served before the API listed
             # the app's sandbox came from the file the previous process kept: one status,
-            # the newcomer's (control/cri/known.py)
+            # the newcomer's (control/cri/kept_sandboxes.py)
             assert runtime.calls["PodSandboxStatus"] == statuses + 1
             status, body = http(again.port, f"GET {LISTING}", source=REUSED_IP)
             assert status != 200 or body == b"arriving-role", (status, body)

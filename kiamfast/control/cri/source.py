@@ -25,7 +25,7 @@ from typing import Any
 from kiamfast import milestones
 from kiamfast.control.cri import link as runtime_link
 from kiamfast.control.cri import client as runtime
-from kiamfast.control.cri import known
+from kiamfast.control.cri import kept_sandboxes as known
 from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.control.netns.watch import NetnsWatch
 

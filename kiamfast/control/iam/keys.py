@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kiamfast.config import tag_value_problem
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.sts import sanitize_session_name
 
 SESSION_POLICIES = ("node-role", "pod", "kube2iam")
@@ -57,7 +57,7 @@ TAGSESSION_HINT = ("session tags are sent: the role's trust policy must allow "
 
 @dataclass(frozen=True)
 class CredentialRequest:
-    """What the credential manager reads of a pod (a `mappings.decisions.PodDecision` has the
+    """What the credential manager reads of a pod (a `kiamfast.decisions.PodDecision` has the
     same attributes, and is what the node model hands it; tools and tests build these)."""
     role_arn: str
     external_id: str | None = None
@@ -143,7 +143,7 @@ class SessionNaming:
     def session_name(self, key: CredentialKey,
                      users: Iterable[tuple[str, CredentialRequest]] = ()) -> str:
         """The RoleSessionName for a key (kube2iam's policy also looks at the users)."""
-        role = render.role_name(key.role_arn)
+        role = credential_parts.role_name(key.role_arn)
         if self.eks:
             # EKS: eks-<cluster>-<pod>-<random>; the UID's first 8 hex digits instead, so
             # the name tells two pods of one name apart and stays the same across refreshes.

@@ -1,6 +1,6 @@
 """What an STS answer leaves behind: the bytes in the key's slot, the words said, the next call.
 
-Credentials are written as the parts workers serve plus the key part (``render.PART_KEY``:
+Credentials are written as the parts workers serve plus the key part (``credential_parts.PART_KEY``:
 the key and expiry, no secret, so a restarted control process can adopt the slot).  A
 permanent refusal is written as the real-IMDS error document, served until the next
 attempt replaces it.  A refused tagged call most likely lacks ``sts:TagSession``: STS says
@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 
 from kiamfast.budget import backoff
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.keys import TAGSESSION_HINT, CredentialRequest
 from kiamfast.control.iam.slots import CredentialTable, KeyEntry
 from kiamfast.control.iam.sts import Credentials, StsDenied, StsError, StsThrottled
@@ -36,12 +36,12 @@ ERROR_DOC_LIFETIME = 365 * 86400.0
 def write_credentials(table: CredentialTable, entry: KeyEntry, creds: Credentials, *,
                       base_role_arn: str | None, now: float, serve_until: float) -> None:
     """The parts workers serve for the key's new credentials, and the key part."""
-    parts = render.render_credentials(
+    parts = credential_parts.render_credentials(
         role_arn=entry.key.role_arn, base_role_arn=base_role_arn,
         access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
         session_token=creds.session_token, expiration=creds.expiration,
         last_updated=now)
-    parts.append(render.key_part(
+    parts.append(credential_parts.key_part(
         role_arn=entry.key.role_arn, external_id=entry.key.external_id,
         session=entry.key.session, tags=entry.key.tags,
         access_key_id=creds.access_key_id, expiration=creds.expires_at, fetched_at=now))
@@ -52,10 +52,10 @@ def write_denied(table: CredentialTable, entry: KeyEntry, err: StsError, *,
                  base_role_arn: str | None, now: float) -> float:
     """The real-IMDS error document for a refused key; returns until when it is served."""
     serve_until = now + ERROR_DOC_LIFETIME
-    parts = render.render_error(role_arn=entry.key.role_arn, code=err.code,
+    parts = credential_parts.render_error(role_arn=entry.key.role_arn, code=err.code,
                                 last_updated=now, base_role_arn=base_role_arn,
                                 reason=refusal_reason(entry, err))
-    parts.append(render.key_part(
+    parts.append(credential_parts.key_part(
         role_arn=entry.key.role_arn, external_id=entry.key.external_id,
         session=entry.key.session, tags=entry.key.tags, access_key_id="",
         expiration=serve_until, fetched_at=now, denied=True))
@@ -83,7 +83,7 @@ def audit_line(event: str, entry: KeyEntry, *, pods: list[tuple[str, CredentialR
         "event": event.replace(" ", "_"),
         "role_arn": entry.key.role_arn,
         "access_key_id": creds.access_key_id,
-        "expiration": render.imds_time(creds.expiration),
+        "expiration": credential_parts.imds_time(creds.expiration),
         "session_name": session_name,
         "external_id": bool(entry.key.external_id),
         "slot": entry.slot,

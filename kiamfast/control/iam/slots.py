@@ -10,7 +10,7 @@ reused slot would serve one pod another key's credentials.  When every slot is t
 idle key (no pod left, within its grace period) used least recently gives its slot up.
 
 After a restart (:meth:`SlotPool.adopt`) every slot still carries its key and expiry
-(``render.PART_KEY``): servable ones become entries of their key again, every other slot
+(``credential_parts.PART_KEY``): servable ones become entries of their key again, every other slot
 that holds anything is kept out of allocation until no address names it (:meth:`reclaim`).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kiamfast.control.iam import render
+from kiamfast import credential_parts
 from kiamfast.control.iam.keys import CredentialKey, CredentialRequest
 from kiamfast.control.iam.schedule import PRIO_NEW
 from kiamfast.control.iam.sts import Credentials, StsError
@@ -155,7 +155,7 @@ class SlotPool:
         for slot, state, serve_until, parts in slots:
             if not 0 <= slot < self.capacity or slot in self.by_slot:
                 continue
-            record = render.parse_key_part(parts)
+            record = credential_parts.parse_key_part(parts)
             if state == CRED_EMPTY and record is None:
                 continue
             self._free = [s for s in self._free if s != slot]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kiamfast.control.mappings.decisions import ClaimKey, PodRecord
+from kiamfast.control.mappings.decider import ClaimKey, PodRecord
 
 
 class ApiOwners:

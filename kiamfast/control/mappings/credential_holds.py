@@ -15,7 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kiamfast.control.mappings.decisions import PodDecision, PodIdentity, PodRecord
+from kiamfast.decisions import PodDecision, PodIdentity
+from kiamfast.control.mappings.decider import PodRecord
 
 log = logging.getLogger("kiamfast.ownership")
 

@@ -5,7 +5,7 @@ when its picture of the node was incomplete: a pod asking before its IP reached 
 an address reused while the API server still showed the old pod with it, a watch that
 dropped and came back.  This is the one place that decides who owns each address (the
 sources, merged by :mod:`.merge`) and what its requests get (:mod:`.decisions`), and it
-writes exactly that into the table (:class:`~kiamfast.control.publish.addresses
+writes exactly that into the table (:class:`~kiamfast.control.publish.ip_slots
 .AddressTable`).  Synchronous, no I/O but table writes and calls into the credential sink;
 the API source feeds it pods and namespaces, the control process the runtime's views (a
 pod only the runtime shows is recorded by :mod:`.sandbox_pods`).
@@ -37,16 +37,17 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kiamfast.control.mappings.addresses import pod_ips, resource_version
+from kiamfast.control.mappings.canonical import pod_ips, resource_version
 from kiamfast.control.mappings.api_owners import ApiOwners
 from kiamfast.control.mappings.credential_holds import CredentialHolds, CredentialSink
-from kiamfast.control.mappings.decisions import (Decider, IdentityKind, PodDecision, PodIdentity,
-                                                 PodRecord)
+from kiamfast.decisions import IdentityKind, PodDecision, PodIdentity
+from kiamfast.control.mappings.decider import Decider, PodRecord
 from kiamfast.control.mappings.merge import KEEP, Merge, Owner, Undecided
+from kiamfast.control.mappings.policy import NamespaceRules, RolePolicy
 from kiamfast.control.mappings.runtime_owners import (AddressProof, RuntimeOwners,
                                                       RuntimeViewLike)
 from kiamfast.control.mappings.sandbox_pods import SandboxPods
-from kiamfast.control.publish.addresses import AddressTable, TableWriter, Written
+from kiamfast.control.publish.ip_slots import AddressTable, TableWriter, Written
 from kiamfast.table import POD_DENIED, POD_NO_ROLE, POD_ROLE, POD_UNDECIDED
 
 log = logging.getLogger("kiamfast.ownership")
@@ -55,7 +56,7 @@ log = logging.getLogger("kiamfast.ownership")
 class NodeModel:
     """Feed it events and runtime views, then ``commit()``."""
 
-    def __init__(self, *, policy: Any, table: TableWriter, sink: CredentialSink,
+    def __init__(self, *, policy: RolePolicy, table: TableWriter, sink: CredentialSink,
                  notify: Callable[[], None] = lambda: None, namespace_grace: float = 10.0,
                  tombstones: int = 16384, clock: Callable[[], float] = time.monotonic,
                  adopted: Mapping[str, Written] | None = None, expect_runtime: bool = False,
@@ -68,7 +69,7 @@ class NodeModel:
         self.notify = notify
         self.clock = clock
         self.pods: dict[str, PodRecord] = {}              # from the API
-        self.namespaces: dict[str, Any] = {}       # name -> the policy's namespace rules
+        self.namespaces: dict[str, NamespaceRules] = {}
         self._by_ns: dict[str, set[str]] = {}
         self.addresses = AddressTable(table, adopted=adopted or {}, refs=slot_refs)
         self.slot_refs = self.addresses.refs

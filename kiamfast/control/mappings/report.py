@@ -1,7 +1,7 @@
 """What the node model reports besides its decisions: the texts workers serve and the series.
 
 Read-only views of a :class:`~.model.NodeModel` after its last commit, for the control
-process's publish loop (kiamfast/control/publish/aux.py writes the texts into the table):
+process's publish loop (kiamfast/control/publish/blobs.py writes the texts into the table):
 the namespace denials workers answer with kube2iam's text, kube2iam's ``/debug/store`` and
 the model's counters (``kiamfast_watch_total``).  Nothing here changes the model.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiamfast.control.mappings.decisions import IdentityKind, PodRecord
+from kiamfast.decisions import IdentityKind
+from kiamfast.control.mappings.decider import PodRecord
 from kiamfast.control.mappings.model import NodeModel
 from kiamfast.table import POD_DENIED
 

@@ -27,7 +27,7 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from kiamfast.control.mappings.addresses import canonical_ip
+from kiamfast.control.mappings.canonical import canonical_ip
 
 log = logging.getLogger("kiamfast.ownership")
 

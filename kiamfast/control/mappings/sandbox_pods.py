@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kiamfast.control.mappings.decisions import PodRecord
+from kiamfast.control.mappings.decider import PodRecord
 from kiamfast.control.mappings.runtime_owners import SandboxLike
 
 

@@ -63,8 +63,8 @@ import orjson
 
 import re2
 
-from kiamfast.control.iam.patterns import GoRegexpError, compile_go_regexp, go_glob
-from kiamfast.control.mappings.decisions import NO_ROLE, IdentityKind, PodIdentity
+from kiamfast.control.mappings.patterns import GoRegexpError, compile_go_regexp, go_glob
+from kiamfast.decisions import NO_ROLE, IdentityKind, PodIdentity
 
 log = logging.getLogger(__name__)
 

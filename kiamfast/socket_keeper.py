@@ -1,7 +1,7 @@
 """The socket keeper: holds the agent's listening sockets while its container restarts.
 
     kiamfast keep-sockets --socket PATH [--log-format text|json] [--log-level LEVEL]
-    (or: python -m kiamfast.keeper ...)
+    (or: python -m kiamfast.socket_keeper ...)
 
 Run as a second container of the agent's pod, with ``PATH`` in an emptyDir both containers
 mount.  The supervisor (``--socket-keeper PATH``) deposits the listening sockets it serves
@@ -52,9 +52,9 @@ def log(message: str, *, level: str = "info") -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if _output["format"] == "json":
         line = json.dumps({"level": level, "msg": message, "time": stamp,
-                           "logger": "kiamfast.keeper"})
+                           "logger": "kiamfast.socket_keeper"})
     else:
-        line = f"{stamp} {level:5} kiamfast.keeper: {message}"
+        line = f"{stamp} {level:5} kiamfast.socket_keeper: {message}"
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 

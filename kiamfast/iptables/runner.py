@@ -1,11 +1,11 @@
 """Running iptables: checking, adding and deleting the rules of
-:mod:`kiamfast.control.iptables_rules` on the node.
+:mod:`kiamfast.iptables.rules` on the node.
 
 Installation is check-then-append (``-C``, then ``-A``), so calling :func:`ensure_rule` any
 number of times leaves one copy.  The rules are left in place on exit unless
 ``--iptables-remove-on-exit``: without an agent a pod must get a refused connection, never
 the node's own role from the real metadata service.  Keeping them in place while the agent
-runs is :mod:`kiamfast.control.rule_keeper`'s job.
+runs is :mod:`kiamfast.iptables.keeper`'s job.
 
 This module only runs the iptables binaries (with a timeout, under the xtables lock with
 ``-w``), picking the backend (nft or legacy) the node's kube-proxy uses, because a rule in
@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kiamfast.control.iptables_rules import (AnyRule, IptablesError, Rule,
+from kiamfast.iptables.rules import (AnyRule, IptablesError, Rule,
                                              backstops_for_config, rules_for_config)
 
 if TYPE_CHECKING:  # pragma: no cover

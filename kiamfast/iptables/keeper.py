@@ -1,4 +1,4 @@
-"""Keeps the DNAT rules of :mod:`kiamfast.control.iptables_rules` in place for the control
+"""Keeps the DNAT rules of :mod:`kiamfast.iptables.rules` in place for the control
 process's life: installs them, and puts back whatever another process deletes, at once
 after an nftables change and at every ``--iptables-check-interval``.  Its own module so that
 the supervisor, which needs the rules alone (the second port's), does not import asyncio."""
@@ -9,10 +9,10 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from kiamfast.control.iptables import (DEFAULT_TIMEOUT, IptablesError, check_interface,
+from kiamfast.iptables.runner import (DEFAULT_TIMEOUT, IptablesError, check_interface,
                                        ensure_rule, insert_rule, plain_is_nft, remove_rules,
                                        resolve_backend)
-from kiamfast.control.iptables_rules import AnyRule, backstops_for_config, rules_for_config
+from kiamfast.iptables.rules import AnyRule, backstops_for_config, rules_for_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from kiamfast.config import Config

@@ -14,7 +14,7 @@ metadata address ``fd00:ec2::254``.
 Installed once, the rule can still be taken away: kube2iam's newest chart runs, in its pod's
 preStop hook, ``eval `iptables-save | grep 169.254.169.254 | sed s/-A/'iptables -t nat -D'/g```,
 which deletes kiamfast's rule as well when it is the only line naming the address (the
-control process's :class:`~kiamfast.control.rule_keeper.RuleKeeper` puts it back).  So
+control process's :class:`~kiamfast.iptables.keeper.RuleKeeper` puts it back).  So
 ``--iptables-backstop`` adds, in the filter table that no nat cleanup touches, a rule
 (:class:`BackstopRule`) that resets pods' connections to the metadata address that were
 *not* redirected (after the DNAT their destination is the agent, so the backstop never sees
@@ -22,7 +22,7 @@ them), in FORWARD (the metadata address is routed off the node) and INPUT (a nod
 is local).  The agent's own requests to the metadata service leave through OUTPUT, which
 neither rule touches.
 
-Pure functions of the configuration: no iptables is run here (:mod:`kiamfast.control.iptables`
+Pure functions of the configuration: no iptables is run here (:mod:`kiamfast.iptables.runner`
 runs it), so all of it is tested without root.
 """
 

@@ -1,6 +1,6 @@
 """A pod's decision: which role its requests get, or why none, and on what evidence.
 
-The role policy (:mod:`kiamfast.control.iam.policy`: annotations, namespace restrictions,
+The role policy (:mod:`kiamfast.control.mappings.policy`: annotations, namespace restrictions,
 the default role) decides from the API's pod, or, for a pod the runtime shows before the
 watch delivers it, from its sandbox's annotations (the kubelet copies the pod's there).  Two
 rules on top:
@@ -13,48 +13,23 @@ rules on top:
   role and external ID.  Adopted evidence may keep a pod served, never turn it away: a
   denial it wrote is not current evidence.
 
-The result is a :class:`PodDecision`, immutable, public: the table's address entries and
-the container-credentials path read the same object.
+The result is a :class:`kiamfast.decisions.PodDecision`, immutable, public: the table's
+address entries and the container-credentials path read the same object.  What the model
+knows of a pod meanwhile is its :class:`PodRecord`.
 """
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kiamfast.decisions import IdentityKind, PodIdentity
+
+if TYPE_CHECKING:
+    from kiamfast.control.mappings.policy import NamespaceRules, RolePolicy
 
 log = logging.getLogger("kiamfast.ownership")
-
-class IdentityKind(enum.IntEnum):
-    ROLE = 1
-    NO_ROLE = 2
-    DENIED = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PodIdentity:
-    """What the role policy decided for one pod.  Compare with `==`: equal decisions need no
-    table write."""
-
-    kind: IdentityKind
-    role_arn: str = ""
-    external_id: str = ""
-    reason: str = ""
-    # DENIED only because the pod's namespace is not (yet) known to the agent.
-    namespace_unknown: bool = False
-
-    @classmethod
-    def role(cls, arn: str, external_id: str = "") -> "PodIdentity":
-        return cls(IdentityKind.ROLE, arn, external_id)
-
-    @classmethod
-    def denied(cls, reason: str) -> "PodIdentity":
-        return cls(IdentityKind.DENIED, reason=reason)
-
-
-NO_ROLE = PodIdentity(IdentityKind.NO_ROLE)
 
 LIVE_PHASES = frozenset({"", "Pending", "Running", "Unknown"})
 
@@ -98,54 +73,10 @@ class PodRecord:
                              and self.phase in LIVE_PHASES)
 
 
-@dataclass(frozen=True, slots=True)
-class PodDecision:
-    """One pod's decision, as both answer paths read it.
-
-    ``identity`` None: undecided (its requests wait).  ``cred_slot``: the credential slot
-    that holds its role's credentials (-1: none).  ``address``: the pod's first address,
-    for kube2iam's session names (None before it has one).  ``source``: what the decision
-    rests on: ``api`` (the API's pod), ``sandbox`` (the runtime's copy of its annotations,
-    the watch behind) or ``adopted`` (a previous control process's, the API unreachable)."""
-    uid: str
-    namespace: str
-    name: str
-    service_account: str
-    identity: PodIdentity | None
-    cred_slot: int = -1
-    token_only: bool = False
-    host_network: bool = False
-    decided: bool = True                  # False: terminal, or hostNetwork not by token
-    address: str | None = None
-    source: str = "api"
-
-    @property
-    def role_arn(self) -> str:
-        return self.identity.role_arn if self.identity is not None else ""
-
-    @property
-    def pod_name(self) -> str:              # what the credential manager's keys read
-        return self.name
-
-    @property
-    def pod_ip(self) -> str | None:
-        return self.address
-
-    @property
-    def external_id(self) -> str:
-        return self.identity.external_id if self.identity is not None else ""
-
-    def holds(self, role_of_slot: tuple[str, str | None] | None) -> bool:
-        """Whether a slot holding (role, external ID) holds exactly this decision's role."""
-        return (self.identity is not None and self.identity.kind == IdentityKind.ROLE
-                and role_of_slot == (self.role_arn, self.external_id or None))
-
-
 class Decider:
-    """The role policy (`iam.policy.RolePolicy`, handed in: mappings never import iam) with
-    the two rules of the module docstring."""
+    """The role policy (`policy.RolePolicy`) with the two rules of the module docstring."""
 
-    def __init__(self, *, policy: Any, namespace_grace: float,
+    def __init__(self, *, policy: RolePolicy, namespace_grace: float,
                  clock: Callable[[], float],
                  role_of_slot: Callable[[int], tuple[str, str | None] | None],
                  adopted: Mapping[str, int]) -> None:
@@ -158,7 +89,7 @@ class Decider:
         self.synced = False
 
     def decide(self, pod: PodRecord,
-               rules: Any) -> tuple[PodIdentity | None, str]:
+               rules: NamespaceRules | None) -> tuple[PodIdentity | None, str]:
         """(identity or None = wait, source) for a live pod; keeps ``undecided_since``."""
         ident = self.policy.decide(pod.annotations, rules, namespace=pod.namespace,
                                    pod=pod.name)
