@@ -715,7 +715,7 @@ def token_churn(opts: Options) -> dict:
 
 def srv_cap() -> int:
     """The listener's connections per address (the valid flood uses all of them)."""
-    from kiamfast.container_credentials.server import MAX_CONNECTIONS_PER_ADDRESS
+    from kiamfast.container_credentials.limits import MAX_CONNECTIONS_PER_ADDRESS
     return MAX_CONNECTIONS_PER_ADDRESS
 
 

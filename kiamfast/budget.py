@@ -139,8 +139,10 @@ class TokenBucket:
 
 class KeyedBudget:
     """A token bucket per key (``rate`` per second after a burst of ``burst``), kept across
-    connections (a new connection must not bring a full bucket); at most ``keys`` keys are
-    remembered, the least recently used forgotten first."""
+    connections (a new connection must not bring a full bucket).  A bucket full again is
+    forgotten (a missing one is a full one: nothing changes), so what is kept is the keys
+    used in the last ``burst / rate`` seconds, at most ``keys`` of them, the least recently
+    used forgotten first: nothing is kept per client or pod that has gone quiet."""
 
     def __init__(self, rate: float, burst: int, *, keys: int = 4096,
                  clock: Clock) -> None:
@@ -158,5 +160,12 @@ class KeyedBudget:
         self._buckets.move_to_end(key)
         while len(self._buckets) > self.keys:
             self._buckets.popitem(last=False)
-        return allowed
+        while True:          # least recently used first: the ones full again are forgotten
+            tokens, last = next(iter(self._buckets.values()))
+            if tokens + (now - last) * self.rate < self.burst:
+                return allowed
+            self._buckets.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 

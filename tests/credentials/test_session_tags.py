@@ -19,7 +19,7 @@ import pytest
 from kiamfast import table as tbl
 from kiamfast.config import Config, ConfigError
 from kiamfast.container_credentials.token_review import TokenRejected
-from kiamfast.container_credentials.server import container_document
+from kiamfast.container_credentials.pod_view import container_document
 from kiamfast import credential_parts
 from kiamfast.control.iam.manager import CredentialManager
 

@@ -23,11 +23,12 @@ from idle_clients import hoard, open_many
 from test_container_credentials import Node
 from token_clients import pipelined
 
+from kiamfast.container_credentials import limits
 from kiamfast.container_credentials import server as srv
 
 pytestmark = pytest.mark.kube_apiserver
 
-CAP_ADDRESSES = srv.MAX_CONNECTIONS // srv.MAX_CONNECTIONS_PER_ADDRESS   # 32 fill every place
+CAP_ADDRESSES = limits.MAX_CONNECTIONS // limits.MAX_CONNECTIONS_PER_ADDRESS   # 32 fill every place
 
 
 def raise_fd_limit(want: int) -> None:
@@ -262,7 +263,7 @@ def test_a_client_that_pipelines_and_never_reads_is_let_go(node):
         assert time.monotonic() - stuck < srv.WRITE_TIMEOUT + 10
     finally:
         client.close()
-    time.sleep(srv.COOL_DOWN)         # its 429s, past the pods' budgets, may have cooled it
+    time.sleep(limits.COOL_DOWN)         # its 429s, past the pods' budgets, may have cooled it
     assert_others_unaffected(node, bad)
 
 
@@ -282,13 +283,13 @@ def test_a_pod_holding_no_connection_is_served_while_hoarders_keep_every_place(n
 
     async def scenario() -> list[tuple[int, dict]]:
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(hoard(node.port, h, srv.MAX_CONNECTIONS_PER_ADDRESS,
+        tasks = [asyncio.create_task(hoard(node.port, h, limits.MAX_CONNECTIONS_PER_ADDRESS,
                                            stop)) for h in hoarders]
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, wait_metric, node,
                                        "kiamfast_container_credentials_connections",
-                                       lambda v: v >= srv.MAX_CONNECTIONS)
+                                       lambda v: v >= limits.MAX_CONNECTIONS)
             answers = []
             for _ in range(10):                   # ten pods, each from an address of its own
                 answers.append(await loop.run_in_executor(None, ask_in_thread, node,
@@ -318,7 +319,7 @@ def test_ten_thousand_idle_connections_take_no_pods_path(node, addresses):
         try:
             held = await loop.run_in_executor(None, wait_metric, node,
                                               "kiamfast_container_credentials_connections",
-                                              lambda v: v <= srv.MAX_CONNECTIONS)
+                                              lambda v: v <= limits.MAX_CONNECTIONS)
             answers = [await loop.run_in_executor(None, ask_in_thread, node,
                                                   fresh_source(node)) for _ in range(5)]
             return len(opened), answers, held
@@ -328,7 +329,7 @@ def test_ten_thousand_idle_connections_take_no_pods_path(node, addresses):
 
     opened, answers, held = asyncio.run(scenario())
     assert opened >= 9000, opened          # the flood did connect
-    assert held <= min(srv.MAX_CONNECTIONS, addresses * srv.MAX_CONNECTIONS_PER_ADDRESS) + 1
+    assert held <= min(limits.MAX_CONNECTIONS, addresses * limits.MAX_CONNECTIONS_PER_ADDRESS) + 1
     assert [a[0] for a in answers] == [200] * 5, answers
     assert_others_unaffected(node, sources[0])
     # Nothing is left holding a place once the flood's clients are gone.

@@ -13,6 +13,9 @@ import json
 import socket
 import time
 
+from kiamfast.container_credentials import limits
+from kiamfast.container_credentials import pod_view
+from kiamfast.container_credentials import token_review
 from kiamfast.container_credentials import server as srv
 from kiamfast.container_credentials.token_review import POD_NAME_EXTRA, POD_UID_EXTRA, TokenReviewer
 
@@ -126,7 +129,7 @@ def test_a_head_too_large_a_body_and_a_bad_request_line_are_refused():
 def test_one_address_holds_at_most_its_share_of_connections():
     async def body(ls):
         held = [await asyncio.open_connection("127.0.0.1", ls.port, local_addr=("127.0.0.9", 0))
-                for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS)]
+                for _ in range(limits.MAX_CONNECTIONS_PER_ADDRESS)]
         reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
                                                        local_addr=("127.0.0.9", 0))
         writer.write(b"GET /v1/credentials HTTP/1.1\r\n\r\n")
@@ -145,14 +148,14 @@ def test_new_tokens_beyond_an_addresss_budget_get_429_cached_ones_do_not():
     async def body(ls):
         first = token(uid="uid-0")
         assert (await ls.ask(first))[0] == 200
-        answers = [await ls.ask(token(uid=f"uid-{i}")) for i in range(1, srv.REVIEW_BURST + 1)]
+        answers = [await ls.ask(token(uid=f"uid-{i}")) for i in range(1, limits.REVIEW_BURST + 1)]
         status, doc, head = answers[-1]
         assert (status, doc["Code"]) == (429, "TooManyRequests")
         assert b"\r\nRetry-After: 1" in head
         assert all(a[0] == 200 for a in answers[:-1])
         assert (await ls.ask(first))[0] == 200                 # cached: no review needed
         assert (await ls.ask(token(uid="uid-x"), source="127.0.0.11"))[0] == 200
-        assert ls.api.calls == srv.REVIEW_BURST + 1
+        assert ls.api.calls == limits.REVIEW_BURST + 1
     serving(body)
 
 
@@ -189,7 +192,7 @@ def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_ar
         reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
                                                        local_addr=(flood, 0))
         answered = 0
-        for _ in range(srv.REFUSAL_BURST + 5):
+        for _ in range(limits.REFUSAL_BURST + 5):
             writer.write(b"GET /v1/credentials HTTP/1.1\r\nAuthorization: not-a-jwt\r\n\r\n")
             head = await asyncio.wait_for(reader.read(4096), 5)
             if not head:
@@ -197,7 +200,7 @@ def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_ar
             assert head.startswith(b"HTTP/1.1 400 ")
             answered += 1
         writer.close()
-        assert answered == srv.REFUSAL_BURST + 1
+        assert answered == limits.REFUSAL_BURST + 1
         # New connections from it are closed at once, even with a good token ...
         try:                                          # closed unanswered (or reset)
             out = await ls.raw(b"GET /v1/credentials HTTP/1.1\r\nAuthorization: " +
@@ -215,19 +218,19 @@ def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_ar
 
 
 def test_the_cool_down_ends_and_a_pod_waiting_for_its_credentials_is_never_cooled():
-    limits = srv.AddressLimits(clock=lambda: now[0])
+    bounds = limits.AddressLimits(clock=lambda: now[0])
     now = [0.0]
-    for _ in range(srv.REFUSAL_BURST):
-        assert not limits.refused("10.0.0.1")
-    assert limits.refused("10.0.0.1") and limits.cooling("10.0.0.1")
-    assert not limits.cooling("10.0.0.2")                 # another address: untouched
-    now[0] += srv.COOL_DOWN + 0.01
-    assert not limits.cooling("10.0.0.1")                 # the cool-down is over
+    for _ in range(limits.REFUSAL_BURST):
+        assert not bounds.refused("10.0.0.1")
+    assert bounds.refused("10.0.0.1") and bounds.cooling("10.0.0.1")
+    assert not bounds.cooling("10.0.0.2")                 # another address: untouched
+    now[0] += limits.COOL_DOWN + 0.01
+    assert not bounds.cooling("10.0.0.1")                 # the cool-down is over
 
     async def body(ls):
         # 503 "not fetched yet", asked again and again by a pod's SDK, is not a refusal.
-        ls.view.resolve = lambda pod, now: srv.Wait(srv.unavailable("not yet"))
-        for _ in range(srv.REFUSAL_BURST + 5):
+        ls.view.resolve = lambda pod, now: pod_view.Wait(token_review.unavailable("not yet"))
+        for _ in range(limits.REFUSAL_BURST + 5):
             assert (await ls.ask(token(), source="127.0.0.22"))[0] == 503
         assert not ls.server.limits.cooling("127.0.0.22")
     serving(body)
@@ -313,7 +316,7 @@ def test_one_pods_flood_of_valid_tokens_is_held_to_its_budget_others_are_served(
         reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
                                                        local_addr=("127.0.5.1", 0))
         statuses = []
-        for _ in range(srv.POD_ANSWER_BURST + 5):
+        for _ in range(limits.POD_ANSWER_BURST + 5):
             writer.write(f"GET /v1/credentials HTTP/1.1\r\nAuthorization: {tok}\r\n\r\n"
                          .encode())
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -323,7 +326,7 @@ def test_one_pods_flood_of_valid_tokens_is_held_to_its_budget_others_are_served(
             if statuses[-1] == 429:
                 assert b"\r\nRetry-After: 1\r\n" in head
         writer.close()
-        assert statuses == [200] * srv.POD_ANSWER_BURST + [429] * 5
+        assert statuses == [200] * limits.POD_ANSWER_BURST + [429] * 5
         # From another address too: the budget is the pod's.
         assert (await ls.ask(tok, source="127.0.5.2"))[0] == 429
         assert (await ls.ask(token(uid="uid-calm"), source="127.0.5.3"))[0] == 200
@@ -336,14 +339,14 @@ def test_at_the_cap_a_newcomer_takes_the_place_of_the_longest_idle_connection():
     gets in, in place of the connection idle longest of an address holding the most; a
     connection whose request is being answered is never the one closed."""
     async def body(ls):
-        hoarders = [f"127.0.6.{i + 1}" for i in range(srv.MAX_CONNECTIONS
-                                                       // srv.MAX_CONNECTIONS_PER_ADDRESS)]
+        hoarders = [f"127.0.6.{i + 1}" for i in range(limits.MAX_CONNECTIONS
+                                                       // limits.MAX_CONNECTIONS_PER_ADDRESS)]
         held = {}
         for address in hoarders:
             held[address] = [await asyncio.open_connection(
                 "127.0.0.1", ls.port, local_addr=(address, 0))
-                for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS)]
-        await until(lambda: ls.server.limits.total == srv.MAX_CONNECTIONS)
+                for _ in range(limits.MAX_CONNECTIONS_PER_ADDRESS)]
+        await until(lambda: ls.server.limits.total == limits.MAX_CONNECTIONS)
         # Every place taken: one more from a hoarder is turned away (it holds its share).
         reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
                                                        local_addr=(hoarders[0], 0))
@@ -420,24 +423,24 @@ def test_at_the_cap_a_newcomer_takes_an_idle_place_when_the_busiest_address_is_a
     address holding the most (the first) has no idle connection.  A pod holding none still
     gets in, in place of an idle connection of another address."""
     async def body(ls):
-        ls.view.resolve = lambda pod, now: (srv.Wait(srv.unavailable("being fetched"))
+        ls.view.resolve = lambda pod, now: (pod_view.Wait(token_review.unavailable("being fetched"))
                                             if pod.uid == "uid-slow" else CREDS)
         slow = token(uid="uid-slow")
         busy = []
-        for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS):
+        for _ in range(limits.MAX_CONNECTIONS_PER_ADDRESS):
             reader, writer = await asyncio.open_connection("127.0.0.1", ls.port,
                                                            local_addr=("127.0.8.1", 0))
             writer.write(f"GET /v1/credentials HTTP/1.1\r\nAuthorization: {slow}\r\n\r\n"
                          .encode())
             busy.append((reader, writer))
         await until(lambda: sum(c.busy for conns in ls.server.limits.connections.values()
-                                for c in conns) == srv.MAX_CONNECTIONS_PER_ADDRESS)
+                                for c in conns) == limits.MAX_CONNECTIONS_PER_ADDRESS)
         idle = []
-        for i in range(srv.MAX_CONNECTIONS // srv.MAX_CONNECTIONS_PER_ADDRESS - 1):
-            for _ in range(srv.MAX_CONNECTIONS_PER_ADDRESS):
+        for i in range(limits.MAX_CONNECTIONS // limits.MAX_CONNECTIONS_PER_ADDRESS - 1):
+            for _ in range(limits.MAX_CONNECTIONS_PER_ADDRESS):
                 idle.append(await asyncio.open_connection(
                     "127.0.0.1", ls.port, local_addr=(f"127.0.9.{i + 1}", 0)))
-        await until(lambda: ls.server.limits.total == srv.MAX_CONNECTIONS)
+        await until(lambda: ls.server.limits.total == limits.MAX_CONNECTIONS)
         status, _, _ = await ls.ask(token(uid="uid-newcomer"), source="127.0.8.200")
         assert status == 200
         assert ls.server.limits.evicted == 1

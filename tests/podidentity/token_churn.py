@@ -25,6 +25,7 @@ import itertools
 import json
 import socket
 
+from kiamfast.container_credentials import pod_view
 from kiamfast.container_credentials import server as srv
 from kiamfast.container_credentials.token_review import (
     POD_NAME_EXTRA,
@@ -86,9 +87,9 @@ class LivePods:
     def known(self, uid: str) -> bool:
         return uid in self.pods
 
-    def resolve(self, pod: BoundPod, now: float) -> bytes | srv.Wait:
+    def resolve(self, pod: BoundPod, now: float) -> bytes | pod_view.Wait:
         if pod.uid not in self.pods:
-            return srv.Wait(srv.forbidden(f"pod {pod.namespace}/{pod.name} is not on node n1"))
+            return pod_view.Wait(pod_view.forbidden(f"pod {pod.namespace}/{pod.name} is not on node n1"))
         return CREDS
 
     def want(self, slot: int) -> None:
