@@ -1,7 +1,11 @@
-"""Budgets and backoff: the agent's one token bucket, one keyed budget and one backoff.
+"""Budgets and retries: the agent's one token bucket, one keyed budget, one backoff and one
+way of logging an outage.
 
 * :func:`backoff`: the jittered exponential delay before a retry (a watch, a runtime poll, a
-  taint removal, one credential key's failures): every caller that retries uses this one.
+  taint removal, one credential key's failures, a child's restart): every caller that
+  retries uses this one.
+* :class:`Episode`: when a failing dependency's outage is logged: its first failure (and,
+  for a long one, a reminder every so often), and its end; the caller writes the lines.
 * :class:`TokenBucket`: ``rate`` tokens per second, at most ``burst`` saved up, plus a global
   pause that throttling answers extend (exponential, jittered) and an adaptive rate (AIMD):
   each throttling answer halves the rate (once per window of calls, down to ``min_rate``),
@@ -18,8 +22,8 @@ module: it imports nothing of the agent's.
 """
 from __future__ import annotations
 
-import asyncio
 import random
+import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, Hashable
 
@@ -27,15 +31,53 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
 
 
-def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None = None) -> float:
+def backoff(attempt: int, *, base: float, cap: float, rng: random.Random | None = None,
+            jitter: bool = True) -> float:
     """Delay before retry number ``attempt`` (1-based): "equal jitter" exponential backoff.
 
     ``min(cap, base * 2**(attempt-1))`` scaled by a uniform factor in [0.5, 1.0], so retries of
-    many keys that failed together spread out without ever retrying much sooner than planned.
+    many keys that failed together spread out without ever retrying much sooner than planned
+    (``jitter=False``: not scaled, for a retry nothing else shares: a child's restart).
     """
-    r = rng or random
     exp = min(cap, base * (2 ** max(0, min(attempt - 1, 30))))
-    return exp * r.uniform(0.5, 1.0)
+    return exp * (rng or random).uniform(0.5, 1.0) if jitter else exp
+
+
+class Episode:
+    """One dependency's outage, for its log lines: :meth:`failed` is True at its first
+    failure (the line that says it began) and, with ``every``, once every ``every`` seconds
+    while it lasts (a reminder: a bare agent outside a cluster must not fill its log);
+    :meth:`recovered` is True once, when it ends.  The caller logs; this says when."""
+
+    def __init__(self, *, every: float | None = None, clock: Clock = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self.since: float | None = None      # when the outage began (None: no outage)
+        self._logged = 0.0
+
+    @property
+    def failing(self) -> bool:
+        return self.since is not None
+
+    @property
+    def lasted(self) -> float:
+        """Seconds since the outage began (0 without one)."""
+        return self.clock() - self.since if self.since is not None else 0.0
+
+    def failed(self) -> bool:
+        now = self.clock()
+        if self.since is None:
+            self.since = self._logged = now
+            return True
+        if self.every is not None and now - self._logged >= self.every:
+            self._logged = now
+            return True
+        return False
+
+    def recovered(self) -> bool:
+        ended = self.since is not None
+        self.since = None
+        return ended
 
 
 class TokenBucket:
@@ -44,7 +86,7 @@ class TokenBucket:
     MIN_RATE_DIVISOR = 16     # the adaptive rate never drops below rate / 16 (or min_rate)
     INCREASE_DIVISOR = 8      # ... and each success gives back rate / 8
 
-    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep = asyncio.sleep,
+    def __init__(self, rate: float, burst: int, *, clock: Clock, sleep: Sleep | None = None,
                  min_rate: float | None = None, tokens: float | None = None):
         """``tokens``: saved up at the start (default: a full burst)."""
         if rate <= 0 or burst < 1:
@@ -93,6 +135,9 @@ class TokenBucket:
             wait = self.try_take()
             if wait <= 0:
                 return
+            if self._sleep is None:
+                import asyncio      # not at the top: the supervisor runs no event loop
+                self._sleep = asyncio.sleep
             await self._sleep(wait)
 
     def borrow(self) -> bool:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from kiamfast.budget import backoff
+
 log = logging.getLogger("kiamfast.supervisor")
 
 RESTART_BACKOFF_MIN = 0.5
@@ -41,6 +43,7 @@ class Child:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     backoff: float = RESTART_BACKOFF_MIN
+    failures: int = 1          # restarts since it last ran HEALTHY_AFTER (the first: 1)
     restart_at: float = 0.0
     restarts: int = 0
     ready_pipe: int = -1          # read end: one byte once the child says it is ready
@@ -107,8 +110,9 @@ class Child:
         if code is None or not self.restart:
             return
         ran = now - self.started
-        self.backoff = RESTART_BACKOFF_MIN if ran > HEALTHY_AFTER else min(
-            self.backoff * 2, RESTART_BACKOFF_MAX)
+        self.failures = 1 if ran > HEALTHY_AFTER else self.failures + 1
+        self.backoff = backoff(self.failures, base=RESTART_BACKOFF_MIN,
+                               cap=RESTART_BACKOFF_MAX, jitter=False)
         self.restart_at = now + self.backoff
         self.restarts += 1
         self.proc = None

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Any
 
+from kiamfast.budget import Episode, backoff
 from kiamfast.control.cri.client import RuntimeClient, RuntimeUnavailable, RuntimeView
 
 log = logging.getLogger("kiamfast.runtime")
@@ -58,7 +59,8 @@ class RuntimePoller:
         self.healthy = False
         self.last_error = ""
         self.last_view_ns = 0        # clock_ns() when the last view was applied (for /healthz)
-        self._reported: bool | None = None
+        self._outage = Episode()
+        self._told: bool | None = None   # the state on_state was last told
         self._wanted_ns = -1         # the largest after_ns asked for by need()
         self._last_started_ns = -1   # started_ns of the last view handed to on_view
         self._last_attempt_ns = -1   # when the last attempt (view or failure) began
@@ -159,29 +161,26 @@ class RuntimePoller:
         return start < until
 
     def _backoff(self, failures: int) -> float:
-        """Jittered exponential: between half and all of min(cap, min * 2^(n-1))."""
-        ceiling = min(self.backoff_max, self.backoff_min * 2 ** min(failures - 1, 30))
-        return ceiling * (0.5 + 0.5 * self._rng.random())
+        return backoff(failures, base=self.backoff_min, cap=self.backoff_max, rng=self._rng)
 
     def _unhealthy(self, exc: Exception) -> None:
         message = str(exc) if isinstance(exc, RuntimeUnavailable) else (
             f"CRI endpoint {self.client.endpoint}: {type(exc).__name__}: {exc}")
         self.healthy, self.last_error = False, message
-        if self._reported is not False:
-            self._reported = False
+        if self._outage.failed():
             self.stats["outages"] += 1
             log.warning("container runtime unavailable (retrying with backoff): %s", message)
             self._tell_state(False, message)
 
     def _healthy(self) -> None:
         self.healthy, self.last_error = True, ""
-        if self._reported is not True:
-            if self._reported is False:
-                log.info("container runtime %s reachable again", self.client.endpoint)
-            self._reported = True
+        if self._outage.recovered():
+            log.info("container runtime %s reachable again", self.client.endpoint)
+        if self._told is not True:   # the first answer too: on_state hears every change
             self._tell_state(True, "")
 
     def _tell_state(self, healthy: bool, message: str) -> None:
+        self._told = healthy
         try:
             self._on_state(healthy, message)
         except Exception:

@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
+from kiamfast.budget import Episode, backoff
 from kiamfast.control.k8s.watch import ResourceWatch
 from kiamfast.kube.errors import ApiError, ApiUnavailable
 
@@ -97,15 +98,14 @@ async def follow_node_count(client: Any, manager: Any, *, interval: float = 60.0
     """Keep ``manager``'s share of the fleet's STS budget on the cluster's node count
     (--sts-account-qps without --sts-fleet-nodes), every ``interval`` (jittered).  Until the
     first count, and while the API fails, the share stays as it is."""
-    failing = False
+    outage = Episode()
     while True:
         try:
             manager.set_fleet_nodes(await count_nodes(client))
-            failing = False
+            outage.recovered()
         except (ApiError, ApiUnavailable, ValueError) as exc:
-            if not failing:      # once per episode
+            if outage.failed():
                 log.warning("could not count the cluster's nodes (will keep trying): %s", exc)
-                failing = True
         await asyncio.sleep(interval * random.uniform(0.8, 1.2))
 
 
@@ -160,8 +160,8 @@ class StartupTaint:
             self._seen_again.set()
 
     async def _remove_until_done(self, client: Any) -> None:
-        backoff = self.FIRST_BACKOFF
-        failing = False
+        outage = Episode()
+        failures = 0
         while True:
             self.attempts += 1
             try:
@@ -169,14 +169,14 @@ class StartupTaint:
             except (ApiError, ApiUnavailable) as exc:
                 error = describe(exc, self.node_name)
                 self._set_state(f"retrying: {error}")
-                if not failing:  # once per episode; the state keeps the latest error
+                if outage.failed():   # the state keeps the latest error
                     log.warning("could not remove startup taint %s (will keep retrying): %s",
                                 self.taint_key, error)
-                    failing = True
-                await self._sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(backoff * 2, self.MAX_BACKOFF)
+                failures += 1
+                await self._sleep(backoff(failures, base=self.FIRST_BACKOFF,
+                                          cap=self.MAX_BACKOFF))
                 continue
-            if failing:
+            if outage.recovered():
                 log.info("startup taint %s of node %s is gone after %d attempts",
                          self.taint_key, self.node_name, self.attempts)
             elif not removed and not self.removals:

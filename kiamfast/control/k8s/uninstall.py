@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 
-from kiamfast.budget import backoff
+from kiamfast.budget import Episode, backoff
 from kiamfast.control.k8s.watch import ResourceWatch
 from kiamfast.kube.errors import ApiError, ApiUnavailable
 
@@ -166,12 +166,13 @@ class UninstallWatch:
 
     async def _read_pod_until_answered(self) -> dict[str, Any]:
         failures = 0
+        outage = Episode()
         while True:
             try:
                 return await self._get(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod}")
             except (ApiError, ApiUnavailable) as exc:
                 failures += 1
-                if failures == 1:   # once per episode
+                if outage.failed():
                     log.warning("cannot read this agent's pod %s/%s (will keep trying): %s",
                                 self.namespace, self.pod, exc)
                 await self._sleep(backoff(failures, base=0.5, cap=60.0))

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from kiamfast.budget import backoff
+from kiamfast.budget import Episode, backoff
 from kiamfast.kube.errors import ApiError, ApiUnavailable
 
 log = logging.getLogger("kiamfast.watch")
@@ -87,9 +87,8 @@ class ResourceWatch:
     listed: asyncio.Event = field(default_factory=asyncio.Event)
     # Told each change between failing (the error) and answering (""): /healthz shows it.
     on_state: Callable[[str], None] = lambda error: None
-    _failing_since: float | None = None
+    _outage: Episode = field(default_factory=lambda: Episode(every=LOG_EVERY))
     _not_streaming: int = 0                 # watches in a row that were not streams
-    _logged_at: float = 0.0
 
     async def run(self) -> None:
         rv = ""
@@ -145,20 +144,15 @@ class ResourceWatch:
     def _failing(self, error: str, delay: float) -> None:
         """An outage: one log line when it begins, then at most one every LOG_EVERY
         seconds (a bare agent outside a cluster must not fill its log)."""
-        now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = now
-        if self._failing_since == now or now - self._logged_at >= LOG_EVERY:
-            self._logged_at = now
+        if self._outage.failed():
             log.warning("%s %s; retrying in %.2fs (failing for %.0fs; logged at most every "
-                        "%.0fs)", self.name, error, delay, now - self._failing_since, LOG_EVERY)
+                        "%.0fs)", self.name, error, delay, self._outage.lasted, LOG_EVERY)
         self.on_state(error)
 
     def _answering(self) -> None:
-        if self._failing_since is not None:
-            log.info("%s: the API server answers again after %.0fs", self.name,
-                     time.monotonic() - self._failing_since)
-            self._failing_since = None
+        lasted = self._outage.lasted
+        if self._outage.recovered():
+            log.info("%s: the API server answers again after %.0fs", self.name, lasted)
             self.on_state("")
 
     def _delay(self, failures: int, retry_after: float | None) -> float:
