@@ -18,7 +18,6 @@ extensions = [
         [path],
         include_dirs=["ext"],
         extra_compile_args=["-O2", "-std=gnu11"] + (["-UNDEBUG", "-g"] if DEBUG else []),
-        define_macros=[("KIAMFAST_DEBUG", "1" if DEBUG else "0")],
     )
     for path in sorted(glob.glob("ext/_*.pyx"))
 ]

@@ -38,7 +38,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("kiamfast.iptables")
 
-METADATA_IPV4 = "169.254.169.254"
 METADATA_IPV6 = "fd00:ec2::254"
 CHAIN = "PREROUTING"
 TABLE = "nat"

@@ -13,8 +13,6 @@ from kiamfast.kube.errors import ApiError
 USER_AGENT = f"kiamfast/{__version__}"
 JSON = "application/json"
 JSON_PATCH = "application/json-patch+json"
-MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 Params = Mapping[str, str | int | bool | None]
 

@@ -147,18 +147,6 @@ def _bind(config: Config, todo: list[tuple[str, str, int]], *,
     return out
 
 
-def container_credentials_listeners(config: Config) -> list[socket.socket]:
-    """The container-credentials sockets (--container-credentials-addr), bound here like the
-    app port so requests wait in their backlog while the control process restarts.  With
-    --container-credentials-link the addresses are put on that link first; an IPv6 one it
-    cannot hold is not listened on (`link.ensure_addresses` logs why)."""
-    if not config.container_credentials_addr:
-        return []
-    todo = [(CONTAINER, h, p) for h, p in
-            container_credentials_addrs(config.container_credentials_addr)]
-    return [lst.sock for lst in _bind(config, todo, skip_taken=())]
-
-
 def take_for_start(config: Config, received: list[tuple[dict, socket.socket]]
                    ) -> tuple[Listeners, bool]:
     """The sockets to start on (:func:`take`) and whether on the second port: the keeper's

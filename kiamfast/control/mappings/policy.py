@@ -63,6 +63,7 @@ import orjson
 
 import re2
 
+from kiamfast.config import BASE_ARN_REGEXP
 from kiamfast.control.mappings.patterns import GoRegexpError, compile_go_regexp, go_glob
 from kiamfast.decisions import NO_ROLE, IdentityKind, PodIdentity
 
@@ -71,10 +72,7 @@ log = logging.getLogger(__name__)
 DEFAULT_ROLE_KEY = "iam.amazonaws.com/role"
 DEFAULT_EXTERNAL_ID_KEY = "iam.amazonaws.com/external-id"
 DEFAULT_NAMESPACE_KEY = "iam.amazonaws.com/allowed-roles"
-KIAM_PERMITTED_KEY = "iam.amazonaws.com/permitted"
 
-# kube2iam's check of --base-role-arn (cmd/main.go), kept verbatim.
-_BASE_ARN_RE = re.compile(r"^arn:(\w|-)*:iam::\d+:role\/?(\w+|-|\/|\.)*$", re.ASCII)
 # What STS can accept as a role ARN: partition, account, optional path, name
 # (IAM name characters are [\w+=,.@-]).
 _ROLE_ARN_RE = re.compile(r"^arn:[\w-]+:iam::\d+:role/[\w+=,.@/-]*[\w+=,.@-]$",
@@ -121,7 +119,7 @@ class RolePolicy:
         permitted_key: str = "",
     ) -> None:
         if base_role_arn:
-            if not _BASE_ARN_RE.match(base_role_arn):
+            if not BASE_ARN_REGEXP.match(base_role_arn):
                 raise InvalidBaseArn(f"{base_role_arn!r} is not a valid base role ARN")
             if not base_role_arn.endswith("/"):
                 base_role_arn += "/"
