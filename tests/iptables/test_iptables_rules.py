@@ -157,7 +157,7 @@ def test_install_rules_from_config_wildcard_negated_and_ipv6(netns):
     ns = netns()
     cfg = Config(iptables=True, host_ip="10.213.0.1", host_interface="!eth0",
                  metadata_ipv6=True, host_ipv6="fd00:213::1", iptables_backend="auto")
-    rules = runner.install_rules(cfg, netns=ns)
+    installed = runner.install_rules(cfg, netns=ns)
     runner.install_rules(cfg, netns=ns)
     assert nat_rules(ns) == [
         "-A PREROUTING -d 169.254.169.254/32 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
@@ -165,7 +165,7 @@ def test_install_rules_from_config_wildcard_negated_and_ipv6(netns):
     assert nat_rules(ns, "ip6tables") == [
         "-A PREROUTING -d fd00:ec2::254/128 ! -i eth0 -p tcp -m tcp --dport 80 -j DNAT "
         "--to-destination [fd00:213::1]:8181"]
-    assert len(rules) == 2
+    assert len(installed) == 2
     assert runner.remove_rules(cfg, netns=ns) == 2
     assert nat_rules(ns) == [] and nat_rules(ns, "ip6tables") == []
 

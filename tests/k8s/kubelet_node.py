@@ -38,7 +38,7 @@ from tcp_proxy import TcpProxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from e2e_cluster import ROLE_KEY, STARTUP_TAINT  # noqa: E402
+from e2e_cluster import ROLE_KEY, STARTUP_TAINT, Agent  # noqa: E402
 from netns import call_in_netns  # noqa: E402
 from netns import unavailable_reason as netns_missing  # noqa: E402
 from runtime_node import RuntimeNode, wait_until  # noqa: E402
@@ -141,6 +141,13 @@ class KubeletNode(RuntimeNode):
         except BaseException:
             self.close()
             raise
+
+    def agent(self, **kwargs: Any) -> Agent:
+        """The agent in the node's mount namespace, as the DaemonSet's container is: the
+        runtime's network namespace mounts show there (HostToContainer), not on the host."""
+        assert self.mount_ns is not None
+        wrapper = kwargs.pop("wrapper", [])
+        return super().agent(wrapper=[*self.mount_ns.argv(), *wrapper], **kwargs)
 
     def _new_runtime(self, *, subnet: str, subnet6: str | None) -> NodeContainerd:
         runtime = NodeContainerd(netns=self.net.name, subnet=subnet, subnet6=subnet6)
