@@ -9,11 +9,20 @@ Two measurements:
   replaces them (the new pod created Pending, the old one terminating, Succeeded, deleted,
   then the new one Running with the address), and ``--steady`` pods ask for their role every
   100 ms.  Every ``--every`` seconds the PSS of each process (``/proc/PID/smaps_rollup``; the
-  table's shared pages split between them) is sampled.  Reported: the samples (the issue's
-  table), the answers (ok, failed, wrong: another role's listing), and the control process's
-  growth per replaced pod, fitted over the samples after the first ``--warmup`` seconds.
+  table's shared pages split between them) is sampled, and its anonymous memory (its heap).
+  Reported: the samples (the issue's table), the answers (ok, failed, wrong: another role's
+  listing), and the control process's growth per replaced pod, fitted over the samples
+  after the first ``--warmup`` seconds to its anonymous memory: PSS also counts a share of
+  the pages it maps from files other processes of the machine map too (libpython, the
+  extensions), so it moves in all three processes at once when unrelated processes come and
+  go, and the private file pages the kernel may drop and read again.
   ``--runtime fault`` adds the container runtime (the CRI fault double: each replacement also
   swaps the address's sandbox).
+* **control** (``--control N``): the whole control process (``ControlProcess``: the API
+  watches through kiamfast's own client, the runtime poller and its CRI client against the
+  CRI fault double, the credential manager, the publish loop, health) in this process, with
+  the emulator and the runtime double beside it, pods replaced through them as in
+  **agent**; tracemalloc on for N replacements: the bytes its code still holds after them.
 * **inprocess** (``--inprocess N``): N replacements through the control process's own rooms
   in this process (kiamfast/testing/pod_churn.py, as tests/memory), with tracemalloc on for
   all of them: the bytes the control process's code still holds after every tenth of them
@@ -22,6 +31,7 @@ Two measurements:
 
     python bench/memory_per_pod.py [--minutes 10] [--rate 20] [--steady 30] [--churned 20]
         [--runtime none|fault] [--every 20] [--warmup 60] [--json PATH]
+    python bench/memory_per_pod.py --control 8000 [--json PATH]
     python bench/memory_per_pod.py --inprocess 1000000 [--json PATH]
 """
 from __future__ import annotations
@@ -30,6 +40,8 @@ import argparse
 import asyncio
 import gc
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -55,6 +67,7 @@ class Sample:
     seconds: float
     replaced: int
     pss: dict[str, int]              # "control", "workers", "supervisor": bytes
+    anon: dict[str, int] = field(default_factory=dict)   # their anonymous memory, bytes
 
 
 @dataclass
@@ -69,22 +82,29 @@ class AgentResult:
     control_fit_stderr: float = 0.0
 
 
-def pss(pid: int) -> int:
+def memory(pid: int) -> tuple[int, int]:
+    """(PSS, anonymous memory) of one process, bytes; 0s if it is gone."""
+    found = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in ("Pss", "Anonymous"):
+                    found[name] = int(rest.split()[0]) * 1024
     except (OSError, ValueError):
         pass
-    return 0
+    return found.get("Pss", 0), found.get("Anonymous", 0)
 
 
-def sample_pss(agent) -> dict[str, int]:
+def sample_memory(agent) -> tuple[dict[str, int], dict[str, int]]:
+    """PSS and anonymous memory of the agent's processes by role."""
     procs = agent.processes()
-    return {"control": sum(pss(p) for p in procs["control"]),
-            "workers": sum(pss(p) for p in procs["worker"]),
-            "supervisor": sum(pss(p) for p in procs["supervisor"])}
+    pss, anon = {}, {}
+    for role, key in (("control", "control"), ("workers", "worker"),
+                      ("supervisor", "supervisor")):
+        got = [memory(p) for p in procs[key]]
+        pss[role], anon[role] = sum(m[0] for m in got), sum(m[1] for m in got)
+    return pss, anon
 
 
 class Askers:
@@ -131,9 +151,10 @@ class Churn(threading.Thread):
     round robin over ``addresses``."""
 
     def __init__(self, node: LoopbackNode, addresses: list[str], rate: float,
-                 roles: int = 10) -> None:
+                 roles: int = 10, prefix: str = "job") -> None:
         super().__init__(name="churn", daemon=True)
         self.node, self.addresses, self.rate, self.roles = node, addresses, rate, roles
+        self.prefix = prefix
         self.replaced = 0
         self.live: dict[str, tuple[str, object]] = {}   # ip -> (name, sandbox or None)
         self._seq = 0
@@ -142,7 +163,7 @@ class Churn(threading.Thread):
     def add(self, ip: str) -> None:
         from kiamfast.testing.cri_fault import fake_sandbox
         self._seq += 1
-        name, role = f"job-{self._seq}", f"role-{self._seq % self.roles}"
+        name, role = f"{self.prefix}-{self._seq}", f"role-{self._seq % self.roles}"
         pods = self.node.api.pods
         pods.create(NAMESPACE, name, node=self.node.node, annotations={ROLE_KEY: role},
                     ips=None, phase="Pending")
@@ -207,12 +228,13 @@ def run_agent(*, minutes: float, rate: float, steady: int, churned: int, runtime
             try:
                 while True:
                     elapsed = time.monotonic() - started
-                    s = Sample(round(elapsed, 1), churn.replaced, sample_pss(agent))
+                    s = Sample(round(elapsed, 1), churn.replaced, *sample_memory(agent))
                     result.samples.append(s)
                     log(f"{s.seconds:7.0f}s {s.replaced:8d} replaced  control "
                         f"{s.pss['control'] / MIB:6.1f} MiB  workers "
                         f"{s.pss['workers'] / MIB:5.1f} MiB  supervisor "
-                        f"{s.pss['supervisor'] / MIB:5.1f} MiB")
+                        f"{s.pss['supervisor'] / MIB:5.1f} MiB  (control heap "
+                        f"{s.anon['control'] / MIB:6.2f} MiB)")
                     if elapsed >= minutes * 60:
                         break
                     time.sleep(min(every, max(0.0, minutes * 60 - elapsed)))
@@ -223,7 +245,7 @@ def run_agent(*, minutes: float, rate: float, steady: int, churned: int, runtime
     fit = [s for s in result.samples if s.seconds >= warmup]
     if len(fit) >= 3:
         x = np.array([s.replaced for s in fit], dtype=float)
-        y = np.array([s.pss["control"] for s in fit], dtype=float)
+        y = np.array([s.anon["control"] for s in fit], dtype=float)
         (slope, _), cov = np.polyfit(x, y, 1, cov=True)
         result.control_bytes_per_pod = float(slope)
         result.control_fit_stderr = float(np.sqrt(cov[0][0]))
@@ -280,20 +302,101 @@ def run_inprocess(count: int, *, checkpoints: int = 10, warmup: int = 2_000,
     return out
 
 
+def run_control(count: int, *, warmup: int = 500, steady: int = 10, churned: int = 10,
+                log=print) -> Checkpoint:
+    import socket
+    import tempfile
+    from kiamfast import table as tbl
+    from kiamfast.config import Config
+    from kiamfast.control.iam.sts import StsClient
+    from kiamfast.control.process import ControlProcess
+    from kiamfast.kube.config import load_config
+    from kiamfast.supervisor.statefiles import table_layout
+    out: list[Checkpoint] = []
+    with aws_env(), LoopbackNode(node="memory-node", runtime_name="cri-fault") as node:
+        path = tempfile.mktemp(prefix="kiamfast-memory-", dir="/dev/shm")
+        config = Config(node=node.node, host_ip="127.0.0.2", base_role_arn=node.base_role_arn,
+                        sts_endpoint=node.sts.url, sts_region="us-east-1",
+                        metadata_addr=node.imds_addr, kubeconfig=str(node.kubeconfig),
+                        cri_endpoint=node.runtime.endpoint, iptables=False, table_path=path,
+                        node_startup_taint="", debug=True)
+        table = tbl.Table.create(path, **table_layout(config))
+        ours, workers = socket.socketpair()
+        ours.setblocking(False)
+        control = ControlProcess(config, table, [ours],
+                                 sts=StsClient.from_config(config, start=False),
+                                 api_config=load_config(kubeconfig=config.kubeconfig))
+        churn = Churn(node, [f"127.0.2.{i + 1}" for i in range(churned)], rate=0.0)
+        steady_pods = Churn(node, [f"127.0.1.{i + 1}" for i in range(steady)], rate=0.0,
+                            prefix="steady")
+
+        def replace(n: int) -> None:
+            for i in range(n):
+                churn.add(churn.addresses[churn.replaced % len(churn.addresses)])
+                churn.replaced += 1
+                if i % 20 == 19:
+                    time.sleep(0.01)      # the control process keeps up (one GIL)
+
+        async def drive() -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                while not control.ready:
+                    await asyncio.sleep(0.05)
+                for ip in steady_pods.addresses:
+                    steady_pods.add(ip)
+                await loop.run_in_executor(None, replace, warmup)
+                await asyncio.sleep(3)
+                gc.collect()
+                tracemalloc.start(1)
+                try:
+                    before = tracemalloc.take_snapshot().filter_traces(OWN_CODE)
+                    started = time.monotonic()
+                    await loop.run_in_executor(None, replace, count)
+                    await asyncio.sleep(5)
+                    gc.collect()
+                    stats = tracemalloc.take_snapshot().filter_traces(OWN_CODE).compare_to(
+                        before, "lineno")
+                finally:
+                    tracemalloc.stop()
+                c = Checkpoint(count, round(time.monotonic() - started, 1),
+                               sum(s.size_diff for s in stats),
+                               [str(s) for s in stats[:3] if s.size_diff > 0])
+                out.append(c)
+                log(f"{c.replaced:9d} replaced  {c.kept_bytes:9d} bytes kept by the control "
+                    f"process ({c.kept_bytes / max(1, c.replaced):.3f} per pod)")
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)     # as the supervisor stops it
+
+        async def both() -> None:
+            driver = asyncio.create_task(drive())
+            try:
+                await control.run()
+            finally:
+                await driver
+
+        try:
+            asyncio.run(both())
+        finally:
+            workers.close()
+            table.close()
+            os.unlink(path)
+    return out[0]
+
+
 # ---- the report ---------------------------------------------------------------------------
 
 def agent_table(r: AgentResult) -> str:
-    rows = ["| seconds | pods replaced | control process PSS | workers | supervisor |",
-            "|---|---|---|---|---|"]
+    rows = ["| seconds | pods replaced | control process PSS | workers | supervisor | "
+            "control process, anonymous |", "|---|---|---|---|---|---|"]
     rows += [f"| {s.seconds:.0f} | {s.replaced:,} | {s.pss['control'] / MIB:.1f} MiB | "
-             f"{s.pss['workers'] / MIB:.1f} MiB | {s.pss['supervisor'] / MIB:.1f} MiB |"
-             for s in r.samples]
+             f"{s.pss['workers'] / MIB:.1f} MiB | {s.pss['supervisor'] / MIB:.1f} MiB | "
+             f"{s.anon['control'] / MIB:.2f} MiB |" for s in r.samples]
     return "\n".join(rows)
 
 
 def agent_summary(r: AgentResult, warmup: float) -> str:
     return (f"answers: {r.answers['ok']:,} ok, {r.answers['failed']:,} failed, "
-            f"{r.answers['wrong']:,} wrong; control process: "
+            f"{r.answers['wrong']:,} wrong; control process (anonymous memory): "
             f"{r.control_bytes_per_pod:+.1f} ± {r.control_fit_stderr:.1f} bytes per replaced "
             f"pod after {warmup:.0f} s ({r.control_bytes_per_pod * 1e6 / MIB:+.2f} MiB per "
             f"1,000,000)")
@@ -310,6 +413,7 @@ def inprocess_table(points: list[Checkpoint]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inprocess", type=int, default=0, metavar="N")
+    p.add_argument("--control", type=int, default=0, metavar="N")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=20.0)
     p.add_argument("--steady", type=int, default=30)
@@ -320,7 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     facts = machine_facts()
-    if a.inprocess:
+    if a.control:
+        c = run_control(a.control)
+        print(f"\nkept by the control process over {c.replaced:,} replaced pods: "
+              f"{c.kept_bytes:,} bytes; largest: {c.top}")
+        report = {"machine": facts, "control": asdict(c)}
+    elif a.inprocess:
         points = run_inprocess(a.inprocess)
         print("\n" + inprocess_table(points))
         report = {"machine": facts, "inprocess": [asdict(c) for c in points]}

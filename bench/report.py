@@ -559,7 +559,7 @@ def section_memory(quick: bool, out: Path, log) -> Section:
                      f"{kept.kept_bytes / 2**20:.3f} MiB",
                      "< 1 MiB per 1,000,000",
                      "ok" if kept.kept_bytes * 1_000_000 / kept.replaced < 2**20 else "over"),
-                    ("control process PSS per replaced pod (agent)",
+                    ("control process memory per replaced pod (agent)",
                      f"{agent.control_bytes_per_pod:+.1f} B", "about 0", "")]
     sec.raw = {"agent": mp.asdict(agent), "inprocess": [mp.asdict(c) for c in points]}
     return sec
