@@ -51,7 +51,7 @@ import numpy as np
 from benchutil import BENCH, ROOT, Unavailable, in_ci, machine_facts, median, summarize_us
 
 SECTIONS = ("hotpath", "churn", "node-start", "scale", "runtime", "kubelet", "fleet", "kube2iam",
-            "container-credentials", "webhook", "handover", "saturated")
+            "container-credentials", "webhook", "handover", "saturated", "memory")
 
 
 @dataclass
@@ -559,13 +559,38 @@ def section_saturated(quick: bool, out: Path, log) -> Section:
     return sec
 
 
+def section_memory(quick: bool, out: Path, log) -> Section:
+    import memory_per_pod as mp
+    # quick: a minute of the agent and 20,000 replacements in-process (bench/run --quick runs
+    # in CI); the figures of docs/performance.md are the full run's
+    minutes, count, warmup = (1.0, 20_000, 20.0) if quick else (10.0, 1_000_000, 60.0)
+    agent = mp.run_agent(minutes=minutes, rate=20.0, steady=30, churned=20, runtime="none",
+                         every=10.0 if quick else 20.0, warmup=warmup, log=log)
+    points = mp.run_inprocess(count, log=log)
+    kept = points[-1]
+    sec = Section("Memory kept per replaced pod")
+    sec.body = (f"The whole agent, pods replaced 20 times a second through the API on 20 "
+                f"reused addresses, 30 steady pods asking every 100 ms, PSS of each process:"
+                f"\n\n{mp.agent_table(agent)}\n\n{mp.agent_summary(agent, warmup)}\n\n"
+                f"The control process's rooms in-process (tracemalloc):\n\n"
+                f"{mp.inprocess_table(points)}\n")
+    sec.headline = [(f"kept by the control process over {kept.replaced:,} replaced pods",
+                     f"{kept.kept_bytes / 2**20:.3f} MiB",
+                     "< 1 MiB per 1,000,000",
+                     "ok" if kept.kept_bytes * 1_000_000 / kept.replaced < 2**20 else "over"),
+                    ("control process memory per replaced pod (agent)",
+                     f"{agent.control_bytes_per_pod:+.1f} B", "about 0", "")]
+    sec.raw = {"agent": mp.asdict(agent), "inprocess": [mp.asdict(c) for c in points]}
+    return sec
+
+
 RUNNERS = {"hotpath": section_hotpath, "churn": section_churn, "runtime": section_runtime,
            "node-start": section_node_start, "node_start": section_node_start,
            "scale": section_scale, "kubelet": section_kubelet,
            "fleet": section_fleet, "kube2iam": section_kube2iam,
            "container-credentials": section_container_credentials,
            "webhook": section_webhook, "handover": section_handover,
-           "saturated": section_saturated}
+           "saturated": section_saturated, "memory": section_memory}
 
 
 # ---- the report ------------------------------------------------------------------------------

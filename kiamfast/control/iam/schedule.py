@@ -101,6 +101,18 @@ def deadline(entry: Any, prio: int) -> tuple[float, ...]:
     return (entry.serve_until,)
 
 
+# Stale heap items tolerated beyond the live ones before the heap is rebuilt without them.
+STALE_SLACK = 16
+
+
+def _bounded(heap: list, live: Callable[[Any], bool]) -> list:
+    """The heap without its stale items: those of a freed entry, or that ``live`` says are
+    superseded (each entry has one live item per heap at most)."""
+    kept = [item for item in heap if not item[-1].freed and live(item)]
+    heapq.heapify(kept)
+    return kept
+
+
 class Schedule:
     """The ready queue, the timers and the dispatcher of STS calls."""
 
@@ -128,8 +140,12 @@ class Schedule:
         self.throttle_base, self.throttle_max = throttle_base, throttle_max
         self.inflight = 0
         self.queued = 0                     # entries with a live item in the ready queue
+        # Both heaps keep an item until it comes up, also once it is stale (the entry was
+        # re-queued, re-timed or freed); `_bounded` drops the stale ones when they would
+        # outnumber the live ones, so a key that is gone is never kept alive by them.
         self._ready: list[tuple[tuple[Any, ...], int, Any]] = []
         self._timers: list[tuple[float, int, int, str, Any]] = []
+        self._ready_bound = self._timers_bound = STALE_SLACK
         self._seq = itertools.count()
         self._token_wait = False
         self._throttle_streak = 0
@@ -155,6 +171,9 @@ class Schedule:
             self.queued += 1
         entry.queued = order
         heapq.heappush(self._ready, (order, next(self._seq), entry))
+        if len(self._ready) > self._ready_bound:
+            self._ready = _bounded(self._ready, lambda item: item[2].queued == item[0])
+            self._ready_bound = 2 * len(self._ready) + STALE_SLACK
         self._work.set()
 
     def sooner(self, entry: Any, *, addressed: bool) -> None:
@@ -182,6 +201,9 @@ class Schedule:
         """The entry's one live timer (an older one is ignored when it fires)."""
         entry.timer += 1
         heapq.heappush(self._timers, (at, next(self._seq), entry.timer, kind, entry))
+        if len(self._timers) > self._timers_bound:
+            self._timers = _bounded(self._timers, lambda item: item[2] == item[4].timer)
+            self._timers_bound = 2 * len(self._timers) + STALE_SLACK
         entry.timer_prio = prio
         if self._timers[0][4] is entry:
             self._timer_wake.set()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -58,7 +58,7 @@ class NodeModel:
 
     def __init__(self, *, policy: RolePolicy, table: TableWriter, sink: CredentialSink,
                  notify: Callable[[], None] = lambda: None, namespace_grace: float = 10.0,
-                 tombstones: int = 16384, clock: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.monotonic,
                  adopted: Mapping[str, Written] | None = None, expect_runtime: bool = False,
                  token_only: Callable[[Mapping[str, Any]], bool] = lambda spec: False,
                  slot_refs: Counter | None = None,
@@ -86,8 +86,9 @@ class NodeModel:
         self.sandbox_pods = SandboxPods(  # the runtime's pods, not (yet) the API's
             adopted_token_only={uid for uid, state, slot in written.values()
                                 if state == POD_DENIED and slot >= 0})
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
-        self._tombstone_cap = tombstones
+        # Every pod the model removed was last written before this resourceVersion: a pod it
+        # does not know whose object is older is a removed pod's late copy (`_remove`).
+        self._removed_before = 0
         self._dirty_ips: set[str] = set()
         self._dirty_pods: set[str] = set()
         self._pending: set[str] = set()
@@ -122,10 +123,13 @@ class NodeModel:
         """An ADDED/MODIFIED pod (watch event, or list item with ``seen`` = the list's RV)."""
         meta = obj.get("metadata") or {}
         uid = meta.get("uid") or ""
-        if not uid or uid in self._tombstones:
+        if not uid:
             return
         rv = resource_version(obj)
         pod = self.pods.get(uid)
+        if pod is None and rv and rv < self._removed_before:
+            self.counts["stale_events"] += 1     # a removed pod's late copy: never back
+            return
         if pod is not None and rv and rv < pod.rv:
             self.counts["stale_events"] += 1
             return
@@ -164,7 +168,7 @@ class NodeModel:
         """A DELETED pod: it loses its addresses (only where it still owns them)."""
         uid = (obj.get("metadata") or {}).get("uid") or ""
         if uid:
-            self._remove(uid)
+            self._remove(uid, removed_rv=resource_version(obj))
 
     def replace_pods(self, items: Iterable[Mapping[str, Any]], *, list_rv: int = 0) -> None:
         """A full list (initial or relist) at ``list_rv``: adds and updates first, then the
@@ -179,7 +183,7 @@ class NodeModel:
                 listed.add(uid)
                 self.apply_pod(obj, seen=list_rv)
         for uid in [u for u in self.pods if u not in listed]:
-            self._remove(uid)
+            self._remove(uid, removed_rv=list_rv)   # gone by then: deleted at or before it
 
     def apply_namespace(self, obj: Mapping[str, Any]) -> None:
         """A namespace's rules (a deleted namespace keeps them: its pods' deletes may come
@@ -346,12 +350,18 @@ class NodeModel:
         ips = sorted(self._ips_of(pod)) or ([] if pod.host_network else sorted(pod.api_ips))
         return ips[0] if ips else None
 
-    def _remove(self, uid: str) -> None:
+    def _remove(self, uid: str, *, removed_rv: int) -> None:
+        """The pod left the API at ``removed_rv`` (its delete's resourceVersion, or the list's
+        that no longer shows it).  Nothing is kept per removed pod: a late copy of it can only
+        be older than ``removed_rv`` (a delete is written after every version of the pod), and
+        no pod the model has not seen can be, since the watch hands over objects in the order
+        of their writes and a list holds every pod written before it.  So ``apply_pod`` turns
+        away an unknown pod older than the newest removal (docs/architecture.md, "Nothing
+        kept per pod")."""
         pod = self.pods.pop(uid, None)
-        self._tombstones[uid] = None
-        self._tombstones.move_to_end(uid)
-        while len(self._tombstones) > self._tombstone_cap:
-            self._tombstones.popitem(last=False)
+        if not removed_rv and pod is not None and pod.rv:
+            removed_rv = pod.rv + 1          # a delete without a version: after the last seen
+        self._removed_before = max(self._removed_before, removed_rv)
         if pod is None:
             return
         members = self._by_ns.get(pod.namespace)
