@@ -38,11 +38,11 @@ from typing import Any
 from kiamfast import table as tbl
 from kiamfast.control.cri.client import RuntimeView, Sandbox
 from kiamfast.control.iam.manager import CredentialManager
-from kiamfast.control.iam.policy import RolePolicy
+from kiamfast.control.mappings.policy import RolePolicy
 from kiamfast.control.iam.sts import StsClient
 from kiamfast.control.mappings import report
 from kiamfast.control.mappings.model import NodeModel
-from kiamfast.control.publish.aux import AuxPublisher
+from kiamfast.control.publish.blobs import AuxPublisher
 from kiamfast.testing.aws_env import offline
 from kiamfast.testing.sts import ManualClock, StsSandbox
 
