@@ -81,7 +81,10 @@ def test_a_quick_run_has_every_scenario_and_no_wrong_answer():
         assert s.calls > 0 and s.wrong == 0 and s.node_role == 0, \
             (s.agent, s.name, s.wrong_calls, s)
     rolling = next(s for s in res.scenarios if s.name == "rolling restart")
-    assert rolling.outcomes.get("refused", 0) > 0      # the gap it measures is real
+    # The gap it measures is real: calls refused while nothing listens, or reset when they
+    # were queued on the old agent's socket as it closed (which one, timing decides)
+    assert rolling.outcomes.get("refused", 0) + rolling.outcomes.get("reset", 0) > 0, \
+        rolling.outcomes
     assert all(m.get("Pss", 0) > 0 for m in res.keeper.values()), res.keeper
     assert "nft" in res.recheck or "legacy" in res.recheck
     assert "| kiamfast | surge handover |" in ho.markdown(res)

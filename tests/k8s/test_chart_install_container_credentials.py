@@ -76,7 +76,8 @@ from typing import Any
 
 import pytest
 from chart_cluster import (CHART, CONTROLLERS, NAMESPACE, ChartControlPlane, ChartNode,
-                           PodNetworkRoute, chart_node, helm, metadata_dnat, missing_reason,
+                           PodNetworkRoute, chart_node, helm, kiamfast_rules, metadata_dnat,
+                           missing_reason,
                            pod_network_api, print_failure_report, ready, ready_agent_pod,
                            removal_commands, state_dir, values_file)
 from kubelet_node import KubePod, go_time, wait_untainted
@@ -422,9 +423,11 @@ def test_helm_uninstall_keeps_the_link_so_pods_fail_closed_until_it_is_removed(r
                what="the agent pod gone")
     gone = time.time()
     assert sorted(link_addresses(node) or []) == sorted(ADDRESSES)   # kept on purpose
-    assert metadata_dnat(node), node.dnat_rules()
-    # The running app's next call: refused by the node (the address is local, nothing
-    # listens), not a timeout, and never an answer from IMDS.
+    # The metadata rules went with the DaemonSet (dnatRule.removeOnUninstall, the chart's
+    # default: the node as it was); the link stays. The running app's next call: refused by
+    # the node (the address is local, nothing listens), not a timeout, and never an answer
+    # from IMDS.
+    assert kiamfast_rules(node) == [], node.dnat_rules()
     refused = wait_until(lambda: [r for r in pod.rounds() if go_time(r["at"]) > gone],
                          timeout=60, interval=0.5, what="a round after the uninstall")
     assert "AccessKeyId" not in refused[0] and "connection refused" in refused[0]["error"], \
