@@ -86,8 +86,11 @@ def discover_roles(config: Config) -> Config:
     own instance role from the metadata service.  Fatal if it cannot be read, as in kube2iam."""
     role_arn = instance_role_arn(config.metadata_addr)
     base = role_arn.split(":role/")[0] + ":role/"
+    # The flags are done with once their values are read (the configuration's checks refuse
+    # --auto-discover-* beside the values they would set).
     if config.auto_discover_default_role:
         log.info("using the instance role %s as default role", role_arn)
-        return config.replace(base_role_arn=base, default_role=role_arn)
+        return config.replace(base_role_arn=base, default_role=role_arn,
+                              auto_discover_default_role=False, auto_discover_base_arn=False)
     log.info("discovered base role ARN %s", base)
-    return config.replace(base_role_arn=base)
+    return config.replace(base_role_arn=base, auto_discover_base_arn=False)
