@@ -39,10 +39,10 @@ def hwm_kib():   # the peak RSS of this process image (ru_maxrss keeps the forki
             return int(line.split()[1])
 endpoint, polls = sys.argv[1], int(sys.argv[2])
 t0 = time.perf_counter()
-from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri import client as cri_client
 imported = time.perf_counter() - t0
 rss_import = hwm_kib()
-client = runtime.RuntimeClient(endpoint, timeout=10.0)
+client = cri_client.RuntimeClient(endpoint, timeout=10.0)
 t0 = time.perf_counter()
 view = client.poll()
 first = time.perf_counter() - t0
@@ -53,7 +53,7 @@ for _ in range(polls):
     client.poll()
     times.append(time.perf_counter() - t0)
 cpu = time.process_time() - cpu0
-print(json.dumps({"module": runtime.__file__, "import_s": imported,
+print(json.dumps({"module": cri_client.__file__, "import_s": imported,
                   "rss_import_kib": rss_import, "first_poll_s": first,
                   "owners": len(view.owners), "steady_s": times, "cpu_per_poll_s": cpu / polls,
                   "threads": len(os.listdir("/proc/self/task")),

@@ -272,7 +272,7 @@ class CpuWait:
 
     # ---- the series -------------------------------------------------------------------------
 
-    def lines(self) -> list[str]:
+    def metric_lines(self) -> list[str]:
         run_delay = text.Counter("kiamfast_cpu_run_delay_seconds_total", "Time the agent's "
                                  "threads were runnable but waited for a CPU (schedstat), by "
                                  "process.", ("process",))

@@ -40,6 +40,11 @@ def sample(name: str, value: float, labels: Labels = ()) -> str:
     return f"{name}{{{inner}}} {number(value)}"
 
 
+def family(name: str, help_text: str, value: float, kind: str = "gauge") -> list[str]:
+    """A family of one series without labels: its header and its sample."""
+    return [*header(name, help_text, kind), sample(name, value)]
+
+
 def header(name: str, help_text: str, kind: str) -> list[str]:
     return [f"# HELP {name} {help_text.replace(chr(92), chr(92) * 2).replace(chr(10), ' ')}",
             f"# TYPE {name} {kind}"]

@@ -135,7 +135,7 @@ def test_no_two_test_modules_share_a_name():
 # agent's own API client and the rtnetlink wire stay leaves; only the CLI starts the
 # supervisor.  Within iam, the schedule decides when calls run knowing nothing of STS, the
 # table or the keys' owners: it runs the calls it is handed (iam/calls.py).  The iptables
-# rules are data: iptables_rules.py runs nothing (iptables.py runs iptables).
+# rules are data: iptables/rules.py runs nothing (iptables/runner.py runs iptables).
 SHAPE = [
     ("kiamfast/control/k8s", ("kiamfast.control.cri", "kiamfast.control.mappings",
                               "kiamfast.control.iam", "kiamfast.control.process")),
@@ -158,6 +158,22 @@ SHAPE = [
                                 "kiamfast.control.mappings", "kiamfast.control.iam",
                                 "kiamfast.control.process")),
     ("kiamfast/control/netns/wire.py", ("kiamfast.",)),
+    # The token path (the container-credentials listener) and the webhook never reach into
+    # control/: what they share with it (a pod's decision, the rendered credentials) is a
+    # floor below both, which imports neither; iptables is one package the supervisor and
+    # the control process share, and imports neither of them.
+    ("kiamfast/container_credentials", ("kiamfast.control", "kiamfast.supervisor",
+                                        "kiamfast.server")),
+    ("kiamfast/webhook", ("kiamfast.control", "kiamfast.container_credentials")),
+    ("kiamfast/decisions.py", ("kiamfast.control", "kiamfast.container_credentials")),
+    ("kiamfast/credential_parts.py", ("kiamfast.control", "kiamfast.container_credentials")),
+    ("kiamfast/iptables", ("kiamfast.control", "kiamfast.supervisor")),
+    # The start list knows no room; the rooms know neither the process nor each other's
+    # wiring (process.py builds them and hands each what it needs).
+    ("kiamfast/control/lifecycle.py", ("kiamfast.control",)),
+    ("kiamfast/control/api_link.py", ("kiamfast.control.process", "kiamfast.control.cri",
+                                      "kiamfast.control.publish")),
+    ("kiamfast/control/health.py", ("kiamfast.control.process",)),
     ("kiamfast/kube", ("kiamfast.",)),
     ("kiamfast/metrics_text.py", ("kiamfast.",)),
     ("kiamfast/budget.py", ("kiamfast.",)),
@@ -198,9 +214,9 @@ print(" ".join(sorted(m for m in sys.modules if m == "asyncio"
 
 
 def test_the_supervisor_loads_no_asyncio():
-    """The supervisor runs no event loop: the second port's rules come from iptables_rules.py
-    and iptables.py; keeping rules in place (rule_keeper.py, asyncio) is the control
-    process's job.  What its modules import in turn counts too, in a fresh interpreter."""
+    """The supervisor runs no event loop: the second port's rules come from iptables/rules.py
+    and iptables/runner.py; keeping rules in place (iptables/keeper.py, asyncio) is the
+    control process's job.  What its modules import in turn counts too, in a fresh interpreter."""
     proc = subprocess.run([sys.executable, "-c", _LOAD_SUPERVISOR], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

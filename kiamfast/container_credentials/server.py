@@ -36,14 +36,14 @@ from kiamfast.container_credentials.limits import (COOL_DOWN, REFUSAL_BURST, REF
                                                    AddressLimits, Connection)
 from kiamfast.container_credentials.pod_view import (Decisions, OwnershipView, PodView, Slots,
                                                     forbidden)
-from kiamfast.container_credentials.token_review import (BoundPod, TokenRejected,
+from kiamfast.container_credentials.token_review import (BoundPod, SyncRequests, TokenRejected,
                                                          TokenReviewer, precheck, unavailable)
 from kiamfast.sockets import raise_fd_limit
 
 if TYPE_CHECKING:
     from kiamfast.config import Config
-    from kiamfast.kube.client import Client
     from kiamfast.table import Table
+
 log = logging.getLogger("kiamfast.container_credentials")
 
 PATH = "/v1/credentials"        # what the EKS Pod Identity webhook puts in FULL_URI
@@ -281,7 +281,7 @@ class ContainerCredentialsServer:
         """For /healthz: whether reviews work (the one failure that is not a pod's own)."""
         return self.reviewer.health()
 
-    def metrics(self) -> list[str]:
+    def metric_lines(self) -> list[str]:
         counters = (
             ("kiamfast_container_credentials_total", "Container-credentials answers by HTTP "
              "status.", "counter", [(n, (("code", str(code)),))
@@ -312,12 +312,12 @@ class ContainerCredentialsServer:
 
 
 def from_config(config: Config, socks: Sequence[socket.socket], *, model: Decisions,
-                manager: Slots, table: Table, client: Client) -> ContainerCredentialsServer:
-    """The listeners of --container-credentials-addr.  Reviews go through ``client``'s
+                manager: Slots, table: Table, api: SyncRequests) -> ContainerCredentialsServer:
+    """The listeners of --container-credentials-addr.  Reviews go through ``api``'s
     blocking calls, on the reviewer's own threads and connections: they never queue behind
     the pod watch's streams."""
     from kiamfast.container_credentials.token_review import token_review_call
-    reviewer = TokenReviewer(token_review_call(client),
+    reviewer = TokenReviewer(token_review_call(api),
                              audience=config.container_credentials_audience)
     view = OwnershipView(model=model, manager=manager, table=table, node=config.node)
     return ContainerCredentialsServer(socks, reviewer=reviewer, view=view,

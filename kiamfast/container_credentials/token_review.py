@@ -28,11 +28,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import orjson
 
 from kiamfast.container_credentials.review_queue import Job, QueueFull, ReviewQueue
+
+if TYPE_CHECKING:
+    from kiamfast.kube.wire import Response
 
 log = logging.getLogger("kiamfast.container_credentials")
 
@@ -184,7 +187,15 @@ def verdict(status: dict[str, Any], claimed: BoundPod, audience: str) -> BoundPo
     return claimed
 
 
-def token_review_call(client: Any) -> Callable[[str, str], dict[str, Any]]:
+class SyncRequests(Protocol):
+    """The API client's blocking calls (kiamfast.kube.client.Client, or the control
+    process's link that holds one)."""
+
+    def request_sync(self, method: str, path: str, *, body: Any = None,
+                     timeout: float = 30.0) -> Response: ...
+
+
+def token_review_call(client: SyncRequests) -> Callable[[str, str], dict[str, Any]]:
     """A blocking TokenReview through kiamfast's API client (on the reviewer's threads, each
     with a connection of its own): (token, audience) -> status."""
     def call(token: str, audience: str) -> dict[str, Any]:

@@ -6,9 +6,15 @@ container).  ``readiness`` says what a 503 from /readyz waits for (the workers' 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kiamfast.control import imds_client
+
+if TYPE_CHECKING:
+    from kiamfast.control.api_link import ApiLink
+    from kiamfast.control.cri.source import RuntimeSource
+    from kiamfast.control.publish.blobs import AuxPublisher
 
 HEALTH_INTERVAL = 30.0
 
@@ -20,14 +26,17 @@ WAITING_CREDENTIALS = "the pods' credentials from STS"
 
 
 class Health:
-    def __init__(self, *, metadata_addr: str, host_ip: str, aux: Any) -> None:
+    def __init__(self, *, metadata_addr: str, host_ip: str, aux: AuxPublisher,
+                 runtime: RuntimeSource, api: ApiLink,
+                 token_reviews: Callable[[], str] | None) -> None:
+        """``token_reviews``: the container-credentials listener's word on its reviews (None:
+        no listener)."""
         self.metadata_addr = metadata_addr
         self.host_ip = host_ip
-        self.aux = aux                     # publish.aux.AuxPublisher
-        self.runtime: Any = None           # cri.source.RuntimeSource
-        self.taint: Any = None             # k8s.node.StartupTaint, once the API client is made
-        self.container: Any = None         # container_credentials server, if enabled
-        self.kubernetes = "connecting"     # | ok | unreachable: <error>
+        self.aux = aux
+        self.runtime = runtime
+        self.api = api
+        self.token_reviews = token_reviews
         self.instance_id = ""
         self.error = "no health check yet"
         self.waiting = WAITING_PODS        # "" once ready
@@ -37,10 +46,9 @@ class Health:
         if not self.waiting:
             return "ready"
         holding = ""
-        if self.waiting == WAITING_PODS and self.kubernetes.startswith("unreachable"):
-            holding = f"the API server is {self.kubernetes}"
-        elif (self.waiting == WAITING_RUNTIME and self.runtime is not None
-              and self.runtime.state != "ok"):
+        if self.waiting == WAITING_PODS and self.api.state.startswith("unreachable"):
+            holding = f"the API server is {self.api.state}"
+        elif self.waiting == WAITING_RUNTIME and self.runtime.state != "ok":
             holding = self.runtime.state
         return f"waiting for {self.waiting}" + (f": {holding}" if holding else "")
 
@@ -70,9 +78,8 @@ class Health:
             self.aux.health(None, self.runtime.link.broken or self.error)
             return
         body = {"hostIP": self.host_ip, "instanceId": self.instance_id,
-                "runtime": self.runtime.state, "kubernetes": self.kubernetes,
-                "taint": self.taint.state if self.taint is not None else "pending",
-                "readiness": self.readiness()}
-        if self.container is not None:
-            body["containerCredentials"] = self.container.health()
+                "runtime": self.runtime.state, "kubernetes": self.api.state,
+                "taint": self.api.taint_state, "readiness": self.readiness()}
+        if self.token_reviews is not None:
+            body["containerCredentials"] = self.token_reviews()
         self.aux.health(body, "")

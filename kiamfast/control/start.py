@@ -24,7 +24,8 @@ from kiamfast.control import imds_client, writer_lock
 from kiamfast.iptables import runner
 from kiamfast.control.iam.sts import StsClient
 from kiamfast.control.cri.source import NetnsUnavailable
-from kiamfast.control.process import ControlProcess, ControlTaskFailed
+from kiamfast.control.lifecycle import TaskFailed
+from kiamfast.control.process import ControlProcess
 from kiamfast.sockets import raise_fd_limit
 
 log = logging.getLogger("kiamfast.control")
@@ -121,7 +122,7 @@ def _serve(config: Config, args: argparse.Namespace, prepared: Prepared) -> int:
         log.error("%s: cannot read the node's instance role from the metadata service at "
                   "--metadata-addr=%s: %s", which, config.metadata_addr, e)
         return 1
-    except ControlTaskFailed as e:
+    except TaskFailed as e:
         log.error("control process exiting: %s", e)
         return 1
     return 0

@@ -179,7 +179,7 @@ class ChurnNode:
         self.model.expire()
         self.model.commit()
         self.manager.reclaim()
-        text = "\n".join(self.manager.metrics.lines()).encode()
+        text = "\n".join(self.manager.metrics.metric_lines()).encode()
         self.aux.metrics(text, b"")
         self.aux.denials(report.denials(self.model))
         self.aux.debug_store(report.debug_store(self.model))

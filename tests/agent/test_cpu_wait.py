@@ -43,7 +43,7 @@ def proc(tmp_path):
 
 def series(w: CpuWait) -> dict[str, float]:
     return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
-            for line in w.lines() if not line.startswith("#")}
+            for line in w.metric_lines() if not line.startswith("#")}
 
 
 def test_run_delay_is_summed_by_process_kind_and_never_goes_back(proc, tmp_path):

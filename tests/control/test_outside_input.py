@@ -29,7 +29,7 @@ def test_per_role_series_stay_bounded_whatever_pods_write():
         metrics.cache_hit(role)
 
     def scraped() -> tuple[bytes, dict]:
-        text = render(metrics.lines())
+        text = render(metrics.metric_lines())
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(text.decode()) for s in f.samples}
         return text, samples

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri.client import RuntimeUnavailable
 from kiamfast.control.cri.link import AutoEndpointClient, LinkMonitor, node_ready_since
 
 
@@ -36,7 +36,7 @@ def test_auto_endpoint_is_looked_up_again_until_a_socket_appears():
 
     client = AutoEndpointClient(make_client=make,
                                 resolve=lambda value: present[0] if present else None)
-    with pytest.raises(runtime.RuntimeUnavailable, match="/run/containerd/containerd.sock"):
+    with pytest.raises(RuntimeUnavailable, match="/run/containerd/containerd.sock"):
         client.poll()
     assert not client.found and client.endpoint == "auto" and client.stats == {}
     present.append("unix:///run/containerd/containerd.sock")   # containerd is back
@@ -101,22 +101,24 @@ def test_auto_without_a_socket_keeps_the_freshness_checks_a_runtime_decided(
     decided (a previous process's runtime_mode) keeps its freshness checks, and a failed
     attempt is the runtime's outage; a table of an API-only agent stays API-only."""
     from kiamfast import table as tablemod
-    from kiamfast.control.cri.source import RuntimeSource
+    from kiamfast.control.cri.source import RuntimeSource, find_runtime
     from kiamfast.control.mappings.model import NodeModel
     from kiamfast.control.mappings.policy import RolePolicy
     from control_support import SlotSink
 
-    monkeypatch.setattr(runtime, "DEFAULT_ENDPOINTS", (f"unix://{tmp_path}/none.sock",))
+    monkeypatch.setattr("kiamfast.control.cri.client.DEFAULT_ENDPOINTS",
+                        (f"unix://{tmp_path}/none.sock",))
     t = tablemod.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8,
                               value_size=1024, aux_count=5, aux_size=4096, max_workers=1)
     t.set_status(runtime_mode=previous_runtime_mode)
-    source = RuntimeSource(endpoint="auto", model=None, commit=lambda: None,
-                           table_runtime_mode=t.runtime_mode, on_change=lambda: None)
+    found = find_runtime("auto", table_runtime_mode=t.runtime_mode)
+    assert found.expected is previous_runtime_mode
+    model = NodeModel(policy=RolePolicy(), table=t, sink=SlotSink(),
+                      expect_runtime=found.expected)
+    source = RuntimeSource(found, model=model, witness=None, commit=model.commit,
+                           on_change=lambda: None)
     assert source.poller is not None and isinstance(source.poller.client, AutoEndpointClient)
     assert source.expected is previous_runtime_mode
-    source.model = NodeModel(policy=RolePolicy(), table=t, sink=SlotSink(),
-                             expect_runtime=source.expected)
-    source.commit = source.model.commit
 
     async def first_attempt() -> None:      # the poller's own first poll, against no socket
         polling = asyncio.ensure_future(source.poller.run())
@@ -134,12 +136,11 @@ def test_runtime_turned_off_never_waits_for_a_poll_over_a_runtime_decided_table(
     """--cri-endpoint=none after an agent that used a runtime (a changed config): no poll
     will ever come, so nothing may wait for one."""
     from kiamfast import table as tablemod
-    from kiamfast.control.cri.source import RuntimeSource
+    from kiamfast.control.cri.source import find_runtime
 
     t = tablemod.Table.create(str(tmp_path / "table"), ip_capacity=64, cred_capacity=8,
                               value_size=1024, aux_count=5, aux_size=4096, max_workers=1)
     t.set_status(runtime_mode=True)
-    source = RuntimeSource(endpoint="none", model=None, commit=lambda: None,
-                           table_runtime_mode=t.runtime_mode, on_change=lambda: None)
-    assert source.poller is None and source.expected is False
+    found = find_runtime("none", table_runtime_mode=t.runtime_mode)
+    assert found.endpoint is None and found.expected is False
     t.close()

@@ -12,7 +12,7 @@ class Samples:
         from prometheus_client.parser import text_string_to_metric_families
 
         from kiamfast.metrics_text import render
-        text = render(self.metrics.lines()).decode()
+        text = render(self.metrics.metric_lines()).decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and sample.labels == (labels or {}):

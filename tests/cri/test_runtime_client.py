@@ -26,7 +26,6 @@ import pytest
 from containerd import sweep_stale_runs
 from poller_tasks import running, stop
 
-from kiamfast.control.cri import client as runtime
 from kiamfast.control.cri.client import RuntimeClient, RuntimeUnavailable, resolve_endpoint
 from kiamfast.control.cri.poller import RuntimePoller
 
@@ -58,7 +57,7 @@ def test_endpoint_path_without_scheme_is_a_unix_socket():
 def test_endpoint_auto_takes_the_first_socket_that_exists(tmp_path, monkeypatch):
     present = tmp_path / "crio.sock"
     present.touch()
-    monkeypatch.setattr(runtime, "DEFAULT_ENDPOINTS",
+    monkeypatch.setattr("kiamfast.control.cri.client.DEFAULT_ENDPOINTS",
                         (f"unix://{tmp_path}/missing.sock", f"unix://{present}"))
     assert resolve_endpoint("auto") == f"unix://{present}"
     present.unlink()

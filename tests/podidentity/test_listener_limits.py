@@ -212,7 +212,7 @@ def test_an_address_past_its_refusals_is_closed_unread_for_a_cool_down_others_ar
         assert (await ls.ask(token(uid="uid-other"), source="127.0.0.21"))[0] == 200
         assert (await ls.ask("not-a-jwt", source="127.0.0.21"))[0] == 400
         assert ls.server.limits.cooled >= 2
-        assert "kiamfast_container_credentials_cooled_total" in "\n".join(ls.server.metrics())
+        assert "kiamfast_container_credentials_cooled_total" in "\n".join(ls.server.metric_lines())
         assert ls.api.calls == 1                      # the flood cost no review
     serving(body)
 

@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from kiamfast.control.cri import client as runtime
+from kiamfast.control.cri import client
 
 log = logging.getLogger("kiamfast.runtime")
 
@@ -35,8 +35,8 @@ class AutoEndpointClient:
     """A `RuntimeClient` for the first default endpoint whose socket exists, looked up again
     at every attempt until one does."""
 
-    def __init__(self, *, make_client: Callable[[str], Any] = runtime.RuntimeClient,
-                 resolve: Callable[[str], str | None] = runtime.resolve_endpoint) -> None:
+    def __init__(self, *, make_client: Callable[[str], Any] = client.RuntimeClient,
+                 resolve: Callable[[str], str | None] = client.resolve_endpoint) -> None:
         self._make_client = make_client
         self._resolve = resolve
         self._client: Any = None
@@ -57,9 +57,9 @@ class AutoEndpointClient:
         if self._client is None:
             endpoint = self._resolve("auto")
             if endpoint is None:
-                raise runtime.RuntimeUnavailable(
+                raise client.RuntimeUnavailable(
                     "--cri-endpoint=auto: no runtime socket at "
-                    + ", ".join(e.removeprefix("unix://") for e in runtime.DEFAULT_ENDPOINTS))
+                    + ", ".join(e.removeprefix("unix://") for e in client.DEFAULT_ENDPOINTS))
             log.info("container runtime socket found: %s", endpoint)
             self._client = self._make_client(endpoint)
         return self._client.poll()

@@ -20,12 +20,14 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from kiamfast import metrics_text as text
 from kiamfast import milestones
-from kiamfast.control.cri import link as runtime_link
-from kiamfast.control.cri import client as runtime
-from kiamfast.control.cri import kept_sandboxes as known
+from kiamfast.control.cri import kept_sandboxes
+from kiamfast.control.cri.client import RuntimeClient, RuntimeView, Sandbox, resolve_endpoint
+from kiamfast.control.cri.link import AutoEndpointClient, LinkMonitor
 from kiamfast.control.cri.poller import RuntimePoller
 from kiamfast.control.netns.watch import NetnsWatch
 
@@ -42,78 +44,106 @@ class NetnsUnavailable(Exception):
     watched: nothing could ever be proven."""
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeEndpoint:
+    """Where the runtime is asked, decided before the node model is built (the model must
+    know whether a runtime decides addresses)."""
+    endpoint: str | None    # a resolved endpoint, "auto" (found once it appears), None: none
+    expected: bool          # addresses follow a runtime: given, found, or the table's way
+
+
+def find_runtime(endpoint: str, *, table_runtime_mode: bool) -> RuntimeEndpoint:
+    """``--cri-endpoint`` resolved.  ``table_runtime_mode``: the table a previous control
+    process left was decided by a runtime (never drop its freshness checks because an
+    'auto' socket is briefly absent)."""
+    if endpoint.strip() == "auto":
+        found = resolve_endpoint("auto") is not None
+        if not found and not table_runtime_mode:
+            log.info("no container runtime socket yet (--cri-endpoint=auto): addresses "
+                     "follow the API server until one appears")
+        return RuntimeEndpoint("auto", found or table_runtime_mode)
+    resolved = resolve_endpoint(endpoint)
+    if resolved is None:
+        log.info("no container runtime endpoint (--cri-endpoint=%s): addresses follow the "
+                 "API server", endpoint or '""')
+        return RuntimeEndpoint(None, False)     # the operator turned it off: no poll comes
+    return RuntimeEndpoint(resolved, True)
+
+
+def open_witness(found: RuntimeEndpoint, address_proof: str) -> NetnsWatch | None:
+    """The kernel's witness of who holds each address, opened now (``--address-proof=netns``
+    and a runtime to ask; None otherwise).  A runtime whose answers nothing can prove is a
+    start that cannot work (NetnsUnavailable), unless none is found yet."""
+    if address_proof != "netns" or found.endpoint is None:
+        return None
+    watch = NetnsWatch()
+    try:
+        watch.open()
+    except OSError as exc:
+        if found.expected:
+            raise NetnsUnavailable(str(exc)) from None
+        log.warning("cannot watch the addresses of pods' network namespaces (%s): if a "
+                    "container runtime appears (--cri-endpoint=auto), no address will be "
+                    "proven to belong to a pod", exc)
+    return watch
+
+
+class RuntimeSink(Protocol):
+    """What the runtime's answers feed (the node model: ``mappings/model.py``)."""
+    unproven_addresses: int
+
+    def apply_runtime(self, view: RuntimeView) -> None: ...
+
+    def runtime_failed(self, started_ns: int) -> None: ...
+
+    def kernel_changed(self) -> None: ...
+
+
 class RuntimeSource:
     """The poller, its link's health and the kernel's witness, feeding ``model``."""
 
-    def __init__(self, *, endpoint: str, model: Any, commit: Callable[[], None],
-                 table_runtime_mode: bool, on_change: Callable[[], None],
-                 known_file: str | None = None, address_proof: str = "netns") -> None:
-        """``known_file``: where the views' sandboxes are kept for the next process
-        (``known.py``), read when the runtime's client is made.  ``address_proof``: netns
-        (the kernel proves who holds an address: ``netns`` is that witness) or runtime (a
-        READY sandbox is taken at its word; ``netns`` is None)."""
+    def __init__(self, found: RuntimeEndpoint, *, model: RuntimeSink,
+                 witness: NetnsWatch | None, commit: Callable[[], None],
+                 on_change: Callable[[], None], known_file: str | None = None) -> None:
+        """``witness``: the kernel proves who holds an address (``open_witness``), or None
+        (--address-proof=runtime: a READY sandbox is taken at its word).  ``known_file``:
+        where the views' sandboxes are kept for the next process (``kept_sandboxes.py``),
+        read when the runtime's client is made."""
         self.model = model
         self.commit = commit               # the model's commit, then the workers' wake
         self.on_change = on_change         # /healthz follows the state
-        self.state = "disabled"            # for /healthz: disabled | connecting | ok | ...
-        self.link = runtime_link.LinkMonitor()
+        self.link = LinkMonitor()
         self.settled = asyncio.Event()     # the runtime answered, or failed, once
-        self.verbose = address_proof == "netns"
+        self.netns = witness
+        self.verbose = witness is not None     # sandboxes' namespaces in their status
         self.known_file = known_file
         self._keeping: asyncio.Future | None = None     # a save in flight
-        self._to_keep: tuple[runtime.Sandbox, ...] | None = None
-        # Whether addresses follow the runtime: an endpoint was given or found, or the table
-        # a previous control process left was decided by one (never drop its freshness
-        # checks because an 'auto' socket is briefly absent).
-        self.expected = table_runtime_mode
-        self.poller = self._poller(endpoint)
-        self.netns = self._netns() if self.verbose and self.poller is not None else None
+        self._to_keep: tuple[Sandbox, ...] | None = None
+        self.expected = found.expected     # True once a runtime answers
+        self.state = "disabled"            # for /healthz: disabled | connecting | ok | ...
+        self.poller: RuntimePoller | None = None
+        if found.endpoint is not None:
+            self.state = "connecting"
+            client: RuntimeClient | AutoEndpointClient = (
+                AutoEndpointClient(make_client=self._client) if found.endpoint == "auto"
+                else self._client(found.endpoint))
+            # backoff_max: a local socket costs nothing to retry, and an 'auto' socket that
+            # appears late should be found within seconds.
+            self.poller = RuntimePoller(client, on_view=self._on_view, on_state=self._on_state,
+                                        on_failure=self._on_failure, backoff_max=5.0)
         self._netns_fd = -1
-        self._tracked: tuple[runtime.Sandbox, ...] | None = None   # the sandboxes tracked
+        self._tracked: tuple[Sandbox, ...] | None = None   # the sandboxes tracked
 
-    def _netns(self) -> NetnsWatch:
-        """The kernel's witness, opened now: a runtime whose answers nothing can prove is
-        a start that cannot work (NetnsUnavailable), unless none is found yet."""
-        watch = NetnsWatch()
-        try:
-            watch.open()
-        except OSError as exc:
-            if self.expected:
-                raise NetnsUnavailable(str(exc)) from None
-            log.warning("cannot watch the addresses of pods' network namespaces (%s): if a "
-                        "container runtime appears (--cri-endpoint=auto), no address will "
-                        "be proven to belong to a pod", exc)
-        return watch
+    @property
+    def enabled(self) -> bool:
+        """A runtime is asked (an endpoint given, or 'auto')."""
+        return self.poller is not None
 
-    def _poller(self, endpoint: str) -> RuntimePoller | None:
-        if endpoint.strip() == "auto":
-            client: Any = runtime_link.AutoEndpointClient(make_client=self._client)
-            if runtime.resolve_endpoint("auto") is not None:
-                self.expected = True
-            elif not self.expected:
-                log.info("no container runtime socket yet (--cri-endpoint=auto): addresses "
-                         "follow the API server until one appears")
-        else:
-            resolved = runtime.resolve_endpoint(endpoint)
-            if resolved is None:
-                log.info("no container runtime endpoint (--cri-endpoint=%s): addresses "
-                         "follow the API server", endpoint or '""')
-                self.expected = False   # the operator turned it off: no poll comes
-                return None
-            client = self._client(resolved)
-            self.expected = True
-        self.state = "connecting"
-        # backoff_max: a local socket costs nothing to retry, and an 'auto' socket that
-        # appears late should be found within seconds.
-        return RuntimePoller(client, on_view=self._on_view,
-                                     on_state=self._on_state,
-                                     on_failure=self._on_failure, backoff_max=5.0)
+    def _client(self, endpoint: str) -> RuntimeClient:
+        saved = kept_sandboxes.load(self.known_file, endpoint) if self.known_file else ()
+        return RuntimeClient(endpoint, known=saved, verbose=self.verbose)
 
-    def _client(self, endpoint: str) -> runtime.RuntimeClient:
-        saved = known.load(self.known_file, endpoint) if self.known_file else ()
-        return runtime.RuntimeClient(endpoint, known=saved, verbose=self.verbose)
-
-    def _keep(self, sandboxes: tuple[runtime.Sandbox, ...]) -> None:
+    def _keep(self, sandboxes: tuple[Sandbox, ...]) -> None:
         """Save the view's sandboxes on a thread, the latest once the save in flight ends
         (an unchanged view shares the previous one's tuple: nothing to do)."""
         if self.known_file is None or sandboxes is self._to_keep:
@@ -121,10 +151,10 @@ class RuntimeSource:
         self._to_keep = sandboxes
         if self._keeping is None:
             self._keeping = asyncio.get_running_loop().run_in_executor(
-                None, known.save, self.known_file, self.poller.client.endpoint, sandboxes)
+                None, kept_sandboxes.save, self.known_file, self.poller.client.endpoint, sandboxes)
             self._keeping.add_done_callback(lambda _: self._kept(sandboxes))
 
-    def _kept(self, sandboxes: tuple[runtime.Sandbox, ...]) -> None:
+    def _kept(self, sandboxes: tuple[Sandbox, ...]) -> None:
         self._keeping = None
         if self._to_keep is not sandboxes:
             latest, self._to_keep = self._to_keep, None
@@ -132,13 +162,13 @@ class RuntimeSource:
 
     # ---- running ------------------------------------------------------------------------------
 
-    def start_netns(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self) -> None:
         """The kernel's notifications, applied as they come (an address leaving a sandbox's
-        namespace takes its owner away at once, not at the next poll)."""
-        if self.netns is None or not self.netns.watching:
-            return
-        self._netns_fd = self.netns.fileno()
-        loop.add_reader(self._netns_fd, self._on_netns)
+        namespace takes its owner away at once, not at the next poll), and the polls; a
+        lasting outage followed (``watch_link``)."""
+        if self.netns is not None and self.netns.watching:
+            self._netns_fd = self.netns.fileno()
+            asyncio.get_running_loop().add_reader(self._netns_fd, self._on_netns)
 
     def _on_netns(self) -> None:
         assert self.netns is not None
@@ -191,7 +221,7 @@ class RuntimeSource:
                     log.error("%s", self.link.broken)
                 self.on_change()
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self.netns is not None:
             if self._netns_fd >= 0 and self.netns.watching:
                 asyncio.get_running_loop().remove_reader(self._netns_fd)
@@ -199,7 +229,7 @@ class RuntimeSource:
 
     # ---- the poller's callbacks, on the loop ----------------------------------------------------
 
-    def _on_view(self, view: runtime.RuntimeView) -> None:
+    def _on_view(self, view: RuntimeView) -> None:
         self.expected = True
         if self.netns is not None:    # the view's sandboxes' namespaces, read after the view
             if view.sandboxes is not self._tracked:    # (an unchanged view shares its tuple)
@@ -243,3 +273,21 @@ class RuntimeSource:
             kinds.update({f"netns_{k}": v for k, v in self.netns.counters.items()})
         return {k: v for k, v in kinds.items()
                 if isinstance(v, int) and not isinstance(v, bool)}
+
+    def metric_lines(self) -> list[str]:
+        lines = text.family("kiamfast_runtime_up", "Whether the container runtime answers "
+                            "(addresses follow it); 0 = unreachable or not configured "
+                            "(addresses follow the API server).", int(self.state == "ok"))
+        if self.poller is None:
+            return lines
+        lines += text.header("kiamfast_runtime_total", "Container runtime activity by kind.",
+                             "counter")
+        lines += [text.sample("kiamfast_runtime_total", v, (("kind", k),))
+                  for k, v in sorted(self.counters().items())]
+        lines += text.family("kiamfast_runtime_unproven_addresses", "Addresses a sandbox or "
+                             "the API server claims that the kernel does not show in that "
+                             "sandbox's network namespace: their requests wait, then get 503. "
+                             "Brief while a sandbox starts or stops; lasting, the agent cannot "
+                             "read the sandboxes' network namespaces "
+                             "(docs/troubleshooting.md).", self.model.unproven_addresses)
+        return lines

@@ -44,7 +44,7 @@ class StsMetrics:
             self.duration.touch(code, "")
         self._codes: dict[str, set[str]] = {}         # role -> codes with a series
 
-    def lines(self) -> list[str]:
+    def metric_lines(self) -> list[str]:
         out: list[str] = []
         for family in (self.duration, self.calls, self.throttled, self.refreshes,
                        self.inflight, self.waiting, self.rate, self.hits, self.dropped):

@@ -116,7 +116,9 @@ class StartupTaint:
     FIRST_BACKOFF = 0.1   # a lost race with another controller is retried almost at once
     MAX_BACKOFF = 60.0
 
-    def __init__(self, node_name: str, taint_key: str, *, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(self, node_name: str, taint_key: str, *, sleep: Sleep = asyncio.sleep,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """``on_change``: the state changed (/healthz follows it)."""
         self.node_name = node_name
         self.taint_key = taint_key
         self._sleep = sleep
@@ -124,7 +126,7 @@ class StartupTaint:
         self.removals = 0              # by this agent, the first one included
         self.state = "pending" if node_name and taint_key else "disabled"
         self._seen_again = asyncio.Event()
-        self.on_change: Callable[[], None] = lambda: None   # /healthz follows the state
+        self.on_change = on_change
 
     async def run(self, client: Any) -> None:
         """Remove the taint, then keep it removed (cancel to stop).  Never raises."""

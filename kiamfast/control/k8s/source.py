@@ -39,7 +39,11 @@ class ApiSource:
 
     def __init__(self, *, client: Any, model: Model, node: str | None,
                  watch_namespaces: bool, timings: WatchTimings | None = None,
-                 namespace_wait: float = 10.0) -> None:
+                 namespace_wait: float = 10.0,
+                 on_pod: Callable[[dict[str, Any]], None] | None = None,
+                 on_error: Callable[[str], None] = lambda error: None) -> None:
+        """``on_pod``: every pod applied; ``on_error``: the watch's error, "" once it
+        answers again."""
         self.model = model
         self.namespace_wait = namespace_wait
         timings = timings or WatchTimings()
@@ -52,8 +56,8 @@ class ApiSource:
             on_list=self._namespaces_listed, on_event=self._namespace_event, timings=timings)
         self.timings = timings
         self.watch_namespaces = watch_namespaces
-        self.on_pod: Callable[[dict[str, Any]], None] | None = None   # every pod applied
-        self.on_error: Callable[[str], None] = lambda error: None    # "" once answering
+        self.on_pod = on_pod
+        self.on_error = on_error
         for watch in (self.pods, self.namespaces):
             watch.on_state = self._state
         self.synced = asyncio.Event()

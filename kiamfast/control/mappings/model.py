@@ -103,6 +103,11 @@ class NodeModel:
         return self.runtime.expected
 
     @property
+    def unproven_addresses(self) -> int:
+        """Addresses a sandbox or the API claims that the kernel does not show there."""
+        return len(self.runtime.claims)
+
+    @property
     def pending_pods(self) -> int:
         return len(self._pending)
 
