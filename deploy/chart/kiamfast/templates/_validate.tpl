@@ -118,7 +118,7 @@ work with the others; nothing when all is well.
 {{- if lt $given 0 -}}
 {{- printf "resources.limits.memory %v: kiamfast's chart understands whole numbers with Ki, Mi, Gi, Ti, k, M, G, T or no suffix\n" . -}}
 {{- else if lt $given $need -}}
-{{- printf "resources.limits.memory %v: kiamfast needs at least %dMi with %v worker(s) (control process ~96 MiB and ~27 MiB per worker measured, plus the shared table in memory, counted against the limit); kube2iam, one Go process, fit in less\n" . $need $.Values.workers -}}
+{{- printf "resources.limits.memory %v: kiamfast needs at least %dMi with %v worker(s) (about twice what it was measured to use: 72-76 MiB at 250 pods with one worker, 16-18 MiB more per worker, the shared table in memory counted against the limit; docs/install.md, Sizing); kube2iam, one Go process, fit in less\n" . $need $.Values.workers -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
