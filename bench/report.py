@@ -685,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name} skipped: {e}" + (" (CI=true: a failure)" if in_ci() else ""))
         except Exception as e:  # noqa: BLE001 - a broken section must not lose the others
             failed += 1
+            log(f"{name} failed: {type(e).__name__}: {e}")
             sec = Section(f"{name}: not measured", body=(
                 f"This section failed: `{type(e).__name__}: {e}`\n\n```\n"
                 f"{traceback.format_exc()[-3000:]}```"))
