@@ -94,15 +94,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TCK
 
 
-def rss_bytes(pid: int) -> int:
+def proc_memory(pid: int, *, smaps: bool = True) -> dict[str, int]:
+    """A process's memory as /proc shows it, in bytes, by the kernel's own field names:
+    ``status``'s (VmRSS, VmHWM, ...) and, with ``smaps``, ``smaps_rollup``'s (Rss, Pss,
+    Pss_Shmem, Anonymous, Private_Dirty, ...: a walk of its mappings, dearer); {} once it is
+    gone.  The one reader of the benches; only a child measuring its own imports reads
+    /proc itself (importing this module would be part of what it measures)."""
+    out: dict[str, int] = {}
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        for name in ("status", "smaps_rollup") if smaps else ("status",):
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    value = rest.split()
+                    if len(value) == 2 and value[1] == "kB":
+                        out[key] = int(value[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    return proc_memory(pid, smaps=False).get("VmRSS", 0)
 
 
 def set_affinity(pids: Iterable[int], cpus: set[int] | None) -> None:

@@ -39,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import ROOT
+from benchutil import ROOT, proc_memory
 
 for _p in (ROOT / "tests", ROOT / "tests" / "e2e", ROOT / "tests" / "kube2iam"):
     if str(_p) not in sys.path:
@@ -279,17 +279,9 @@ def stop_kube2iam_kill(agent) -> None:
 # ---- what the pieces cost --------------------------------------------------------------------
 
 def memory(pid: int) -> dict[str, int]:
-    """Rss and Pss (KiB) of one process (smaps_rollup)."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key = line.split(":")[0]
-                if key in ("Rss", "Pss", "Private_Dirty"):
-                    out[key] = int(line.split()[1])
-    except OSError:
-        pass
-    return out
+    """Rss, Pss and Private_Dirty (KiB) of one process (smaps_rollup)."""
+    m = proc_memory(pid)
+    return {k: m[k] // 1024 for k in ("Rss", "Pss", "Private_Dirty") if k in m}
 
 
 def keeper_memory(res: Result, tmp: Path) -> None:

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from benchutil import aws_env, machine_facts
+from benchutil import aws_env, machine_facts, proc_memory
 
 from kiamfast.testing.loopback import ROLE_KEY, LoopbackNode  # noqa: E402
 from kiamfast.testing.net import http_request, one_request, split_response  # noqa: E402
@@ -84,16 +84,8 @@ class AgentResult:
 
 def memory(pid: int) -> tuple[int, int]:
     """(PSS, anonymous memory) of one process, bytes; 0s if it is gone."""
-    found = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("Pss", "Anonymous"):
-                    found[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return found.get("Pss", 0), found.get("Anonymous", 0)
+    m = proc_memory(pid)
+    return m.get("Pss", 0), m.get("Anonymous", 0)
 
 
 def sample_memory(agent) -> tuple[dict[str, int], dict[str, int]]:

@@ -58,7 +58,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import ROOT, child_env, children, cmdline, median, pod_addresses, python, stop
+from benchutil import (ROOT, child_env, children, cmdline, median, pod_addresses, proc_memory,
+                       python, stop)
 
 AGENTS = ("kiamfast", "kube2iam")
 CREDS = "/latest/meta-data/iam/security-credentials/"
@@ -274,21 +275,12 @@ class Pods:
 # ---- memory --------------------------------------------------------------------------------
 
 def smaps(pid: int) -> dict[str, int]:
-    """RSS, PSS and its shmem part (bytes) of one process; {} if it is gone."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("Rss", "Pss", "Pss_Shmem"):
-                    out[name.lower()] = int(rest.split()[0]) * 1024
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    out["hwm"] = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
+    """RSS, PSS and its shmem part, the RSS peak (bytes) of one process; {} if it is gone."""
+    m = proc_memory(pid)
+    if not m:
         return {}
-    return out
+    return {"rss": m.get("Rss", 0), "pss": m.get("Pss", 0), "pss_shmem": m.get("Pss_Shmem", 0),
+            "hwm": m.get("VmHWM", 0)}
 
 
 def tmpfs_bytes(path: str) -> int:

@@ -11,8 +11,8 @@ Two questions, answered as ratios against baselines computed in the same run:
    at request time; pods ask at start and every 15 min, when botocore's 30 min credentials
    reach their refresh window), for kiamfast's ``node-role`` and ``pod`` session policies.
 
-``python bench/prefetch.py`` prints the markdown tables. ``bench/test_prefetch.py`` (collected
-by pytest) runs a small version of each and asserts correctness only, never timing.
+``python bench/prefetch.py`` prints the markdown tables; tests/bench/test_bench_prefetch.py
+runs a small version of each and asserts correctness only, never timing.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import ROOT
+from benchutil import ROOT, rss_bytes
 
 for _sub in ("tests", "tests/k8s"):
     if str(ROOT / _sub) not in sys.path:
@@ -180,11 +180,7 @@ class Webhook:
             return False
 
     def rss(self) -> int:
-        with open(f"/proc/{self.process.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return rss_bytes(self.process.pid)
 
     def _sample(self) -> None:
         while not self._stop.is_set():

@@ -1,6 +1,6 @@
 """Micro-benchmarks of the table's request-path operations (pytest-benchmark).
 
-Run: python -m pytest bench/test_table_bench.py --benchmark-enable
+Run: python -m pytest tests/bench/test_bench_table.py --benchmark-enable
 Target (issue 2): lookup + copy of a 2 KiB value under 300 ns called from Python.
 """
 
