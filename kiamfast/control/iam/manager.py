@@ -34,7 +34,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiamfast.control.iam.calls import AssumeRole, KeyCalls
 from kiamfast.control.iam.keys import (CredentialKey, CredentialRequest, SessionNaming,
@@ -47,6 +47,9 @@ from kiamfast.control.iam.slots import (DENIED, READY, STATES, CredentialTable, 
                                         NoRefs, SlotPool, SlotRefs)
 from kiamfast.control.iam.sts import StsDenied, StsThrottled
 from kiamfast.table import CRED_PENDING
+
+if TYPE_CHECKING:
+    from kiamfast.config import Config
 
 log = logging.getLogger("kiamfast.credentials")
 
@@ -122,10 +125,10 @@ class CredentialManager:
         self._counts = {"cache_hits": 0, "evicted": 0}
 
     @classmethod
-    def from_config(cls, config: Any, *, table: Any, sts: AssumeRole,
+    def from_config(cls, config: Config, *, table: CredentialTable, sts: AssumeRole,
                     notify: Callable[[], Any], fleet_nodes: int | None = None,
                     **overrides: Any) -> "CredentialManager":
-        """Build from a ``kiamfast.config.Config`` and a ``kiamfast.table.Table``.
+        """Build from the configuration and the table (``kiamfast.table.Table``).
         ``fleet_nodes`` (e.g. the node count from the API) overrides ``--sts-fleet-nodes``."""
         kwargs: dict[str, Any] = dict(
             table=table, sts=sts, notify=notify,

@@ -40,7 +40,7 @@ import asyncio
 import heapq
 import itertools
 import random
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable, Protocol
 
 from kiamfast.budget import TokenBucket, backoff
 
@@ -90,7 +90,24 @@ def node_bucket(*, qps: float, burst: int, account_qps: float, fleet_nodes: int,
     return bucket
 
 
-def deadline(entry: Any, prio: int) -> tuple[float, ...]:
+class Entry(Protocol):
+    """What the schedule reads and writes of a key (``slots.SlotEntry``), knowing nothing
+    else of it."""
+    addressed: bool
+    asked_at: float
+    due: float
+    freed: bool
+    idle_since: float | None
+    inflight: bool
+    queued: tuple | None
+    serve_until: float
+    timer: int
+    timer_prio: int
+    unsendable: bool
+    waiting: bool
+
+
+def deadline(entry: Entry, prio: int) -> tuple[float, ...]:
     """The key's place within its priority (earliest deadline first): waited-for keys in
     the order their pods asked; new keys, those of addressed pods first, then by when their
     first pod arrived; refreshes by when their credentials stop being servable."""
@@ -105,7 +122,7 @@ def deadline(entry: Any, prio: int) -> tuple[float, ...]:
 STALE_SLACK = 16
 
 
-def _bounded(heap: list, live: Callable[[Any], bool]) -> list:
+def _bounded(heap: list, live: Callable[[tuple], bool]) -> list:
     """The heap without its stale items: those of a freed entry, or that ``live`` says are
     superseded (each entry has one live item per heap at most)."""
     kept = [item for item in heap if not item[-1].freed and live(item)]
@@ -117,8 +134,8 @@ class Schedule:
     """The ready queue, the timers and the dispatcher of STS calls."""
 
     def __init__(self, *, bucket: TokenBucket, max_inflight: int,
-                 fetch: Callable[[Any, int], Awaitable[None]],
-                 on_timer: Callable[[Any, str], None],
+                 fetch: Callable[[Entry, int], Awaitable[None]],
+                 on_timer: Callable[[Entry, str], None],
                  clock: Callable[[], float], sleep: Callable[[float], Awaitable[None]],
                  probe_after: float = 0.0, headroom: float = 0.0,
                  throttle_base: float = 1.0, throttle_max: float = 30.0,
@@ -143,8 +160,8 @@ class Schedule:
         # Both heaps keep an item until it comes up, also once it is stale (the entry was
         # re-queued, re-timed or freed); `_bounded` drops the stale ones when they would
         # outnumber the live ones, so a key that is gone is never kept alive by them.
-        self._ready: list[tuple[tuple[Any, ...], int, Any]] = []
-        self._timers: list[tuple[float, int, int, str, Any]] = []
+        self._ready: list[tuple[tuple[float, ...], int, Entry]] = []
+        self._timers: list[tuple[float, int, int, str, Entry]] = []
         self._ready_bound = self._timers_bound = STALE_SLACK
         self._seq = itertools.count()
         self._token_wait = False
@@ -158,7 +175,7 @@ class Schedule:
 
     # ---- what the manager asks ---------------------------------------------------------------
 
-    def enqueue(self, entry: Any, prio: int) -> None:
+    def enqueue(self, entry: Entry, prio: int) -> None:
         """Queue the entry (again, if its priority or deadline moved up)."""
         if entry.freed or entry.inflight or entry.unsendable:
             return
@@ -176,7 +193,7 @@ class Schedule:
             self._ready_bound = 2 * len(self._ready) + STALE_SLACK
         self._work.set()
 
-    def sooner(self, entry: Any, *, addressed: bool) -> None:
+    def sooner(self, entry: Entry, *, addressed: bool) -> None:
         """A pod acquired the key (or came back with more to say): its deadline moves up to
         when this pod could ask.  A pod with an address can ask at any moment; one without
         cannot until its sandbox has one, so any addressed pod's key comes first."""
@@ -190,14 +207,14 @@ class Schedule:
         if entry.queued is not None:
             self.enqueue(entry, entry.queued[0])   # re-ranked if it moved up
 
-    def dequeue(self, entry: Any) -> None:
+    def dequeue(self, entry: Entry) -> None:
         """Forget a queued item (the entry is freed)."""
         entry.timer += 1
         if entry.queued is not None:
             entry.queued = None
             self.queued -= 1
 
-    def set_timer(self, entry: Any, at: float, kind: str, prio: int = PRIO_NEW) -> None:
+    def set_timer(self, entry: Entry, at: float, kind: str, prio: int = PRIO_NEW) -> None:
         """The entry's one live timer (an older one is ignored when it fires)."""
         entry.timer += 1
         heapq.heappush(self._timers, (at, next(self._seq), entry.timer, kind, entry))
@@ -208,7 +225,7 @@ class Schedule:
         if self._timers[0][4] is entry:
             self._timer_wake.set()
 
-    def cancel_timer(self, entry: Any) -> None:
+    def cancel_timer(self, entry: Entry) -> None:
         entry.timer += 1
 
     @property
@@ -285,7 +302,7 @@ class Schedule:
             return order[0] == PRIO_WANTED
         return False
 
-    def _pop_ready(self) -> Any | None:
+    def _pop_ready(self) -> Entry | None:
         while self._ready:
             order, _, entry = heapq.heappop(self._ready)
             if entry.freed or entry.queued != order:
@@ -369,13 +386,13 @@ class Schedule:
         self.pace.rate = self.bucket.rate * (1.0 - self.headroom)
         return self.pace.try_take()
 
-    async def _run_fetch(self, entry: Any, ticket: int) -> None:
+    async def _run_fetch(self, entry: Entry, ticket: int) -> None:
         try:
             await self.fetch(entry, ticket)
         finally:
             self._slot_free.set()
 
-    def finished(self, entry: Any) -> None:
+    def finished(self, entry: Entry) -> None:
         """The manager's fetch of ``entry`` returned (called before it handles the result)."""
         entry.inflight = False
         self.inflight -= 1
