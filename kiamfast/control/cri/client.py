@@ -199,7 +199,7 @@ class RuntimeClient:
     def __init__(self, endpoint: str, *, timeout: float = 2.0,
                  clock_ns: Callable[[], int] = time.monotonic_ns,
                  known: Iterable[Sandbox] = (), verbose: bool = False) -> None:
-        """``known``: entries a previous process saw (``known.py``), taken for the status
+        """``known``: entries a previous process saw (``kept_sandboxes.py``), taken for the status
         answers they were made from while their ids are listed READY.  ``verbose``: ask
         for each sandbox's network namespace (the kernel's proof needs it)."""
         self.endpoint = endpoint
