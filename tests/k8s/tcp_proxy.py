@@ -46,6 +46,12 @@ class TcpProxy:
                 continue
             upstream.settimeout(None)
             with self._lock:
+                # down() may have cut the open ones while this one was being connected: it
+                # must not outlive the cut
+                if self._closed or not self._accepting:
+                    _reset(client)
+                    _reset(upstream)
+                    continue
                 self._open.update((client, upstream))
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
