@@ -91,6 +91,20 @@ def unavailable(version: str) -> str | None:
     return None
 
 
+def _rt_read(group: Path) -> int:
+    try:
+        return int((group / "cpu.rt_runtime_us").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _rt_free(group: Path) -> int:
+    """The real-time runtime ``group``'s parent has left for it beside its siblings."""
+    siblings = sum(_rt_read(g) for g in group.parent.iterdir()
+                   if g.is_dir() and g != group)
+    return max(0, _rt_read(group.parent) - siblings)
+
+
 class Hierarchy:
     """A kubelet-shaped tree under a root of its own (``kubepods`` and below are made by
     :meth:`group`); :meth:`close` moves every process back and removes it."""
@@ -144,16 +158,28 @@ class Hierarchy:
         f = self.base / "cpu.rt_runtime_us"
         return int(f.read_text()) if f.exists() else 0
 
-    def set_rt_runtime(self, rel: str, runtime_us: int, *, parents: bool = True) -> None:
+    def set_rt_runtime(self, rel: str, runtime_us: int, *, parents: bool = True) -> int:
         """v1 with CONFIG_RT_GROUP_SCHED: let ``rel``'s tasks run real-time for
         ``runtime_us`` of every period (its parents get as much first; ``parents=False``:
-        ``rel`` and its pod's group only, leaf first, to take it back)."""
+        ``rel`` and its pod's group only, leaf first, to take it back).  A level gets no more
+        than its parent has left beside its siblings (another job's groups may hold some):
+        returns what ``rel`` got, which may be less, or 0."""
         parts = rel.split("/")
         levels = range(len(parts) + 1) if parents else range(len(parts), len(parts) - 2, -1)
+        granted = runtime_us
         for i in levels:
             f = self.root.joinpath(*parts[:i]) / "cpu.rt_runtime_us"
-            if f.exists():
-                f.write_text(str(runtime_us))
+            if not f.exists():
+                continue
+            if runtime_us:
+                granted = min(granted, _rt_free(f.parent))
+            try:
+                f.write_text(str(granted))
+            except OSError:            # the kernel's own sum says no: nothing real-time
+                granted = 0
+                with contextlib.suppress(OSError):
+                    f.write_text("0")
+        return granted
 
     def move(self, path: Path, pids: list[int]) -> None:
         """Every thread of each process into ``path`` (cgroup.procs moves a whole process)."""

@@ -490,7 +490,11 @@ def run_case(node: Node, case: Case, cluster, pods: list[tuple[str, str]], opts:
         # runtime of its own, which no kubelet gives. The agent's group gets what the root
         # has, as on kernels without it (most distributions'), where only the kernel's
         # global throttling and the worker's own budget bound it.
-        node.h.set_rt_runtime(rel, node.h.root_rt_runtime())
+        wanted = node.h.root_rt_runtime()
+        granted = node.h.set_rt_runtime(rel, wanted)
+        if granted < wanted:
+            log(f"  saturated node [{node.version}]: {case.label}: real-time runtime "
+                f"{granted} of {wanted} us (other groups of this machine hold the rest)")
     agent = start_agent(case, cluster, workdir)
     try:
         if case.agent != FLOOR:
