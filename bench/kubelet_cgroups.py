@@ -202,6 +202,11 @@ class Hierarchy:
                     with contextlib.suppress(OSError):
                         (self.base / "cgroup.procs").write_text(pid)
         for path in sorted(self.groups, key=lambda p: len(p.parts), reverse=True):
+            # real-time runtime handed back first: a group that will not go (a process
+            # still leaving it) must not keep it from the next tree (the kernel sums it)
+            with contextlib.suppress(OSError):
+                if _rt_read(path):
+                    (path / "cpu.rt_runtime_us").write_text("0")
             for _ in range(50):
                 try:
                     path.rmdir()
