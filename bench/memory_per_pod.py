@@ -258,6 +258,15 @@ OWN_CODE = [tracemalloc.Filter(True, "*/kiamfast/*"),
             tracemalloc.Filter(False, "*/kiamfast/testing/*")]
 
 
+def kept_since(before: tracemalloc.Snapshot, replaced: int, started: float) -> Checkpoint:
+    """What the control process's code holds now beyond ``before`` (tracemalloc on), after
+    ``replaced`` pods since ``started``; the largest sites kept for the report."""
+    stats = tracemalloc.take_snapshot().filter_traces(OWN_CODE).compare_to(before, "lineno")
+    return Checkpoint(replaced, round(time.monotonic() - started, 1),
+                      sum(s.size_diff for s in stats),
+                      [str(s) for s in stats[:3] if s.size_diff > 0])
+
+
 def run_inprocess(count: int, *, checkpoints: int = 10, warmup: int = 2_000,
                   log=print) -> list[Checkpoint]:
     from kiamfast.testing.pod_churn import churn_node
@@ -279,11 +288,7 @@ def run_inprocess(count: int, *, checkpoints: int = 10, warmup: int = 2_000,
                     await node.run(step, churned=churned)
                     await node.settle(300)
                     gc.collect()
-                    now = tracemalloc.take_snapshot().filter_traces(OWN_CODE)
-                    stats = now.compare_to(before, "lineno")
-                    c = Checkpoint(node.replaced - warmup, round(time.monotonic() - started, 1),
-                                   sum(s.size_diff for s in stats),
-                                   [str(s) for s in stats[:3] if s.size_diff > 0])
+                    c = kept_since(before, node.replaced - warmup, started)
                     out.append(c)
                     log(f"{c.replaced:9d} replaced  {c.kept_bytes:9d} bytes kept "
                         f"({c.kept_bytes / max(1, c.replaced):.3f} per pod)  {c.seconds:.0f}s")
@@ -346,13 +351,9 @@ def run_control(count: int, *, warmup: int = 500, steady: int = 10, churned: int
                     await loop.run_in_executor(None, replace, count)
                     await asyncio.sleep(5)
                     gc.collect()
-                    stats = tracemalloc.take_snapshot().filter_traces(OWN_CODE).compare_to(
-                        before, "lineno")
+                    c = kept_since(before, count, started)
                 finally:
                     tracemalloc.stop()
-                c = Checkpoint(count, round(time.monotonic() - started, 1),
-                               sum(s.size_diff for s in stats),
-                               [str(s) for s in stats[:3] if s.size_diff > 0])
                 out.append(c)
                 log(f"{c.replaced:9d} replaced  {c.kept_bytes:9d} bytes kept by the control "
                     f"process ({c.kept_bytes / max(1, c.replaced):.3f} per pod)")
