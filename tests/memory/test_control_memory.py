@@ -37,6 +37,20 @@ def retained(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> tuple
     return sum(s.size_diff for s in stats), top
 
 
+async def traced_run(node, count: int) -> tuple[int, str]:
+    """``count`` more pods replaced and a quiet spell, traced: what stays (``retained``)."""
+    gc.collect()
+    tracemalloc.start(1)
+    try:
+        before = tracemalloc.take_snapshot()
+        await node.run(count, churned=CHURNED)
+        await node.settle(300)
+        gc.collect()
+        return retained(before, tracemalloc.take_snapshot())
+    finally:
+        tracemalloc.stop()
+
+
 def live_blocks(node) -> int:
     """The interpreter's live blocks once the STS doubles forgot their calls."""
     node.sts.proxy.reset()
@@ -54,16 +68,7 @@ def test_replacing_100000_pods_keeps_nothing_per_pod():
             await node.run(2_000, churned=CHURNED)      # every structure at its working size
             await node.settle(300)
             blocks = live_blocks(node)
-            gc.collect()
-            tracemalloc.start(1)
-            try:
-                before = tracemalloc.take_snapshot()
-                await node.run(20_000, churned=CHURNED)
-                await node.settle(300)
-                gc.collect()
-                traced, top = retained(before, tracemalloc.take_snapshot())
-            finally:
-                tracemalloc.stop()
+            traced, top = await traced_run(node, 20_000)
             await node.run(80_000, churned=CHURNED)
             await node.settle(300)
             grown = live_blocks(node) - blocks
@@ -87,16 +92,7 @@ def test_a_session_per_pod_leaves_no_key_behind():
             node.start(STEADY + CHURNED)
             await node.run(300, churned=CHURNED)
             await node.settle(300)
-            gc.collect()
-            tracemalloc.start(1)
-            try:
-                before = tracemalloc.take_snapshot()
-                await node.run(1_000, churned=CHURNED)
-                await node.settle(300)
-                gc.collect()
-                traced, top = retained(before, tracemalloc.take_snapshot())
-            finally:
-                tracemalloc.stop()
+            traced, top = await traced_run(node, 1_000)
             assert node.manager.stats()["sts_success"] >= 1_000     # a key per pod
             # A freed key with its credentials is about 700 bytes: a few dozen may wait in
             # a heap until it is rebuilt, never one per pod.
